@@ -1,0 +1,14 @@
+"""mpikv: MXNet's KVStore API on MPI, with no parameter servers."""
+
+from .errors import *  # noqa: F401,F403
+from .errors import __all__ as _errors_all
+
+__version__ = "0.1.0"
+
+__all__ = ["create", "__version__", *_errors_all]
+
+
+def create(name="local", comm=None, timeout=None, **options):
+    """Creates a key-value store (see :func:`mpikv.kvstore.create`)."""
+    from .kvstore import create as _create
+    return _create(name, comm=comm, timeout=timeout, **options)

@@ -1,0 +1,79 @@
+"""Host arrays: which values the store takes, and how it sums them.
+
+Pure numpy; the GPU backends plug in here in a later issue.
+"""
+
+import numpy as np
+
+from .errors import DTypeError, ValueTypeError
+
+#: dtypes a store can hold.
+SUPPORTED_DTYPES = tuple(np.dtype(t) for t in
+                         ("float16", "float32", "float64", "int32", "int64"))
+
+_ACCUMULATE = {np.dtype("float16"): np.dtype("float32")}
+
+
+def accumulate_dtype(dtype):
+    """The dtype sums of ``dtype`` are computed and sent in.
+
+    MPI has no half-precision type, and summing in float16 loses precision
+    at every step, so float16 sums run in float32 and round once at the end.
+    """
+    return _ACCUMULATE.get(np.dtype(dtype), np.dtype(dtype))
+
+
+def wire_view(array):
+    """A view MPI can move bit for bit (float16 travels as uint16)."""
+    if array.dtype == np.float16:
+        return array.view(np.uint16)
+    return array
+
+
+def check_dtype(dtype, what="a value"):
+    """Raises DTypeError unless the store can hold ``dtype``."""
+    if np.dtype(dtype) not in SUPPORTED_DTYPES:
+        names = ", ".join(str(t) for t in SUPPORTED_DTYPES)
+        raise DTypeError(f"{what} has dtype {np.dtype(dtype)}, which the store cannot hold "
+                         f"(use one of {names})")
+
+
+def as_host_array(value, what, writable=False):
+    """Returns a numpy view of ``value`` without copying.
+
+    Args:
+        value: a numpy array, or an object with ``__array_interface__`` or
+            ``__dlpack__`` on the CPU (a CPU torch tensor, for example).
+        what: how the error message names the value ("value for key 3").
+        writable: whether the store will write into the result.
+
+    Raises:
+        ValueTypeError: ``value`` is not an array, or is read-only when
+            ``writable``.
+    """
+    if isinstance(value, np.ndarray):
+        array = value
+    elif hasattr(value, "__array_interface__"):
+        array = np.asarray(value)
+    elif hasattr(value, "__dlpack__"):
+        try:
+            array = np.from_dlpack(value)
+        except (BufferError, TypeError, RuntimeError, ValueError) as exc:
+            raise ValueTypeError(f"{what} cannot be read on the host: {exc}") from None
+    else:
+        raise ValueTypeError(f"{what} is a {type(value).__name__}, not an array")
+    if writable and not array.flags.writeable:
+        raise ValueTypeError(f"{what} is read-only")
+    return array
+
+
+def sum_arrays(arrays, dtype):
+    """Sums same-shaped arrays into a new flat contiguous array of ``dtype``.
+
+    A single array is copied, since the caller reduces the result in place.
+    """
+    out = np.empty(arrays[0].size, dtype=dtype)
+    np.copyto(out, arrays[0].reshape(-1), casting="unsafe")
+    for other in arrays[1:]:
+        np.add(out, other.reshape(-1), out=out, casting="unsafe")
+    return out

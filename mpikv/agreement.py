@@ -1,0 +1,116 @@
+"""What ranks must agree on before a collective call moves data, and why they did not.
+
+Pure: :func:`describe` turns a call into a fingerprint and a small JSON-able
+record; the transport compares fingerprints across ranks in one small
+collective, and only when they differ (or some rank has an input error) are
+the full records gathered and :func:`explain` turns them into one message,
+the same on every rank.
+"""
+
+import hashlib
+import json
+
+from . import errors
+
+
+def describe(call):
+    """Returns ``(digest, record)`` for a :class:`mpikv.calls.Call`.
+
+    The digest covers everything that must be equal on every rank: operation,
+    keys, shapes, dtypes and settings. Input errors are carried in ``record``
+    and flagged separately, since their text may differ between ranks.
+    """
+    record = {
+        "op": call.op,
+        "settings": call.settings,
+        "keys": [[item.key,
+                  None if item.shape is None else list(item.shape),
+                  None if item.dtype is None else str(item.dtype)] for item in call.items],
+        "errors": [list(e) for e in call.errors],
+    }
+    public = {k: v for k, v in record.items() if k != "errors"}
+    blob = json.dumps(public, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(blob, digest_size=16).digest(), record
+
+
+def format_ranks(ranks):
+    """``[0, 1, 2, 5]`` -> ``"ranks 0-2, 5"``; ``[3]`` -> ``"rank 3"``."""
+    ranks = sorted(ranks)
+    runs, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            runs.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    word = "rank" if len(ranks) == 1 else "ranks"
+    return f"{word} {', '.join(runs)}"
+
+
+def _group(values):
+    """value -> ranks that have it, in order of first appearance."""
+    groups = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    return groups
+
+
+def _show(value):
+    if isinstance(value, list):
+        return str(tuple(value))
+    return str(value)
+
+
+def _differs(what, per_rank):
+    """``what: a on ranks 0, 1; b on rank 2`` or None when all equal."""
+    groups = _group(per_rank)
+    if len(groups) < 2:
+        return None
+    return f"{what}: " + "; ".join(f"{v} on {format_ranks(rs)}" for v, rs in groups.items())
+
+
+def explain(records):
+    """Explains why ranks may not go on with a call.
+
+    Args:
+        records: the :func:`describe` record of every rank, in rank order.
+
+    Returns:
+        ``(exception class, message)``, or None when the call may proceed.
+    """
+    failures = [(rank, e) for rank, rec in enumerate(records) for e in rec["errors"]]
+    if failures:
+        ranks_of = {}
+        for rank, (_, _, msg) in failures:
+            ranks_of.setdefault(msg, set()).add(rank)
+        cls = getattr(errors, failures[0][1][0], errors.InputError)
+        text = "; ".join(f"{format_ranks(rs)}: {msg}" for msg, rs in ranks_of.items())
+        return cls, text
+
+    problem = _differs("ranks called different operations", [r["op"] for r in records])
+    if problem:
+        return errors.MismatchError, problem
+
+    keysets = [{k for k, _, _ in r["keys"]} for r in records]
+    union = set().union(*keysets)
+    for key in sorted(union, key=lambda k: (isinstance(k, str), k)):
+        have = [rank for rank, ks in enumerate(keysets) if key in ks]
+        if len(have) != len(records):
+            lack = [rank for rank in range(len(records)) if rank not in have]
+            return errors.MismatchError, (f"key {key!r} was given on {format_ranks(have)} "
+                                          f"but not on {format_ranks(lack)}")
+    for key in sorted(union, key=lambda k: (isinstance(k, str), k)):
+        entries = [next(e for e in r["keys"] if e[0] == key) for r in records]
+        for what, col in (("shape", 1), ("dtype", 2)):
+            problem = _differs(f"key {key!r} has different {what}s",
+                               [_show(e[col]) for e in entries])
+            if problem:
+                return errors.MismatchError, problem
+
+    names = sorted(set().union(*(r["settings"] for r in records)))
+    for name in names:
+        problem = _differs(f"ranks differ in {name}",
+                           [json.dumps(r["settings"].get(name)) for r in records])
+        if problem:
+            return errors.MismatchError, problem
+    return None

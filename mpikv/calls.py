@@ -1,0 +1,192 @@
+"""Reading a call's arguments: keys, values and outputs, checked locally.
+
+Pure: nothing here talks to other ranks. A bad argument does not raise here;
+it is recorded on the :class:`Call`, because every rank must first learn of
+it (see :mod:`mpikv.agreement`) before any rank raises.
+"""
+
+import numbers
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import errors
+from ._arrays import as_host_array, check_dtype
+from .plan import sort_key
+
+
+@dataclass
+class Item:
+    """One key of a call, with its values (inputs) and outputs as numpy views."""
+
+    key: object
+    values: list = field(default_factory=list)
+    outs: list = field(default_factory=list)
+    shape: tuple = None
+    dtype: object = None
+
+
+@dataclass
+class Call:
+    """One collective call as this rank sees it.
+
+    Attributes:
+        op: the operation ("push", "pull", ...).
+        items: the keys in canonical order (the same order on every rank).
+        settings: what else must agree across ranks (priority, updater...).
+        errors: ``(error class name, key or None, message)`` of local input errors.
+    """
+
+    op: str
+    items: list = field(default_factory=list)
+    settings: dict = field(default_factory=dict)
+    errors: list = field(default_factory=list)
+
+    def fail(self, exc_class, key, message):
+        self.errors.append((exc_class.__name__, key, message))
+
+    @property
+    def keys(self):
+        return [item.key for item in self.items]
+
+
+def normalize_key(key):
+    """Returns ``key`` as an int or str, or raises KeyTypeError."""
+    if isinstance(key, str):
+        return key
+    if isinstance(key, numbers.Integral) and not isinstance(key, (bool, np.bool_)):
+        return int(key)
+    raise errors.KeyTypeError(f"key {key!r} is a {type(key).__name__}; keys are int or str")
+
+
+def _pair(key, value, what):
+    """Pairs keys with per-key entries: one key, or a list of keys and a list of entries."""
+    if isinstance(key, (list, tuple)):
+        if value is None:
+            return list(key), [None] * len(key)
+        if not isinstance(value, (list, tuple)) or len(value) != len(key):
+            n = len(value) if isinstance(value, (list, tuple)) else 1
+            raise errors.InputError(f"{len(key)} keys but {n} {what} entries; give one entry per key")
+        return list(key), list(value)
+    return [key], [value]
+
+
+def _arrays_of(entry, key, what, writable):
+    """The arrays of one key's entry: an array, or a non-empty list of them (one per device)."""
+    label = f"{what} for key {key!r}"
+    if entry is None:
+        raise errors.ValueTypeError(f"{label} is missing")
+    entries = list(entry) if isinstance(entry, (list, tuple)) else [entry]
+    if not entries:
+        raise errors.ValueTypeError(f"{label} is an empty list")
+    arrays = [as_host_array(e, label, writable) for e in entries]
+    first = arrays[0]
+    for other in arrays[1:]:
+        if other.shape != first.shape:
+            raise errors.ShapeError(f"{label}: device arrays have different shapes "
+                                    f"{first.shape} and {other.shape}")
+        if other.dtype != first.dtype:
+            raise errors.DTypeError(f"{label}: device arrays have different dtypes "
+                                    f"{first.dtype} and {other.dtype}")
+    return arrays
+
+
+class CallReader:
+    """Builds checked :class:`Call` objects against the store's current keys.
+
+    Args:
+        lookup: ``key -> (shape, dtype)`` of an initialised key, or None.
+        key_type: a function returning ``int`` or ``str`` once the store holds
+            keys, else None.
+    """
+
+    def __init__(self, lookup, key_type):
+        self._lookup = lookup
+        self._key_type = key_type
+
+    def read(self, op, key, values=None, outs=None, *, new_keys=False,
+             need_values=False, need_outs=False, outs_default_values=False, settings=None):
+        """Reads one call.
+
+        Args:
+            op: operation name.
+            key: a key or a list of keys.
+            values: inputs, one entry per key (an array or a list of arrays).
+            outs: outputs, the same structure as ``values``.
+            new_keys: the call creates keys (init, broadcast).
+            need_values / need_outs: whether inputs / outputs are required.
+            outs_default_values: missing outputs mean "write into the values".
+            settings: extra fields every rank must agree on.
+
+        Returns:
+            Call: with ``errors`` filled in rather than raised.
+        """
+        call = Call(op, settings=dict(settings or {}))
+        try:
+            self._read(call, key, values, outs, new_keys, need_values, need_outs,
+                       outs_default_values)
+        except errors.MPIKVError as exc:
+            call.fail(type(exc), None, str(exc))
+        return call
+
+    def _read(self, call, key, values, outs, new_keys, need_values, need_outs,
+              outs_default_values):
+        keys, value_entries = _pair(key, values if need_values else None, "value")
+        _, out_entries = _pair(key, outs if need_outs else None, "out")
+        if outs_default_values and outs is None:
+            out_entries = value_entries
+        items = {}
+        seen_types = set()
+        for raw, value, out in zip(keys, value_entries, out_entries):
+            try:
+                k = normalize_key(raw)
+            except errors.KeyTypeError as exc:
+                call.fail(errors.KeyTypeError, None, str(exc))
+                continue
+            seen_types.add(type(k))
+            if k in items:
+                call.fail(errors.InputError, k, f"key {k!r} appears more than once in one call")
+                continue
+            items[k] = item = Item(k)
+            self._check_item(call, item, value, out, new_keys, need_values,
+                             need_outs or outs_default_values)
+        if len(seen_types) > 1:
+            call.fail(errors.KeyTypeError, None, "mixed int and str keys are not allowed")
+        elif seen_types and self._key_type() not in (None, *seen_types):
+            call.fail(errors.KeyTypeError, None,
+                      f"mixed key types are not allowed: this store has "
+                      f"{self._key_type().__name__} keys")
+        call.items = [items[k] for k in sorted(items, key=sort_key)]
+
+    def _check_item(self, call, item, value, out, new_keys, need_values, need_outs):
+        key = item.key
+        known = self._lookup(key)
+        try:
+            if new_keys and known is not None:
+                raise errors.DuplicateInitError(f"key {key!r} is already initialised; "
+                                                f"a key may be initialised once")
+            if not new_keys and known is None:
+                raise errors.UnknownKeyError(f"key {key!r} has not been initialised")
+            if need_values:
+                item.values = _arrays_of(value, key, "value", writable=False)
+                item.shape, item.dtype = item.values[0].shape, item.values[0].dtype
+                check_dtype(item.dtype, f"value for key {key!r}")
+            if known is not None:
+                item.shape, item.dtype = known
+                if item.values:
+                    _expect(key, "value", item.values[0], known)
+            if need_outs:
+                item.outs = _arrays_of(out, key, "out", writable=True)
+                _expect(key, "out", item.outs[0], (item.shape, item.dtype))
+        except errors.MPIKVError as exc:
+            call.fail(type(exc), key, str(exc))
+
+
+def _expect(key, what, array, shape_dtype):
+    shape, dtype = shape_dtype
+    if array.shape != tuple(shape):
+        raise errors.ShapeError(f"{what} for key {key!r} has shape {array.shape}, "
+                                f"the stored value has shape {tuple(shape)}")
+    if array.dtype != dtype:
+        raise errors.DTypeError(f"{what} for key {key!r} has dtype {array.dtype}, "
+                                f"the stored value has dtype {dtype}")

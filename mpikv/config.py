@@ -1,0 +1,64 @@
+"""Store options, from a keyword or else from the environment.
+
+| option | keyword | environment | default |
+| --- | --- | --- | --- |
+| collective timeout, seconds (0: none) | ``timeout`` | ``MPIKV_TIMEOUT`` | 600 |
+| split arrays of at least this many elements | ``bigarray_bound`` | ``MPIKV_BIGARRAY_BOUND`` | 1000000 |
+| abort the job on an uncaught exception | ``abort_on_exception`` | ``MPIKV_ABORT_ON_EXCEPTION`` | 1 |
+"""
+
+import math
+import os
+from dataclasses import dataclass
+
+from .plan import DEFAULT_BIGARRAY_BOUND
+
+DEFAULT_TIMEOUT = 600.0
+
+
+@dataclass(frozen=True)
+class Options:
+    """Resolved store options."""
+
+    timeout: float = DEFAULT_TIMEOUT
+    bigarray_bound: int = DEFAULT_BIGARRAY_BOUND
+    abort_on_exception: bool = True
+
+
+def _number(name, raw, cast, minimum):
+    try:
+        value = cast(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, not {raw!r}") from None
+    if value < minimum or (isinstance(value, float) and math.isnan(value)):
+        raise ValueError(f"{name} must be at least {minimum}, not {raw!r}")
+    return value
+
+
+def _flag(name, raw):
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 0 or 1, not {raw!r}")
+
+
+def resolve(timeout=None, bigarray_bound=None, abort_on_exception=None, environ=None):
+    """Returns :class:`Options`; a keyword wins over the environment.
+
+    Raises:
+        ValueError: an option is not a valid number or flag.
+    """
+    env = os.environ if environ is None else environ
+    if timeout is None:
+        timeout = env.get("MPIKV_TIMEOUT", DEFAULT_TIMEOUT)
+    timeout = _number("timeout (MPIKV_TIMEOUT)", timeout, float, 0.0)
+    if bigarray_bound is None:
+        bigarray_bound = env.get("MPIKV_BIGARRAY_BOUND", DEFAULT_BIGARRAY_BOUND)
+    bigarray_bound = _number("bigarray_bound (MPIKV_BIGARRAY_BOUND)", bigarray_bound, int, 1)
+    if abort_on_exception is None:
+        abort_on_exception = env.get("MPIKV_ABORT_ON_EXCEPTION", "1")
+    abort_on_exception = _flag("abort_on_exception (MPIKV_ABORT_ON_EXCEPTION)",
+                               abort_on_exception)
+    return Options(timeout or math.inf, bigarray_bound, abort_on_exception)

@@ -1,0 +1,56 @@
+"""Exceptions raised by mpikv.
+
+Every error of a collective call is raised on every rank of the store, with
+the same class and message, so that ``except`` clauses stay in step.
+"""
+
+
+class MPIKVError(Exception):
+    """Base class of every error mpikv raises on purpose."""
+
+
+class InputError(MPIKVError, ValueError):
+    """A call's arguments are wrong on at least one rank."""
+
+
+class UnknownKeyError(InputError):
+    """A key was used before ``init``."""
+
+
+class DuplicateInitError(InputError):
+    """A key was initialised twice."""
+
+
+class KeyTypeError(InputError, TypeError):
+    """A key is not an ``int`` or a ``str``, or int and str keys are mixed."""
+
+
+class ValueTypeError(InputError, TypeError):
+    """A value or output is missing or is not an array."""
+
+
+class ShapeError(InputError):
+    """A value or output has the wrong shape."""
+
+
+class DTypeError(InputError, TypeError):
+    """A value or output has the wrong or an unsupported dtype."""
+
+
+class MismatchError(MPIKVError):
+    """Ranks made different calls (operation, keys, shapes, dtypes, settings)."""
+
+
+class StateFileError(MPIKVError):
+    """A state or checkpoint file is missing, corrupt or not an mpikv file."""
+
+
+class OptimizerError(MPIKVError):
+    """An optimizer is missing or differs between ranks."""
+
+
+__all__ = [
+    "MPIKVError", "InputError", "UnknownKeyError", "DuplicateInitError",
+    "KeyTypeError", "ValueTypeError", "ShapeError", "DTypeError",
+    "MismatchError", "StateFileError", "OptimizerError",
+]

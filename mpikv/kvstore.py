@@ -1,0 +1,296 @@
+"""The store: MXNet's KVStore API over a transport.
+
+One class serves every store type. A ``local`` store is the one-rank case of
+the same code, over a transport whose collectives do nothing; a ``dist_sync``
+store runs over MPI. Every collective call first lets the ranks agree on what
+it is (:mod:`mpikv.agreement`), so a bad call raises the same error on every
+rank and changes nothing.
+"""
+
+
+import traceback
+
+import numpy as np
+
+from . import config, errors
+from ._arrays import accumulate_dtype, sum_arrays, wire_view
+from .agreement import describe, explain
+from .calls import Call, CallReader
+from .plan import OwnershipPlan
+from .transport import make_transport
+
+#: store type -> transport kind
+STORE_TYPES = {
+    "local": "local",
+    "device": "local",
+    "dist_sync": "mpi",
+    "dist_sync_device": "mpi",
+    "dist_device_sync": "mpi",  # MXNet accepts both spellings
+}
+
+
+def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_exception=None):
+    """Creates a store. Collective over ``comm`` for distributed types.
+
+    Args:
+        name: "local", "device", "dist_sync" or "dist_sync_device".
+        comm: mpi4py intra-communicator of a distributed store (default
+            ``MPI.COMM_WORLD``); every rank of it is a worker and an owner.
+        timeout: seconds a collective may wait for the other ranks before the
+            job is ended (default ``MPIKV_TIMEOUT`` or 600; 0 means never).
+        bigarray_bound: arrays of at least this many elements are split over
+            all owners (default ``MPIKV_BIGARRAY_BOUND`` or 1,000,000).
+        abort_on_exception: end the whole job when an exception escapes on
+            any rank (default ``MPIKV_ABORT_ON_EXCEPTION`` or on).
+
+    Raises:
+        TypeError: ``name`` is not a string.
+        ValueError: unknown store type or bad option.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"store type must be a string, not {type(name).__name__}")
+    kind = STORE_TYPES.get(name.lower())
+    if kind is None:
+        raise ValueError(f"unknown store type {name!r}; valid types: "
+                         f"{', '.join(sorted(STORE_TYPES))}")
+    if kind == "local" and comm is not None:
+        raise ValueError(f"a {name!r} store has no communicator; use a dist_* type with comm=")
+    options = config.resolve(timeout, bigarray_bound, abort_on_exception)
+    return KVStore(name.lower(), make_transport(kind, comm, options), options)
+
+
+class _Entry:
+    """A stored value: the array, a flat view of it, where it lives, and whether
+    this rank's copy is behind the owners' (after a push with an updater)."""
+
+    __slots__ = ("array", "flat", "placement", "stale")
+
+    def __init__(self, array, placement):
+        self.array = array
+        self.flat = array.reshape(-1)
+        self.placement = placement
+        self.stale = False
+
+
+class KVStore:
+    """A key-value store for data-parallel training (use :func:`create`)."""
+
+    def __init__(self, name, transport, options):
+        self._type = name
+        self._transport = transport
+        self._options = options
+        self._plan = OwnershipPlan(transport.size, options.bigarray_bound)
+        self._entries = {}
+        self._key_type = None
+        self._updater = None
+        self._updater_kind = None
+        self._reader = CallReader(self._lookup, lambda: self._key_type)
+
+    # -- properties ------------------------------------------------------
+    @property
+    def type(self):
+        """The store type given to :func:`create`."""
+        return self._type
+
+    @property
+    def rank(self):
+        """This worker's rank, in ``[0, num_workers)``."""
+        return self._transport.rank
+
+    @property
+    def num_workers(self):
+        """The number of workers (ranks of the communicator)."""
+        return self._transport.size
+
+    @property
+    def plan(self):
+        """The :class:`mpikv.plan.OwnershipPlan`: who owns each key or shard."""
+        return self._plan
+
+    # -- collective operations ------------------------------------------
+    def init(self, key, value):
+        """Creates keys; their values are rank 0's.
+
+        Args:
+            key: a key (int or str) or a list of keys.
+            value: an array per key (a list of arrays: the first is used).
+        """
+        call = self._read("init", key, value, new_keys=True, need_values=True)
+        self._agree(call)
+        self._init_items(call)
+
+    def push(self, key, value, priority=0):
+        """Sums values over devices and ranks and hands the sum to the updater.
+
+        Args:
+            key: a key or a list of keys.
+            value: per key, an array or a list of arrays (one per device).
+            priority: must be the same on every rank; accepted for MXNet
+                compatibility.
+        """
+        call = self._read("push", key, value, need_values=True,
+                          settings=self._push_settings(priority))
+        self._agree(call)
+        self._push_items(call)
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        """Copies stored values into ``out``.
+
+        Args:
+            key: a key or a list of keys.
+            out: per key, an array or a list of arrays, each filled.
+            priority: as for :meth:`push`.
+            ignore_sparse: accepted for MXNet compatibility.
+        """
+        del ignore_sparse
+        call = self._read("pull", key, outs=out, need_outs=True,
+                          settings={"priority": priority})
+        self._agree(call)
+        self._pull_items(call)
+
+    def pushpull(self, key, value, out=None, priority=0):
+        """:meth:`push` then :meth:`pull` in one collective call.
+
+        With ``out=None`` the result is written into ``value``.
+        """
+        call = self._read("pushpull", key, value, out, need_values=True,
+                          need_outs=out is not None, outs_default_values=True,
+                          settings=self._push_settings(priority))
+        self._agree(call)
+        self._push_items(call)
+        self._pull_items(call)
+
+    def broadcast(self, key, value, out, priority=0):
+        """:meth:`init` with rank 0's ``value``, then :meth:`pull` into ``out``."""
+        call = self._read("broadcast", key, value, out, new_keys=True, need_values=True,
+                          need_outs=True, settings={"priority": priority})
+        self._agree(call)
+        self._init_items(call)
+        self._pull_items(call)
+
+    def barrier(self):
+        """Waits until every rank has called ``barrier`` (``MPI_Barrier``)."""
+        call = Call("barrier")
+        self._agree(call)
+        self._transport.barrier(("barrier", []))
+
+    _barrier = barrier
+
+    # -- local settings --------------------------------------------------
+    def set_updater(self, updater):
+        """Sets ``updater(key, input, stored)``, run on the owner of each key or shard.
+
+        It must update ``stored`` in place. It runs once per push of a key, with
+        the sum over all ranks as ``input``; for an array split over owners, once
+        per shard on that shard's owner, with flat 1-D views of that shard. Every
+        rank must set an updater before the next push (checked there).
+        ``None`` restores the default, which assigns the sum.
+        """
+        if updater is not None and not callable(updater):
+            raise TypeError(f"updater must be callable, not {type(updater).__name__}")
+        self._updater = updater
+        self._updater_kind = None if updater is None else "function"
+
+    _set_updater = set_updater
+
+    # -- internals -------------------------------------------------------
+    def _lookup(self, key):
+        entry = self._entries.get(key)
+        return None if entry is None else (entry.array.shape, entry.array.dtype)
+
+    def _read(self, op, key, values=None, outs=None, **kw):
+        return self._reader.read(op, key, values, outs, **kw)
+
+    def _push_settings(self, priority):
+        return {"priority": priority, "updater": self._updater_kind}
+
+    def _agree(self, call):
+        """Raises the same MPIKVError on every rank unless all ranks made this call right."""
+        digest, record = describe(call)
+        what = (call.op, call.keys)
+        if self._transport.agree(digest, bool(call.errors), what):
+            return
+        verdict = explain(self._transport.allgather_records(record, what))
+        if verdict is None:  # fingerprints differed in a way explain() does not name
+            verdict = (errors.MismatchError, "ranks made different calls")
+        cls, message = verdict
+        raise cls(f"{call.op}: {message}; nothing was applied")
+
+    def _init_items(self, call):
+        t = self._transport
+        placed = self._plan.add([(i.key, int(np.prod(i.shape, dtype=np.int64)), i.dtype.itemsize)
+                                 for i in call.items])
+        for item in call.items:
+            array = np.empty(item.shape, item.dtype)
+            if t.rank == 0:
+                np.copyto(array, item.values[0])
+            entry = _Entry(array, placed[item.key])
+            t.bcast_(wire_view(entry.flat), 0, (call.op, [item.key]))
+            self._entries[item.key] = entry
+        if call.items and self._key_type is None:
+            self._key_type = type(call.items[0].key)
+
+    def _push_items(self, call):
+        t = self._transport
+        for item in call.items:
+            entry = self._entries[item.key]
+            placement = entry.placement
+            what = (call.op, [item.key])
+            acc = sum_arrays(item.values, accumulate_dtype(entry.array.dtype))
+            if self._updater is None:
+                if placement.split:
+                    for shard in placement.shards:
+                        t.reduce_(acc[shard.start:shard.stop], shard.owner, what)
+                    t.allgatherv_(acc, *placement.counts_and_displs(t.size), what)
+                else:
+                    t.allreduce_(acc, what)
+                np.copyto(entry.flat, acc, casting="unsafe")
+                entry.stale = False
+                continue
+            for shard in placement.shards:
+                t.reduce_(acc[shard.start:shard.stop], shard.owner, what)
+            for shard in placement.shards:
+                if shard.owner == t.rank:
+                    self._update(item.key, acc, entry, shard)
+            entry.stale = t.size > 1
+
+    def _update(self, key, acc, entry, shard):
+        if entry.placement.split:
+            grad, stored = acc[shard.start:shard.stop], entry.flat[shard.start:shard.stop]
+        else:
+            grad, stored = acc.reshape(entry.array.shape), entry.array
+        if grad.dtype != stored.dtype:
+            grad = grad.astype(stored.dtype)
+        if self._transport.size == 1:
+            self._updater(key, grad, stored)
+            return
+        try:
+            self._updater(key, grad, stored)
+        except BaseException:
+            # Only this owner knows; its copy and the others' now disagree.
+            from .transport._deadline import EXCEPTION_EXIT_CODE, abort
+            abort(f"mpikv: rank {self.rank}: the updater raised on key {key!r}; the store "
+                  f"cannot stay consistent, ending the job\n{traceback.format_exc()}",
+                  EXCEPTION_EXIT_CODE)
+
+    def _pull_items(self, call):
+        t = self._transport
+        for item in call.items:
+            entry = self._entries[item.key]
+            if entry.stale:
+                placement = entry.placement
+                what = (call.op, [item.key])
+                if placement.split:
+                    t.allgatherv_(wire_view(entry.flat), *placement.counts_and_displs(t.size), what)
+                else:
+                    t.bcast_(wire_view(entry.flat), placement.owner, what)
+                entry.stale = False
+            for out in item.outs:
+                np.copyto(out, entry.array)
+
+    def __repr__(self):
+        return (f"<mpikv.KVStore type={self._type!r} rank={self.rank} "
+                f"num_workers={self.num_workers} keys={len(self._entries)}>")
+
+
+__all__ = ["create", "KVStore", "STORE_TYPES"]

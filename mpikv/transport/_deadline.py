@@ -1,0 +1,114 @@
+"""Ending the job instead of hanging: timeouts and uncaught exceptions.
+
+MPI has no timeouts, and an exception on one rank leaves the others waiting
+in a collective forever. These helpers end the whole job with ``MPI_Abort``
+after saying why on standard error.
+"""
+
+import sys
+import threading
+import time
+import traceback
+
+#: Exit codes passed to MPI_Abort.
+EXCEPTION_EXIT_CODE = 1
+TIMEOUT_EXIT_CODE = 3
+
+_hook_installed = False
+
+
+def format_what(what):
+    """``("push", [3, 5])`` -> ``"push (keys 3, 5)"``, with long key lists cut short."""
+    op, keys = what
+    if not keys:
+        return op
+    shown = ", ".join(repr(k) for k in keys[:8])
+    more = f" and {len(keys) - 8} more" if len(keys) > 8 else ""
+    return f"{op} (key{'s' if len(keys) > 1 else ''} {shown}{more})"
+
+
+def abort(message, code):
+    """Prints ``message`` and aborts every process of the job."""
+    from mpi4py import MPI
+    sys.stderr.write(message.rstrip("\n") + "\n")
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(code)
+
+
+def install_exception_hook():
+    """Makes an uncaught exception on any rank end the job (once per process).
+
+    The traceback is printed with the rank on every line, then ``MPI_Abort``
+    stops the other ranks, which would otherwise wait in their next collective.
+    """
+    global _hook_installed
+    if _hook_installed:
+        return
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    if world.Get_size() == 1:
+        return
+
+    def hook(exc_type, exc, tb):
+        rank, size = world.Get_rank(), world.Get_size()
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        lines = "".join(f"[rank {rank}] {line}\n" for line in text.splitlines())
+        abort(f"mpikv: uncaught {exc_type.__name__} on rank {rank} of {size}; "
+              f"aborting the job so no rank waits forever\n{lines}", EXCEPTION_EXIT_CODE)
+
+    sys.excepthook = hook
+    _hook_installed = True
+
+
+class Watchdog:
+    """Ends the job when a blocking collective outlives its deadline.
+
+    Blocking MPI calls cannot be interrupted, so a daemon thread checks the
+    deadline that :meth:`watch` arms around each call. Arming costs two
+    attribute writes; the thread wakes a few times per timeout period.
+
+    Args:
+        timeout: seconds (``math.inf``: never).
+        rank: this rank, for the message.
+    """
+
+    def __init__(self, timeout, rank):
+        self.timeout = timeout
+        self.rank = rank
+        self._armed = None
+        self._thread = None
+
+    def watch(self, what):
+        """A context manager that arms the deadline for one call."""
+        return _Watch(self, what)
+
+    def _start(self):
+        if self._thread is None and self.timeout != float("inf"):
+            self._thread = threading.Thread(target=self._run, name="mpikv-watchdog", daemon=True)
+            self._thread.start()
+
+    def _run(self):
+        period = min(1.0, max(self.timeout / 10, 0.01))
+        while True:
+            time.sleep(period)
+            armed = self._armed
+            if armed is not None and time.monotonic() > armed[0]:
+                abort(f"mpikv: rank {self.rank}: {format_what(armed[1])} did not complete within "
+                      f"{self.timeout:g} s (a rank is stuck or gone); ending the job. "
+                      f"create(timeout=) or MPIKV_TIMEOUT sets the limit.", TIMEOUT_EXIT_CODE)
+
+
+class _Watch:
+    __slots__ = ("dog", "what")
+
+    def __init__(self, dog, what):
+        self.dog, self.what = dog, what
+
+    def __enter__(self):
+        dog = self.dog
+        if dog.timeout != float("inf"):
+            dog._start()
+            dog._armed = (time.monotonic() + dog.timeout, self.what)
+
+    def __exit__(self, *exc):
+        self.dog._armed = None

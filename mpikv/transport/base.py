@@ -1,0 +1,46 @@
+"""The operations a store needs from its peers, named after their MPI calls."""
+
+from abc import ABC, abstractmethod
+
+
+class Transport(ABC):
+    """Collective operations on flat, contiguous numpy buffers, in place.
+
+    Every method is collective: all ranks call it in the same order. ``what``
+    is ``(operation, keys)`` of the store call, for the message if it times out.
+    """
+
+    rank = 0
+    size = 1
+
+    @abstractmethod
+    def agree(self, digest, has_error, what):
+        """Returns True when every rank has the same digest and no input error."""
+
+    @abstractmethod
+    def allgather_records(self, record, what):
+        """Returns every rank's (JSON-able) record, in rank order."""
+
+    @abstractmethod
+    def allreduce_(self, buf, what):
+        """Sums ``buf`` over ranks; every rank gets the sum."""
+
+    @abstractmethod
+    def reduce_(self, buf, root, what):
+        """Sums ``buf`` over ranks into ``buf`` on ``root``."""
+
+    @abstractmethod
+    def bcast_(self, buf, root, what):
+        """Copies ``buf`` from ``root`` to every rank."""
+
+    @abstractmethod
+    def allgatherv_(self, buf, counts, displs, what):
+        """Each rank's ``buf[displs[r]:displs[r]+counts[r]]`` goes to every rank."""
+
+    @abstractmethod
+    def barrier(self, what):
+        """Waits until every rank has arrived."""
+
+    def describe(self):
+        """A dict of facts for ``info`` and logs."""
+        return {"transport": type(self).__name__, "rank": self.rank, "size": self.size}

@@ -1,0 +1,130 @@
+"""The MPI transport: mpi4py collectives on an intra-communicator.
+
+All of mpikv's MPI calls live here. The store's traffic runs on a duplicate
+of the user's communicator, so it never matches the user's own messages.
+"""
+
+import json
+import time
+
+import numpy as np
+from mpi4py import MPI
+from mpi4py.util.dtlib import from_numpy_dtype
+
+from ._deadline import TIMEOUT_EXIT_CODE, Watchdog, abort, format_what, install_exception_hook
+from .base import Transport
+
+_AGREE_TAG = 7
+_RECORD_BYTES = 24  # 16-byte digest, 1 error flag, padding
+
+# The coordinator (rank 0) gives up first and names the missing ranks; the
+# others wait a little longer so that its message is the one printed.
+_GRACE = 0.25
+
+
+class MPITransport(Transport):
+    """Collectives over ``comm`` (default ``MPI.COMM_WORLD``).
+
+    Args:
+        comm: an mpi4py intra-communicator.
+        options: resolved :class:`mpikv.config.Options`.
+    """
+
+    def __init__(self, comm, options):
+        comm = MPI.COMM_WORLD if comm is None else comm
+        if not isinstance(comm, MPI.Intracomm):
+            raise TypeError(f"comm must be an mpi4py intra-communicator, not {type(comm).__name__}")
+        self.comm = comm.Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.timeout = options.timeout
+        self._watchdog = Watchdog(options.timeout, self.rank)
+        self._record = np.zeros(_RECORD_BYTES, np.uint8)
+        self._table = np.zeros((self.size, _RECORD_BYTES), np.uint8)
+        if options.abort_on_exception:
+            install_exception_hook()
+
+    # -- agreement -------------------------------------------------------
+    def agree(self, digest, has_error, what):
+        """Rank 0 gathers every rank's fingerprint point to point, then broadcasts the table.
+
+        Point-to-point receives let rank 0 tell, on a timeout, exactly which
+        ranks never arrived. The happy path costs one small send per rank and
+        one small broadcast.
+        """
+        record, table = self._record, self._table
+        record[:16] = np.frombuffer(digest, np.uint8)
+        record[16] = 1 if has_error else 0
+        comm = self.comm
+        start = time.monotonic()
+        if self.rank == 0:
+            table[0] = record
+            pending = {r: comm.Irecv(table[r], source=r, tag=_AGREE_TAG)
+                       for r in range(1, self.size)}
+            self._poll(lambda: _drain(pending), start, self.timeout,
+                       what, lambda: sorted(pending))
+        else:
+            send = comm.Isend(record, dest=0, tag=_AGREE_TAG)
+        bcast = comm.Ibcast(table, root=0)
+        limit = self.timeout if self.rank == 0 else self.timeout * (1 + _GRACE) + 1.0
+        self._poll(bcast.Test, start, limit, what, lambda: [0] if self.rank else [])
+        if self.rank != 0:
+            send.Wait()
+        return bool((table == table[0]).all() and not table[:, 16].any())
+
+    def _poll(self, done, start, limit, what, missing):
+        spins = 0
+        while not done():
+            spins += 1
+            if spins > 64:
+                # Back off so oversubscribed ranks leave the core to the others.
+                time.sleep(min(1e-3, 1e-6 * (spins - 64)))
+            if time.monotonic() - start > limit:
+                ranks = missing()
+                who = (f"; rank(s) {', '.join(map(str, ranks))} did not arrive" if ranks else "")
+                abort(f"mpikv: rank {self.rank}: {format_what(what)} did not start within "
+                      f"{self.timeout:g} s{who}; ending the job. create(timeout=) or "
+                      f"MPIKV_TIMEOUT sets the limit.", TIMEOUT_EXIT_CODE)
+
+    def allgather_records(self, record, what):
+        with self._watchdog.watch(what):
+            texts = self.comm.allgather(json.dumps(record))
+        return [json.loads(t) for t in texts]
+
+    # -- data ------------------------------------------------------------
+    def allreduce_(self, buf, what):
+        with self._watchdog.watch(what):
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+    def reduce_(self, buf, root, what):
+        with self._watchdog.watch(what):
+            if self.rank == root:
+                self.comm.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=root)
+            else:
+                self.comm.Reduce(buf, None, op=MPI.SUM, root=root)
+
+    def bcast_(self, buf, root, what):
+        with self._watchdog.watch(what):
+            self.comm.Bcast(buf, root=root)
+
+    def allgatherv_(self, buf, counts, displs, what):
+        with self._watchdog.watch(what):
+            self.comm.Allgatherv(MPI.IN_PLACE,
+                                 [buf, (counts, displs), from_numpy_dtype(buf.dtype)])
+
+    def barrier(self, what):
+        with self._watchdog.watch(what):
+            self.comm.Barrier()
+
+    def describe(self):
+        facts = super().describe()
+        facts["mpi_library"] = MPI.Get_library_version().replace("\x00", "").strip()
+        facts["timeout_s"] = self.timeout
+        return facts
+
+
+def _drain(pending):
+    """Drops finished receives from ``pending``; True when none is left."""
+    for rank in [r for r, req in pending.items() if req.Test()]:
+        del pending[rank]
+    return not pending

