@@ -76,30 +76,39 @@ def explain(records):
         records: the :func:`describe` record of every rank, in rank order.
 
     Returns:
-        ``(exception class, message)``, or None when the call may proceed.
+        ``(exception class, message)``, or None when the call may proceed. The
+        message starts with the operation's name and is the same on every rank.
     """
+    problem = _differs("ranks called different operations", [r["op"] for r in records])
+    if problem:
+        return errors.MismatchError, problem
+    verdict = _explain_one_op(records)
+    if verdict is None:
+        return None
+    cls, message = verdict
+    return cls, f"{records[0]['op']}: {message}"
+
+
+def _explain_one_op(records):
     failures = [(rank, e) for rank, rec in enumerate(records) for e in rec["errors"]]
     if failures:
         ranks_of = {}
         for rank, (_, _, msg) in failures:
             ranks_of.setdefault(msg, set()).add(rank)
         cls = getattr(errors, failures[0][1][0], errors.InputError)
-        text = "; ".join(f"{format_ranks(rs)}: {msg}" for msg, rs in ranks_of.items())
-        return cls, text
-
-    problem = _differs("ranks called different operations", [r["op"] for r in records])
-    if problem:
-        return errors.MismatchError, problem
+        if len(records) == 1:
+            return cls, "; ".join(ranks_of)
+        return cls, "; ".join(f"{format_ranks(rs)}: {msg}" for msg, rs in ranks_of.items())
 
     keysets = [{k for k, _, _ in r["keys"]} for r in records]
-    union = set().union(*keysets)
-    for key in sorted(union, key=lambda k: (isinstance(k, str), k)):
+    union = sorted(set().union(*keysets), key=lambda k: (isinstance(k, str), k))
+    for key in union:
         have = [rank for rank, ks in enumerate(keysets) if key in ks]
         if len(have) != len(records):
             lack = [rank for rank in range(len(records)) if rank not in have]
             return errors.MismatchError, (f"key {key!r} was given on {format_ranks(have)} "
                                           f"but not on {format_ranks(lack)}")
-    for key in sorted(union, key=lambda k: (isinstance(k, str), k)):
+    for key in union:
         entries = [next(e for e in r["keys"] if e[0] == key) for r in records]
         for what, col in (("shape", 1), ("dtype", 2)):
             problem = _differs(f"key {key!r} has different {what}s",

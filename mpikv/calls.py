@@ -150,12 +150,14 @@ class CallReader:
             items[k] = item = Item(k)
             self._check_item(call, item, value, out, new_keys, need_values,
                              need_outs or outs_default_values)
+        # Mixed key types explain the per-key errors they cause: report them first.
         if len(seen_types) > 1:
-            call.fail(errors.KeyTypeError, None, "mixed int and str keys are not allowed")
+            call.errors.insert(0, (errors.KeyTypeError.__name__, None,
+                                   "mixed int and str keys are not allowed"))
         elif seen_types and self._key_type() not in (None, *seen_types):
-            call.fail(errors.KeyTypeError, None,
-                      f"mixed key types are not allowed: this store has "
-                      f"{self._key_type().__name__} keys")
+            call.errors.insert(0, (errors.KeyTypeError.__name__, None,
+                                   f"mixed key types are not allowed: this store has "
+                                   f"{self._key_type().__name__} keys"))
         call.items = [items[k] for k in sorted(items, key=sort_key)]
 
     def _check_item(self, call, item, value, out, new_keys, need_values, need_outs):

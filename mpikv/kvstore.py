@@ -212,9 +212,9 @@ class KVStore:
             return
         verdict = explain(self._transport.allgather_records(record, what))
         if verdict is None:  # fingerprints differed in a way explain() does not name
-            verdict = (errors.MismatchError, "ranks made different calls")
+            verdict = (errors.MismatchError, f"{call.op}: ranks made different calls")
         cls, message = verdict
-        raise cls(f"{call.op}: {message}; nothing was applied")
+        raise cls(f"{message}; nothing was applied")
 
     def _init_items(self, call):
         t = self._transport

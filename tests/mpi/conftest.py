@@ -1,0 +1,38 @@
+"""Fixtures for collective tests (run under mpiexec with ``--with-mpi``)."""
+
+import pytest
+
+import mpikv
+
+# A bug must end a test job quickly, not hang it for the default 10 minutes.
+TEST_TIMEOUT = 120
+
+
+@pytest.fixture
+def comm():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+@pytest.fixture
+def kv():
+    return mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+
+
+@pytest.fixture
+def kv_split():
+    """A store that splits arrays of 10 elements or more over the owners."""
+    return mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=10)
+
+
+def raises_everywhere(comm, exc, call):
+    """Runs ``call``; asserts it raised ``exc`` with the same message on every rank."""
+    try:
+        call()
+        got = None
+    except exc as e:
+        got = f"{type(e).__name__}: {e}"
+    everyone = comm.allgather(got)
+    assert all(m is not None for m in everyone), everyone
+    assert len(set(everyone)) == 1, everyone
+    return everyone[0]

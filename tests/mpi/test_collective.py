@@ -1,0 +1,320 @@
+"""Every SPEC row of a dist_sync store, at any number of ranks, with values checked."""
+
+import numpy as np
+import pytest
+
+import mpikv
+from mpikv import errors
+
+from .conftest import TEST_TIMEOUT, raises_everywhere
+
+pytestmark = pytest.mark.mpi
+SHAPE = (2, 3)
+
+
+def pulled(kv, key, shape=SHAPE, dtype=np.float64):
+    out = np.zeros(shape, dtype)
+    kv.pull(key, out=out)
+    return out
+
+
+def test_properties(kv, comm):
+    assert kv.type == "dist_sync"
+    assert kv.rank == comm.rank
+    assert kv.num_workers == comm.size
+    assert mpikv.create("dist_sync_device").type == "dist_sync_device"
+
+
+def test_init_takes_rank_zeros_value(kv, comm):
+    kv.init(3, np.full(SHAPE, 2.0 + comm.rank))
+    assert (pulled(kv, 3) == 2).all()
+
+
+def test_seed_tutorial_sums_over_ranks(kv, comm, capfd):
+    n = comm.size
+    kv.init(3, np.ones(SHAPE) * 2)
+    kv.push(3, np.ones(SHAPE) * 8)
+    assert (pulled(kv, 3) == 8 * n).all()
+    kv.push(3, [np.ones(SHAPE)] * 4)
+    assert (pulled(kv, 3) == 4 * n).all()
+    calls = []
+    kv.set_updater(lambda key, value, stored: (calls.append(key), stored.__iadd__(value * 2)))
+    assert (pulled(kv, 3) == 4 * n).all()
+    kv.push(3, np.ones(SHAPE))
+    assert (pulled(kv, 3) == 6 * n).all()
+    keys = [5, 7, 9]
+    kv.init(keys, [np.ones(SHAPE)] * 3)
+    kv.push(keys, [np.ones(SHAPE)] * 3)
+    b = [[np.zeros(SHAPE) for _ in range(4)] for _ in keys]
+    kv.pull(keys, out=b)
+    assert all((x == 1 + 2 * n).all() for row in b for x in row)
+    kv.push(keys, [[np.ones(SHAPE)] * 4] * 3)
+    kv.pull(keys, out=b)
+    assert all((x == 1 + 10 * n).all() for row in b for x in row)
+    # The updater ran once per push of each key, on its owner only.
+    everyone = comm.allgather(calls)
+    assert sorted(k for c in everyone for k in c) == [3, 5, 5, 7, 7, 9, 9]
+    for rank, ran in enumerate(everyone):
+        assert all(kv.plan[k].owner == rank for k in ran)
+
+
+def test_devices_per_rank_may_differ(kv, comm):
+    kv.init("g", np.zeros(4, np.float32))
+    kv.push("g", [np.full(4, 1.0 + comm.rank, np.float32)] * (comm.rank + 1))
+    expect = sum((r + 1) * (1.0 + r) for r in range(comm.size))
+    assert (pulled(kv, "g", (4,), np.float32) == expect).all()
+
+
+def test_keys_in_any_order(kv, comm):
+    keys = list(range(6))
+    order = keys[::-1] if comm.rank % 2 else keys
+    kv.init(order, [np.full(3, float(k)) for k in order])
+    kv.push(order, [np.full(3, float(k * (comm.rank + 1))) for k in order])
+    outs = [np.zeros(3) for _ in order]
+    kv.pull(order, out=outs)
+    total = sum(r + 1 for r in range(comm.size))
+    for k, o in zip(order, outs):
+        assert (o == k * total).all()
+
+
+def test_pushpull_and_broadcast(kv, comm):
+    n = comm.size
+    kv.init(0, np.zeros(SHAPE))
+    v = np.full(SHAPE, 1.0 + comm.rank)
+    kv.pushpull(0, v)
+    assert (v == sum(1.0 + r for r in range(n))).all()
+    out = [np.zeros(SHAPE), np.zeros(SHAPE)]
+    kv.pushpull(0, [np.ones(SHAPE)] * 2, out=out)
+    assert all((o == 2 * n).all() for o in out)
+    outs = [np.zeros(SHAPE) for _ in range(2)]
+    kv.broadcast(11, np.full(SHAPE, 9.0 + comm.rank), out=outs)
+    assert all((o == 9).all() for o in outs)
+
+
+def test_str_keys(kv, comm):
+    kv.init(["w", "b"], [np.ones(3), np.ones(2)])
+    kv.push(["b", "w"], [np.ones(2), np.ones(3)])
+    assert (pulled(kv, "w", (3,)) == comm.size).all()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32", "int64"])
+def test_dtypes(kv_split, comm, dtype):
+    for key, size in ((1, 5), (2, 23)):  # key 2 is split over the owners
+        kv_split.init(key, np.zeros(size, dtype))
+        kv_split.push(key, np.arange(size, dtype=dtype) + comm.rank)
+        out = np.zeros(size, dtype)
+        kv_split.pull(key, out=out)
+        expect = sum(np.arange(size) + r for r in range(comm.size)).astype(dtype)
+        assert out.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(out, expect)
+
+
+def test_float16_sum_rounds_once(kv, comm):
+    kv.init(1, np.zeros(1, np.float16))
+    value = 2048 if comm.rank == 0 else 1
+    kv.push(1, [np.full(1, value, np.float16), np.full(1, 1, np.float16), np.zeros(1, np.float16)])
+    expect = np.float16(np.float32(2048 + 2 * comm.size - 1 if comm.size > 1 else 2049))
+    assert pulled(kv, 1, (1,), np.float16)[0] == expect
+
+
+def test_split_arrays_default_updater(kv_split, comm):
+    size = 10 * comm.size + 7
+    kv_split.init("big", np.zeros((size,), np.float32))
+    placement = kv_split.plan["big"]
+    assert placement.split == (comm.size > 1)
+    kv_split.push("big", np.arange(size, dtype=np.float32) * (comm.rank + 1))
+    total = sum(r + 1 for r in range(comm.size))
+    np.testing.assert_array_equal(pulled(kv_split, "big", (size,), np.float32),
+                                  np.arange(size, dtype=np.float32) * total)
+
+
+def test_split_arrays_updater_runs_once_per_shard(kv_split, comm):
+    shape = (4, 13)
+    kv_split.init(["big", "small"], [np.ones(shape), np.ones(3)])
+    seen = []
+
+    def update(key, value, stored):
+        seen.append((key, value.size, float(value.sum())))
+        stored -= 0.5 * value
+
+    kv_split.set_updater(update)
+    grad = np.arange(52, dtype=np.float64).reshape(shape)
+    kv_split.push(["big", "small"], [grad, np.ones(3)])
+    out = np.zeros(shape)
+    kv_split.pull("big", out=out)
+    np.testing.assert_allclose(out, 1 - 0.5 * grad * comm.size)
+    everyone = [s for part in comm.allgather(seen) for s in part]
+    placement = kv_split.plan["big"]
+    big_calls = sorted(s for s in everyone if s[0] == "big")
+    assert len(big_calls) == len(placement.shards)
+    assert sum(s[1] for s in big_calls) == 52
+    assert sum(s[2] for s in big_calls) == pytest.approx(grad.sum() * comm.size)
+    assert len([s for s in everyone if s[0] == "small"]) == 1
+    # Only the owners ran it: each rank ran exactly its shards.
+    mine = sorted(s[1] for s in seen if s[0] == "big")
+    assert mine == sorted(s.size for s in placement.shards if s.owner == comm.rank)
+
+
+def test_pull_after_updater_without_new_push_moves_nothing_wrong(kv, comm):
+    kv.init(1, np.zeros(3))
+    kv.set_updater(lambda k, v, s: s.__iadd__(v))
+    kv.push(1, np.ones(3))
+    assert (pulled(kv, 1, (3,)) == comm.size).all()
+    assert (pulled(kv, 1, (3,)) == comm.size).all()
+    kv.push(1, np.ones(3))
+    assert (pulled(kv, 1, (3,)) == 2 * comm.size).all()
+
+
+def test_plan_is_the_same_on_every_rank(kv_split, comm):
+    keys = [f"p{i}" for i in range(12)]
+    sizes = [(i * 7) % 31 + 1 for i in range(12)]
+    kv_split.init(keys, [np.zeros(s, np.float32) for s in sizes])
+    shards = {k: kv_split.plan[k].shards for k in keys}
+    assert all(s == shards for s in comm.allgather(shards))
+
+
+def test_subcommunicator(comm):
+    sub = comm.Split(comm.rank % 2, comm.rank)
+    kv = mpikv.create("dist_sync", comm=sub, timeout=TEST_TIMEOUT)
+    assert kv.num_workers == sub.size and kv.rank == sub.rank
+    kv.init(1, np.zeros(2))
+    kv.push(1, np.full(2, float(comm.rank)))
+    members = [r for r in range(comm.size) if r % 2 == comm.rank % 2]
+    assert (pulled(kv, 1, (2,)) == sum(members)).all()
+    kv.barrier()
+    sub.Free()
+
+
+def test_barrier(kv):
+    kv.barrier()
+    kv._barrier()
+
+
+def test_bad_comm():
+    with pytest.raises(TypeError, match="intra-communicator"):
+        mpikv.create("dist_sync", comm="world")
+
+
+# -- errors: raised on every rank, nothing applied, store usable afterwards -----
+
+def _usable(kv, comm, key=1):
+    kv.push(key, np.full(SHAPE, 1.0))
+    assert (pulled(kv, key) == comm.size).all()
+
+
+def at(comm, rank):
+    """How a message names the rank with the bad input (a one-rank store names none)."""
+    return f"rank {rank}: " if comm.size > 1 else ""
+
+
+@pytest.fixture
+def kv1(kv):
+    kv.init(1, np.ones(SHAPE))
+    return kv
+
+
+def test_error_unknown_key_everywhere(kv1, comm):
+    msg = raises_everywhere(comm, errors.UnknownKeyError,
+                            lambda: kv1.pull(42, out=np.zeros(SHAPE)))
+    assert "key 42 has not been initialised" in msg
+    _usable(kv1, comm)
+
+
+def test_error_duplicate_init(kv1, comm):
+    raises_everywhere(comm, errors.DuplicateInitError, lambda: kv1.init(1, np.ones(SHAPE)))
+    assert (pulled(kv1, 1) == 1).all()
+    _usable(kv1, comm)
+
+
+def test_error_bad_shape_on_one_rank(kv1, comm):
+    last = comm.size - 1
+    value = np.ones((3, 2)) if comm.rank == last else np.ones(SHAPE)
+    msg = raises_everywhere(comm, errors.ShapeError, lambda: kv1.push(1, value))
+    assert f"{at(comm, last)}value for key 1 has shape (3, 2)" in msg
+    assert "nothing was applied" in msg
+    assert (pulled(kv1, 1) == 1).all()
+    _usable(kv1, comm)
+
+
+def test_error_bad_dtype_on_one_rank(kv1, comm):
+    value = np.ones(SHAPE, np.float32) if comm.rank == 0 else np.ones(SHAPE)
+    msg = raises_everywhere(comm, errors.DTypeError, lambda: kv1.push(1, value))
+    assert f"{at(comm, 0)}value for key 1 has dtype float32" in msg
+    _usable(kv1, comm)
+
+
+def test_error_non_array_on_one_rank(kv1, comm):
+    value = "gradient" if comm.rank == comm.size - 1 else np.ones(SHAPE)
+    raises_everywhere(comm, errors.ValueTypeError, lambda: kv1.push(1, value))
+    _usable(kv1, comm)
+
+
+def test_error_missing_out_on_one_rank(kv1, comm):
+    out = None if comm.rank == 0 else np.zeros(SHAPE)
+    msg = raises_everywhere(comm, errors.ValueTypeError, lambda: kv1.pull(1, out=out))
+    assert f"{at(comm, 0)}out for key 1 is missing" in msg
+    _usable(kv1, comm)
+
+
+def test_error_mixed_key_types(kv1, comm):
+    raises_everywhere(comm, errors.KeyTypeError, lambda: kv1.init("w", np.ones(2)))
+    _usable(kv1, comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_error_key_missing_on_one_rank(kv1, comm):
+    keys = [1] if comm.rank == 1 else [1, 2]
+    kv1.init(2, np.ones(SHAPE))
+    msg = raises_everywhere(
+        comm, errors.MismatchError,
+        lambda: kv1.push(keys, [np.ones(SHAPE)] * len(keys)))
+    assert "key 2 was given on" in msg and "but not on rank 1" in msg
+    assert (pulled(kv1, 1) == 1).all()
+    _usable(kv1, comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_error_init_shapes_differ(kv1, comm):
+    shape = (3,) if comm.rank == 1 else (4,)
+    msg = raises_everywhere(comm, errors.MismatchError, lambda: kv1.init(7, np.ones(shape)))
+    assert "key 7 has different shapes" in msg and "(3,) on rank 1" in msg
+    # Nothing applied: key 7 can still be initialised.
+    kv1.init(7, np.ones(4))
+    assert (pulled(kv1, 7, (4,)) == 1).all()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_error_different_operations(kv1, comm):
+    if comm.rank == 0:
+        call = lambda: kv1.push(1, np.ones(SHAPE))  # noqa: E731
+    else:
+        call = lambda: kv1.pull(1, out=np.zeros(SHAPE))  # noqa: E731
+    msg = raises_everywhere(comm, errors.MismatchError, call)
+    assert msg.startswith("MismatchError: ranks called different operations: "
+                          "push on rank 0; pull on rank")
+    assert (pulled(kv1, 1) == 1).all()
+    _usable(kv1, comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_error_updater_set_on_some_ranks(kv1, comm):
+    if comm.rank == 0:
+        kv1.set_updater(lambda k, v, s: s.__iadd__(v))
+    msg = raises_everywhere(comm, errors.MismatchError, lambda: kv1.push(1, np.ones(SHAPE)))
+    assert "ranks differ in updater" in msg
+    kv1.set_updater(None)
+    _usable(kv1, comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_error_priority_differs(kv1, comm):
+    raises_everywhere(comm, errors.MismatchError,
+                      lambda: kv1.push(1, np.ones(SHAPE), priority=comm.rank))
+    _usable(kv1, comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_error_barrier_against_push(kv1, comm):
+    call = kv1.barrier if comm.rank == 0 else (lambda: kv1.push(1, np.ones(SHAPE)))
+    raises_everywhere(comm, errors.MismatchError, call)
+    _usable(kv1, comm)
