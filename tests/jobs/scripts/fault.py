@@ -1,0 +1,40 @@
+"""A job that goes wrong on purpose; tests/jobs/test_faults.py runs it under mpiexec.
+
+Usage: fault.py CASE [TIMEOUT]
+"""
+
+import sys
+import time
+
+import numpy as np
+
+import mpikv
+
+
+def main(case, timeout):
+    kv = mpikv.create("dist_sync", timeout=timeout)
+    last = kv.num_workers - 1
+    kv.init(["b", "w"], [np.zeros(3), np.zeros(3)])
+    if case == "exception" and kv.rank == last:
+        raise RuntimeError("boom on purpose")
+    if case == "stuck" and kv.rank == last:
+        time.sleep(300)
+    if case == "stuck_root" and kv.rank == 0:
+        time.sleep(300)
+    if case == "stuck_in_data" and kv.rank == last:
+        # Arrive at the agreement, then never join the data collective.
+        kv._transport.allreduce_ = lambda *a: time.sleep(300)
+    if case == "updater_raises":
+        def update(key, value, stored):
+            raise ValueError(f"bad update of {key}")
+        kv.set_updater(update)
+    if case == "mpikv_error" and kv.rank == 0:
+        kv.push(["b", "w"], [np.zeros(3), np.zeros(4)])  # uncaught ShapeError on every rank
+    kv.push(["w", "b"], [np.ones(3), np.ones(3)])
+    out = np.zeros(3)
+    kv.pull("w", out=out)
+    print(f"rank {kv.rank}: finished with {out.tolist()}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 30.0)

@@ -1,0 +1,62 @@
+"""No hang, ever: a job with a failing or stuck rank ends, non-zero, within a bound."""
+
+import pytest
+
+from .conftest import run_job
+
+SCRIPT = "tests/jobs/scripts/fault.py"
+# Start-up is about 1 s a job here; a hang would hit run_job's own timeout (124).
+BOUND = 45
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_exception_on_one_rank_aborts_the_job(n):
+    rc, out, seconds = run_job(n, SCRIPT, "exception", "60")
+    assert rc not in (0, 124), out
+    assert seconds < BOUND, out
+    last = n - 1
+    assert f"uncaught RuntimeError on rank {last} of {n}" in out
+    assert f"[rank {last}] RuntimeError: boom on purpose" in out
+    assert f'[rank {last}]   File' in out  # the traceback itself
+    assert "finished" not in out
+
+
+def test_stuck_rank_is_named_after_the_timeout():
+    rc, out, seconds = run_job(3, SCRIPT, "stuck", "2")
+    assert rc not in (0, 124), out
+    assert seconds < BOUND, out
+    assert "push (keys 'b', 'w') did not start within 2 s; rank(s) 2 did not arrive" in out
+
+
+def test_stuck_root_is_reported_by_the_others():
+    rc, out, seconds = run_job(2, SCRIPT, "stuck_root", "2")
+    assert rc not in (0, 124), out
+    assert seconds < BOUND, out
+    assert "rank 1: push (keys 'b', 'w') did not start within 2 s; rank(s) 0 did not arrive" in out
+
+
+def test_rank_stuck_inside_a_collective_hits_the_watchdog():
+    rc, out, seconds = run_job(2, SCRIPT, "stuck_in_data", "2")
+    assert rc not in (0, 124), out
+    assert seconds < BOUND, out
+    assert "rank 0: push (key 'b') did not complete within 2 s" in out
+
+
+def test_updater_exception_ends_the_job():
+    rc, out, seconds = run_job(2, SCRIPT, "updater_raises", "60")
+    assert rc not in (0, 124), out
+    assert seconds < BOUND, out
+    assert "the updater raised on key" in out and "ValueError: bad update of" in out
+
+
+def test_uncaught_mpikv_error_ends_the_job_with_every_ranks_traceback():
+    rc, out, seconds = run_job(2, SCRIPT, "mpikv_error", "60")
+    assert rc not in (0, 124), out
+    assert seconds < BOUND, out
+    assert "ShapeError" in out and "nothing was applied" in out
+
+
+def test_healthy_job_finishes():
+    rc, out, _ = run_job(3, SCRIPT, "none", "60")
+    assert rc == 0, out
+    assert out.count("finished with [3.0, 3.0, 3.0]") == 3
