@@ -13,6 +13,17 @@ import json
 from . import errors
 
 
+_DTYPE_NAMES = {}
+
+
+def _dtype_name(dtype):
+    # str(dtype) costs microseconds; a call may carry a thousand keys.
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
+
+
 def describe(call):
     """Returns ``(digest, record)`` for a :class:`mpikv.calls.Call`.
 
@@ -25,7 +36,7 @@ def describe(call):
         "settings": call.settings,
         "keys": [[item.key,
                   None if item.shape is None else list(item.shape),
-                  None if item.dtype is None else str(item.dtype)] for item in call.items],
+                  None if item.dtype is None else _dtype_name(item.dtype)] for item in call.items],
         "errors": [list(e) for e in call.errors],
     }
     public = {k: v for k, v in record.items() if k != "errors"}

@@ -52,6 +52,8 @@ class Call:
 
 def normalize_key(key):
     """Returns ``key`` as an int or str, or raises KeyTypeError."""
+    if type(key) is int or type(key) is str:  # the common case, checked cheaply
+        return key
     if isinstance(key, str):
         return key
     if isinstance(key, numbers.Integral) and not isinstance(key, (bool, np.bool_)):
@@ -73,6 +75,10 @@ def _pair(key, value, what):
 
 def _arrays_of(entry, key, what, writable):
     """The arrays of one key's entry: an array, or a non-empty list of them (one per device)."""
+    if type(entry) is np.ndarray:  # the common case: no list, no conversion
+        if writable and not entry.flags.writeable:
+            raise errors.ValueTypeError(f"{what} for key {key!r} is read-only")
+        return [entry]
     label = f"{what} for key {key!r}"
     if entry is None:
         raise errors.ValueTypeError(f"{label} is missing")
