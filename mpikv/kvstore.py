@@ -12,7 +12,7 @@ import traceback
 
 import numpy as np
 
-from . import config, errors
+from . import checkpoint, config, errors
 from ._arrays import accumulate_dtype, sum_arrays, wire_view
 from .agreement import describe, explain
 from .calls import Call, CallReader
@@ -84,6 +84,9 @@ class KVStore:
         self._key_type = None
         self._updater = None
         self._updater_kind = None
+        self._optimizer = None
+        self._states = {}   # (key, shard start) -> optimizer state, for owned shards only
+        self._counts = {}   # key -> pushes through the optimizer, the same on every rank
         self._reader = CallReader(self._lookup, lambda: self._key_type)
 
     # -- properties ------------------------------------------------------
@@ -188,10 +191,94 @@ class KVStore:
         """
         if updater is not None and not callable(updater):
             raise TypeError(f"updater must be callable, not {type(updater).__name__}")
+        self._optimizer = None
+        self._states = {}
         self._updater = updater
         self._updater_kind = None if updater is None else "function"
 
     _set_updater = set_updater
+
+    def set_optimizer(self, optimizer):
+        """Runs ``optimizer`` on the owners from now on; collective.
+
+        Every rank must pass an optimizer of the same kind and hyperparameters
+        (checked). Each rank keeps state only for the keys and shards it owns.
+
+        Args:
+            optimizer: an :class:`mpikv.optimizer.Optimizer`.
+        """
+        from .optimizer import Optimizer
+        call = Call("set_optimizer")
+        if isinstance(optimizer, Optimizer):
+            call.settings["optimizer"] = optimizer.get_config()
+        else:
+            call.fail(errors.OptimizerError, None, f"set_optimizer needs an "
+                      f"mpikv.optimizer.Optimizer, not {type(optimizer).__name__}")
+        self._agree(call)
+        self._install_optimizer(optimizer)
+
+    def is_capable(self, capability):
+        """Whether the store supports ``capability`` ("optimizer" is the one MXNet asks)."""
+        return capability.lower() == "optimizer"
+
+    def save_optimizer_states(self, fname, dump_optimizer=False):
+        """Saves the optimizer state of every key; collective.
+
+        Each owner writes its own part, in parallel; the file loads on any
+        number of ranks. Needs a filesystem every rank can see.
+
+        Args:
+            fname: path of the manifest (parts go to ``fname + ".parts/"``).
+            dump_optimizer: also store the optimizer's kind and
+                hyperparameters, so :meth:`load_optimizer_states` can rebuild it.
+        """
+        call = Call("save_optimizer_states",
+                    settings={"fname": str(fname), "dump_optimizer": bool(dump_optimizer)})
+        if self._optimizer is None:
+            call.fail(errors.OptimizerError, None, "no optimizer is set (use set_optimizer)")
+        self._agree(call)
+        checkpoint.save(self, str(fname), "optimizer_states", False, dump_optimizer)
+
+    def load_optimizer_states(self, fname):
+        """Loads states saved by :meth:`save_optimizer_states`, on any number of ranks.
+
+        Keys absent from the file start with fresh states. If no optimizer is
+        set and the file holds one (``dump_optimizer=True``), it is used.
+        """
+        call = Call("load_optimizer_states", settings={"fname": str(fname)})
+        self._agree(call)
+        checkpoint.load(self, str(fname), "optimizer_states", False)
+
+    def save_checkpoint(self, fname):
+        """Saves the stored values, the optimizer and its states in one file set; collective.
+
+        Each owner writes the values and states it owns; the save is atomic
+        (a job killed while saving leaves the previous save whole).
+        """
+        call = Call("save_checkpoint", settings={"fname": str(fname)})
+        self._agree(call)
+        checkpoint.save(self, str(fname), "checkpoint", True, True)
+
+    def load_checkpoint(self, fname):
+        """Restores a :meth:`save_checkpoint` save, on any number of ranks; collective.
+
+        Keys not yet initialised are created from the file; keys already in
+        the store must match the file's shapes and dtypes. The optimizer is
+        the one set on the store, else the file's.
+        """
+        call = Call("load_checkpoint", settings={"fname": str(fname)})
+        self._agree(call)
+        checkpoint.load(self, str(fname), "checkpoint", True)
+
+    def optimizer_state_nbytes(self):
+        """Bytes of optimizer state this rank holds (only for what it owns)."""
+        return sum(a.nbytes for state in self._states.values() for a in state.values())
+
+    def _install_optimizer(self, optimizer):
+        self._optimizer = optimizer
+        self._states = {}
+        self._updater = None
+        self._updater_kind = "optimizer"
 
     # -- internals -------------------------------------------------------
     def _lookup(self, key):
@@ -202,7 +289,11 @@ class KVStore:
         return self._reader.read(op, key, values, outs, **kw)
 
     def _push_settings(self, priority):
-        return {"priority": priority, "updater": self._updater_kind}
+        settings = {"priority": priority, "updater": self._updater_kind}
+        if self._optimizer is not None:
+            # Ranks that changed hyperparameters differently would drift apart.
+            settings["optimizer"] = self._optimizer.get_config()
+        return settings
 
     def _agree(self, call):
         """Raises the same MPIKVError on every rank unless all ranks made this call right."""
@@ -232,12 +323,19 @@ class KVStore:
 
     def _push_items(self, call):
         t = self._transport
+        pending = []
+        if self._optimizer is not None and call.items:
+            # The schedule sees the global step, the same on every rank (MXNet's
+            # num_update: the largest update count of any key).
+            top = max(self._counts.get(i.key, self._optimizer.begin_num_update)
+                      for i in call.items) + 1
+            self._optimizer.num_update = max(self._optimizer.num_update, top)
         for item in call.items:
             entry = self._entries[item.key]
             placement = entry.placement
             what = (call.op, [item.key])
             acc = sum_arrays(item.values, accumulate_dtype(entry.array.dtype))
-            if self._updater is None:
+            if self._updater_kind is None:
                 if placement.split:
                     for shard in placement.shards:
                         t.reduce_(acc[shard.start:shard.stop], shard.owner, what)
@@ -249,16 +347,54 @@ class KVStore:
                 continue
             for shard in placement.shards:
                 t.reduce_(acc[shard.start:shard.stop], shard.owner, what)
+            if self._optimizer is not None:
+                self._counts[item.key] = self._counts.get(
+                    item.key, self._optimizer.begin_num_update) + 1
             for shard in placement.shards:
                 if shard.owner == t.rank:
-                    self._update(item.key, acc, entry, shard)
+                    if self._optimizer is not None:
+                        self._optimize(item.key, acc, entry, shard, pending)
+                    else:
+                        self._update(item.key, acc, entry, shard)
             entry.stale = t.size > 1
+        if self._optimizer is not None and self._optimizer.num_partials and any(
+                self._entries[i.key].placement.split for i in call.items):
+            self._finish_updates(call, pending)  # collective: every rank, owner or not
+
+    def _views(self, acc, entry, shard):
+        """The gradient and stored views an owner updates: whole arrays, or flat shards."""
+        if entry.placement.split:
+            return acc[shard.start:shard.stop], entry.flat[shard.start:shard.stop]
+        return acc.reshape(entry.array.shape), entry.array
+
+    def _optimize(self, key, acc, entry, shard, pending):
+        opt = self._optimizer
+        grad, weight = self._views(acc, entry, shard)
+        state = self._states.get((key, shard.start))
+        if state is None:
+            state = self._states[(key, shard.start)] = opt.create_state(key, weight)
+        update = opt.begin_update(key, weight, grad, state)
+        if update.partials is not None:
+            if entry.placement.split:
+                pending.append((key, update))
+            else:
+                opt.finish_update(update, update.partials.copy())
+
+    def _finish_updates(self, call, pending):
+        """Sums the partials (LAMB's norms) of split keys over their owners, then finishes."""
+        opt = self._optimizer
+        keys = [i.key for i in call.items if self._entries[i.key].placement.split]
+        width = opt.num_partials
+        slot = {k: i for i, k in enumerate(keys)}
+        sums = np.zeros(len(keys) * width, np.float64)
+        for key, update in pending:
+            sums[slot[key] * width:(slot[key] + 1) * width] += update.partials
+        self._transport.allreduce_(sums, (call.op, keys))
+        for key, update in pending:
+            opt.finish_update(update, sums[slot[key] * width:(slot[key] + 1) * width])
 
     def _update(self, key, acc, entry, shard):
-        if entry.placement.split:
-            grad, stored = acc[shard.start:shard.stop], entry.flat[shard.start:shard.stop]
-        else:
-            grad, stored = acc.reshape(entry.array.shape), entry.array
+        grad, stored = self._views(acc, entry, shard)
         if grad.dtype != stored.dtype:
             grad = grad.astype(stored.dtype)
         if self._transport.size == 1:

@@ -1,0 +1,232 @@
+"""Saving and restoring what the owners hold: optimizer states and values.
+
+Collective, over a store's transport. Every owner writes its own part in
+parallel (:mod:`mpikv.statefile` does the files: no pickle, checksums, atomic
+commit); rank 0 writes only the small manifest. Loading asks each rank for
+the element ranges it owns now, so a save from N ranks loads on M ranks.
+Every local failure (a missing file, a bad checksum, a full disk) is first
+shared with all ranks, so every rank raises the same
+:class:`~mpikv.errors.StateFileError` and nothing is applied.
+"""
+
+import copy
+
+import numpy as np
+
+from . import __version__, statefile
+from .errors import MPIKVError, OptimizerError, StateFileError
+from .optimizer import COUNT, from_config
+from .plan import sort_key
+
+VALUE = "value"
+_STATE = "opt."  # prefix of optimizer state arrays in a file
+
+
+def _exchange(transport, what, fn):
+    """Runs ``fn()`` on every rank and returns every rank's result.
+
+    Raises the same StateFileError (or OptimizerError) on every rank if ``fn``
+    failed on any of them.
+    """
+    try:
+        result, error = fn(), None
+    except (MPIKVError, OSError) as exc:
+        result, error = None, [type(exc).__name__, str(exc)]
+    outcomes = transport.allgather_records({"result": result, "error": error}, what)
+    failed = [(rank, o["error"]) for rank, o in enumerate(outcomes) if o["error"]]
+    if failed:
+        cls = OptimizerError if all(e[0] == "OptimizerError" for _, e in failed) else StateFileError
+        by_text = {}
+        for rank, (_, text) in failed:
+            by_text.setdefault(text, []).append(rank)
+        from .agreement import format_ranks
+        detail = "; ".join(f"{format_ranks(rs)}: {text}" if transport.size > 1 else text
+                           for text, rs in by_text.items())
+        raise cls(f"{what[0]}: {detail}; nothing was applied")
+    return [o["result"] for o in outcomes]
+
+
+def _key_list(entries):
+    return [[key, list(e.array.shape), str(e.array.dtype)]
+            for key, e in sorted(entries.items(), key=lambda kv: sort_key(kv[0]))]
+
+
+def save(store, fname, kind, with_values, dump_optimizer):
+    """Writes the owners' states (and values) to ``fname``; collective.
+
+    Args:
+        store: the :class:`mpikv.kvstore.KVStore`.
+        fname: path of the manifest; the parts go to ``fname + ".parts/"``.
+        kind: "optimizer_states" or "checkpoint", recorded in the file.
+        with_values: also write the stored values.
+        dump_optimizer: also record the optimizer's kind and hyperparameters.
+    """
+    t = store._transport
+    what = (kind, [])
+    generation = t.allgather_records(statefile.new_generation() if t.rank == 0 else None,
+                                     what)[0]
+
+    def write():
+        entries = []
+        for key, shard in store._plan.owned_by(t.rank):
+            entry = store._entries[key]
+            shape = entry.array.shape
+            if with_values:
+                entries.append((key, VALUE, shard.start, shard.stop, shape,
+                                entry.flat[shard.start:shard.stop]))
+            state = store._states.get((key, shard.start))
+            if state is None:
+                continue
+            for name, arr in state.items():
+                if name == COUNT:
+                    if shard.start == 0:  # one copy of the key's count
+                        entries.append((key, _STATE + COUNT, 0, 1, (1,), arr.reshape(-1)))
+                else:
+                    entries.append((key, _STATE + name, shard.start, shard.stop, shape,
+                                    arr.reshape(-1)))
+        return statefile.write_part(fname, generation, t.rank, entries) if entries else None
+
+    records = _exchange(t, what, write)
+    opt = store._optimizer
+    meta = {
+        "kind": kind,
+        "mpikv_version": __version__,
+        "num_workers": t.size,
+        "keys": _key_list(store._entries),
+        "counts": [[k, c] for k, c in sorted(store._counts.items(),
+                                             key=lambda kv: sort_key(kv[0]))],
+        "optimizer_name": None if opt is None else opt.name,
+        "optimizer": opt.get_config() if (opt is not None and dump_optimizer) else None,
+    }
+
+    def commit():
+        if t.rank == 0:
+            statefile.commit(fname, generation, [r for r in records if r], meta)
+
+    _exchange(t, what, commit)
+
+
+def load(store, fname, kind, with_values):
+    """Restores what :func:`save` wrote, on any number of ranks; collective.
+
+    Values and states are read for the element ranges this rank owns now;
+    other ranks' parts of a value arrive at the next ``pull``.
+    """
+    t = store._transport
+    what = (f"load_{kind}", [])
+    plan = copy.deepcopy(store._plan)
+
+    def read():
+        man = statefile.read_manifest(fname)
+        meta = man.meta
+        if meta.get("kind") != kind:
+            raise StateFileError(f"{fname!r} holds {meta.get('kind')!r}, not {kind!r}")
+        saved = {k: (tuple(shape), np.dtype(dtype)) for k, shape, dtype in meta["keys"]}
+        opt = store._optimizer
+        if opt is None and meta.get("optimizer") is None and not with_values:
+            raise OptimizerError("no optimizer is set and the file holds none "
+                                 "(save it with dump_optimizer=True, or call set_optimizer)")
+        opt_name = opt.name if opt is not None else (meta.get("optimizer") or {}).get("name")
+        if meta.get("optimizer_name") not in (None, opt_name):
+            raise StateFileError(f"{fname!r} holds {meta['optimizer_name']} states; "
+                                 f"the optimizer is {opt_name}")
+        for key, entry in store._entries.items():
+            if key not in saved:
+                if with_values:
+                    raise StateFileError(f"{fname!r} has no key {key!r}, which this store holds")
+                continue
+            if saved[key] != (entry.array.shape, entry.array.dtype):
+                raise StateFileError(
+                    f"key {key!r} is saved as {saved[key][1]} {saved[key][0]}, "
+                    f"but stored as {entry.array.dtype} {entry.array.shape}")
+        new = [k for k in saved if k not in store._entries]
+        if new and not with_values:
+            new = []  # states of keys not (yet) in the store are not loaded
+        if new and store._key_type is not None and any(
+                type(k) is not store._key_type for k in new):
+            raise StateFileError(f"{fname!r} has keys of another type than this store's")
+        plan.add([(k, int(np.prod(saved[k][0], dtype=np.int64)), saved[k][1].itemsize)
+                  for k in new])
+        arrays = man.arrays()
+        use = opt if opt is not None else (
+            from_config(meta["optimizer"]) if meta.get("optimizer") else None)
+        if use is not None:
+            expect = {_STATE + n for n in use.state_names}
+            for key in saved:
+                names = {n for (k, n) in arrays if k == key and n.startswith(_STATE)}
+                if names and names != expect:
+                    raise StateFileError(
+                        f"key {key!r} has states {sorted(n[len(_STATE):] for n in names)} in "
+                        f"{fname!r}, but {use.name} needs {sorted(use.state_names)}")
+        wanted = []
+        for key, shard in plan.owned_by(t.rank):
+            if key not in saved:
+                continue
+            if with_values:
+                wanted.append((key, VALUE, shard.start, shard.stop))
+            names = [n for (k, n) in arrays if k == key and n.startswith(_STATE)]
+            for name in names:
+                if name == _STATE + COUNT:
+                    wanted.append((key, name, 0, 1))
+                else:
+                    wanted.append((key, name, shard.start, shard.stop))
+        got = statefile.read_slices(man, wanted)
+        return got, meta, new
+
+    # Results stay local (large arrays); only success is exchanged.
+    local = {}
+
+    def read_local():
+        local["got"], local["meta"], local["new"] = read()
+        return None
+
+    _exchange(t, what, read_local)
+    _apply(store, plan, local["got"], local["meta"], local["new"], with_values)
+
+
+def _apply(store, plan, got, meta, new, with_values):
+    """Installs what every rank read successfully (no failure is possible here)."""
+    t = store._transport
+    saved = {k: (tuple(shape), np.dtype(dtype)) for k, shape, dtype in meta["keys"]}
+    from .kvstore import _Entry  # the store's own record type
+    for key in sorted(new, key=sort_key):
+        shape, dtype = saved[key]
+        store._entries[key] = _Entry(np.zeros(shape, dtype), plan[key])
+        if store._key_type is None:
+            store._key_type = type(key)
+    store._plan = plan
+    for entry in store._entries.values():
+        entry.placement = plan[entry.placement.key]
+    if store._optimizer is None and meta.get("optimizer") is not None:
+        store._install_optimizer(from_config(meta["optimizer"]))
+    opt = store._optimizer
+    states = {}
+    for key, shard in plan.owned_by(t.rank):
+        entry = store._entries[key]
+        if with_values and key in saved:
+            entry.flat[shard.start:shard.stop] = got[(key, VALUE, shard.start, shard.stop)]
+        if opt is None:
+            continue
+        names = {n[len(_STATE):]: (a, b) for (k, n, a, b) in got if k == key
+                 and n.startswith(_STATE)}
+        if not names:
+            continue
+        if shard.stop - shard.start == entry.flat.size and not entry.placement.split:
+            view_shape = entry.array.shape
+        else:
+            view_shape = (shard.stop - shard.start,)
+        state = {}
+        for name in opt.state_names:
+            if name == COUNT:
+                state[name] = np.array(got[(key, _STATE + COUNT, 0, 1)], dtype=np.int64)
+            else:
+                state[name] = np.array(got[(key, _STATE + name, shard.start, shard.stop)]
+                                       ).reshape(view_shape)
+        states[(key, shard.start)] = state
+    store._states = states
+    store._counts = {k: int(c) for k, c in meta.get("counts", [])}
+    if opt is not None and store._counts:
+        opt.num_update = max(opt.num_update, max(store._counts.values()))
+    if with_values:
+        for entry in store._entries.values():
+            entry.stale = t.size > 1

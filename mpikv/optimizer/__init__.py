@@ -1,0 +1,25 @@
+"""Optimizers with MXNet 1.9's arguments and update rules, in pure numpy.
+
+An owner runs an optimizer on whole arrays (:meth:`Optimizer.update`) or on
+flat shards with the two-phase :meth:`Optimizer.begin_update` /
+:meth:`Optimizer.finish_update`, summing ``PendingUpdate.partials`` over a
+key's shards in between (only LAMB needs sums). States are dicts of numpy
+arrays whose ``"t"`` entry is the key's update count.
+"""
+
+from .base import (COUNT, Optimizer, PendingUpdate, compute_dtype, create, from_config,
+                   register)
+from .sgd import NAG, SGD
+from .adam import Adam, AdamW
+from .rmsprop import RMSProp
+from .lamb import LAMB
+from .schedulers import (CosineScheduler, FactorScheduler, LRScheduler, MultiFactorScheduler,
+                         PolyScheduler, lr_scheduler_from_config)
+from .updater import Updater, get_updater
+
+__all__ = [
+    "COUNT", "Optimizer", "PendingUpdate", "compute_dtype", "create", "from_config",
+    "register", "SGD", "NAG", "Adam", "AdamW", "RMSProp", "LAMB", "LRScheduler",
+    "FactorScheduler", "MultiFactorScheduler", "CosineScheduler", "PolyScheduler",
+    "lr_scheduler_from_config", "Updater", "get_updater",
+]

@@ -1,0 +1,73 @@
+"""RMSProp, MXNet 1.9 ``rmsprop_update`` and ``rmspropalex_update``."""
+
+import numpy as np
+
+from . import _checks
+from .base import Optimizer, register
+
+
+@register
+class RMSProp(Optimizer):
+    """RMSProp: Tieleman & Hinton, or centered (Graves 2013).
+
+    MXNet 1.9 calls ``rho`` ``gamma1`` and ``momentum`` ``gamma2``. With
+    ``g = clip(rescale_grad * grad + wd * w, clip_gradient)`` (decay added
+    before clipping, as in MXNet's kernels):
+
+    * ``centered=False``: ``n = (1-rho)*g**2 + rho*n;
+      w -= lr * g / sqrt(n + epsilon)``; ``momentum`` is unused.
+    * ``centered=True``: ``n = (1-rho)*g**2 + rho*n;
+      g_avg = (1-rho)*g + rho*g_avg;
+      delta = momentum*delta - lr * g / sqrt(n - g_avg**2 + epsilon);
+      w += delta``.
+
+    Then, if ``clip_weights`` > 0, ``w = clip(w, -clip_weights, clip_weights)``.
+
+    Args:
+        learning_rate: Defaults to 0.001, or to the scheduler's ``base_lr``
+            (see :class:`~mpikv.optimizer.Optimizer`).
+        rho: Decay of the squared-gradient average, in [0, 1).
+        momentum: Momentum of ``delta`` (centered only), in [0, 1).
+        epsilon: > 0; added inside the square root.
+        centered: Whether to use the centered variant.
+        clip_weights: None or <= 0: no weight clipping.
+        **kwargs: See :class:`~mpikv.optimizer.Optimizer`.
+    """
+
+    name = "rmsprop"
+    default_learning_rate = 0.001
+
+    def __init__(self, learning_rate=None, rho=0.9, momentum=0.9, epsilon=1e-8,
+                 centered=False, clip_weights=None, **kwargs):
+        super().__init__(learning_rate=learning_rate, **kwargs)
+        self.rho = _checks.unit_interval("rho", rho)
+        self.momentum = _checks.unit_interval("momentum", momentum)
+        self.epsilon = _checks.real("epsilon", epsilon, low=0.0, low_open=True)
+        self.centered = _checks.flag("centered", centered)
+        self.clip_weights = _checks.optional_real("clip_weights", clip_weights)
+
+    @property
+    def elementwise_state_names(self):
+        return ("n", "g", "delta") if self.centered else ("n",)
+
+    def _hyperparams(self):
+        return {"rho": self.rho, "momentum": self.momentum, "epsilon": self.epsilon,
+                "centered": self.centered, "clip_weights": self.clip_weights}
+
+    def _step(self, w, g, state, lr, wd, t):
+        g = self._clipped(self.rescale_grad * g + wd * w)
+        n = state["n"]
+        n *= self.rho
+        n += (1.0 - self.rho) * np.square(g)
+        if not self.centered:
+            new = w - lr * g / np.sqrt(n + self.epsilon)
+        else:
+            g_avg, delta = state["g"], state["delta"]
+            g_avg *= self.rho
+            g_avg += (1.0 - self.rho) * g
+            delta *= self.momentum
+            delta -= lr * g / np.sqrt(n - np.square(g_avg) + self.epsilon)
+            new = w + delta
+        if self.clip_weights is not None and self.clip_weights > 0:
+            np.clip(new, -self.clip_weights, self.clip_weights, out=new)
+        return new
