@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 __all__ = ["create", "__version__", *_errors_all]
 
 
-def create(name="local", comm=None, timeout=None, **options):
+def create(name="local", comm=None, timeout=None, **options):  # noqa: D401
     """Creates a key-value store (see :func:`mpikv.kvstore.create`)."""
     from .kvstore import create as _create
     return _create(name, comm=comm, timeout=timeout, **options)

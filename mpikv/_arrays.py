@@ -67,13 +67,8 @@ def as_host_array(value, what, writable=False):
     return array
 
 
-def sum_arrays(arrays, dtype):
-    """Sums same-shaped arrays into a new flat contiguous array of ``dtype``.
-
-    A single array is copied, since the caller reduces the result in place.
-    """
-    out = np.empty(arrays[0].size, dtype=dtype)
+def sum_into(out, arrays):
+    """Writes the sum of same-shaped arrays into the flat array ``out`` (in its dtype)."""
     np.copyto(out, arrays[0].reshape(-1), casting="unsafe")
     for other in arrays[1:]:
         np.add(out, other.reshape(-1), out=out, casting="unsafe")
-    return out

@@ -14,6 +14,7 @@ import copy
 import numpy as np
 
 from . import __version__, statefile
+from .engine import Entry
 from .errors import MPIKVError, OptimizerError, StateFileError
 from .optimizer import COUNT, from_config
 from .plan import sort_key
@@ -55,26 +56,26 @@ def save(store, fname, kind, with_values, dump_optimizer):
     """Writes the owners' states (and values) to ``fname``; collective.
 
     Args:
-        store: the :class:`mpikv.kvstore.KVStore`.
+        store: the store's :class:`mpikv.engine.Engine`.
         fname: path of the manifest; the parts go to ``fname + ".parts/"``.
         kind: "optimizer_states" or "checkpoint", recorded in the file.
         with_values: also write the stored values.
         dump_optimizer: also record the optimizer's kind and hyperparameters.
     """
-    t = store._transport
+    t = store.transport
     what = (kind, [])
     generation = t.allgather_records(statefile.new_generation() if t.rank == 0 else None,
                                      what)[0]
 
     def write():
         entries = []
-        for key, shard in store._plan.owned_by(t.rank):
-            entry = store._entries[key]
+        for key, shard in store.plan.owned_by(t.rank):
+            entry = store.entries[key]
             shape = entry.array.shape
             if with_values:
                 entries.append((key, VALUE, shard.start, shard.stop, shape,
                                 entry.flat[shard.start:shard.stop]))
-            state = store._states.get((key, shard.start))
+            state = store.states.get((key, shard.start))
             if state is None:
                 continue
             for name, arr in state.items():
@@ -87,13 +88,13 @@ def save(store, fname, kind, with_values, dump_optimizer):
         return statefile.write_part(fname, generation, t.rank, entries) if entries else None
 
     records = _exchange(t, what, write)
-    opt = store._optimizer
+    opt = store.optimizer
     meta = {
         "kind": kind,
         "mpikv_version": __version__,
         "num_workers": t.size,
-        "keys": _key_list(store._entries),
-        "counts": [[k, c] for k, c in sorted(store._counts.items(),
+        "keys": _key_list(store.entries),
+        "counts": [[k, c] for k, c in sorted(store.counts.items(),
                                              key=lambda kv: sort_key(kv[0]))],
         "optimizer_name": None if opt is None else opt.name,
         "optimizer": opt.get_config() if (opt is not None and dump_optimizer) else None,
@@ -112,9 +113,9 @@ def load(store, fname, kind, with_values):
     Values and states are read for the element ranges this rank owns now;
     other ranks' parts of a value arrive at the next ``pull``.
     """
-    t = store._transport
+    t = store.transport
     what = (f"load_{kind}", [])
-    plan = copy.deepcopy(store._plan)
+    plan = copy.deepcopy(store.plan)
 
     def read():
         man = statefile.read_manifest(fname)
@@ -122,7 +123,7 @@ def load(store, fname, kind, with_values):
         if meta.get("kind") != kind:
             raise StateFileError(f"{fname!r} holds {meta.get('kind')!r}, not {kind!r}")
         saved = {k: (tuple(shape), np.dtype(dtype)) for k, shape, dtype in meta["keys"]}
-        opt = store._optimizer
+        opt = store.optimizer
         if opt is None and meta.get("optimizer") is None and not with_values:
             raise OptimizerError("no optimizer is set and the file holds none "
                                  "(save it with dump_optimizer=True, or call set_optimizer)")
@@ -130,7 +131,7 @@ def load(store, fname, kind, with_values):
         if meta.get("optimizer_name") not in (None, opt_name):
             raise StateFileError(f"{fname!r} holds {meta['optimizer_name']} states; "
                                  f"the optimizer is {opt_name}")
-        for key, entry in store._entries.items():
+        for key, entry in store.entries.items():
             if key not in saved:
                 if with_values:
                     raise StateFileError(f"{fname!r} has no key {key!r}, which this store holds")
@@ -139,11 +140,11 @@ def load(store, fname, kind, with_values):
                 raise StateFileError(
                     f"key {key!r} is saved as {saved[key][1]} {saved[key][0]}, "
                     f"but stored as {entry.array.dtype} {entry.array.shape}")
-        new = [k for k in saved if k not in store._entries]
+        new = [k for k in saved if k not in store.entries]
         if new and not with_values:
             new = []  # states of keys not (yet) in the store are not loaded
-        if new and store._key_type is not None and any(
-                type(k) is not store._key_type for k in new):
+        if new and store.key_type is not None and any(
+                type(k) is not store.key_type for k in new):
             raise StateFileError(f"{fname!r} has keys of another type than this store's")
         plan.add([(k, int(np.prod(saved[k][0], dtype=np.int64)), saved[k][1].itemsize)
                   for k in new])
@@ -186,23 +187,22 @@ def load(store, fname, kind, with_values):
 
 def _apply(store, plan, got, meta, new, with_values):
     """Installs what every rank read successfully (no failure is possible here)."""
-    t = store._transport
+    t = store.transport
     saved = {k: (tuple(shape), np.dtype(dtype)) for k, shape, dtype in meta["keys"]}
-    from .kvstore import _Entry  # the store's own record type
     for key in sorted(new, key=sort_key):
         shape, dtype = saved[key]
-        store._entries[key] = _Entry(np.zeros(shape, dtype), plan[key])
-        if store._key_type is None:
-            store._key_type = type(key)
-    store._plan = plan
-    for entry in store._entries.values():
-        entry.placement = plan[entry.placement.key]
-    if store._optimizer is None and meta.get("optimizer") is not None:
-        store._install_optimizer(from_config(meta["optimizer"]))
-    opt = store._optimizer
+        store.entries[key] = Entry(np.zeros(plan[key].size, dtype), 0, shape, plan[key])
+        if store.key_type is None:
+            store.key_type = type(key)
+    store.plan = plan
+    store.forget_layouts()
+    if store.optimizer is None and meta.get("optimizer") is not None:
+        store.optimizer, store.updater, store.updater_kind = (
+            from_config(meta["optimizer"]), None, "optimizer")
+    opt = store.optimizer
     states = {}
     for key, shard in plan.owned_by(t.rank):
-        entry = store._entries[key]
+        entry = store.entries[key]
         if with_values and key in saved:
             entry.flat[shard.start:shard.stop] = got[(key, VALUE, shard.start, shard.stop)]
         if opt is None:
@@ -223,10 +223,10 @@ def _apply(store, plan, got, meta, new, with_values):
                 state[name] = np.array(got[(key, _STATE + name, shard.start, shard.stop)]
                                        ).reshape(view_shape)
         states[(key, shard.start)] = state
-    store._states = states
-    store._counts = {k: int(c) for k, c in meta.get("counts", [])}
-    if opt is not None and store._counts:
-        opt.num_update = max(opt.num_update, max(store._counts.values()))
+    store.states = states
+    store.counts = {k: int(c) for k, c in meta.get("counts", [])}
+    if opt is not None and store.counts:
+        opt.num_update = max(opt.num_update, max(store.counts.values()))
     if with_values:
-        for entry in store._entries.values():
+        for entry in store.entries.values():
             entry.stale = t.size > 1

@@ -5,12 +5,14 @@
 | collective timeout, seconds (0: none) | ``timeout`` | ``MPIKV_TIMEOUT`` | 600 |
 | split arrays of at least this many elements | ``bigarray_bound`` | ``MPIKV_BIGARRAY_BOUND`` | 1000000 |
 | abort the job on an uncaught exception | ``abort_on_exception`` | ``MPIKV_ABORT_ON_EXCEPTION`` | 1 |
+| largest fused bucket, bytes | ``bucket_bytes`` | ``MPIKV_BUCKET_BYTES`` | 67108864 |
 """
 
 import math
 import os
 from dataclasses import dataclass
 
+from .fusion import DEFAULT_BUCKET_BYTES
 from .plan import DEFAULT_BIGARRAY_BOUND
 
 DEFAULT_TIMEOUT = 600.0
@@ -23,6 +25,7 @@ class Options:
     timeout: float = DEFAULT_TIMEOUT
     bigarray_bound: int = DEFAULT_BIGARRAY_BOUND
     abort_on_exception: bool = True
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
 
 def _number(name, raw, cast, minimum):
@@ -44,7 +47,8 @@ def _flag(name, raw):
     raise ValueError(f"{name} must be 0 or 1, not {raw!r}")
 
 
-def resolve(timeout=None, bigarray_bound=None, abort_on_exception=None, environ=None):
+def resolve(timeout=None, bigarray_bound=None, abort_on_exception=None, bucket_bytes=None,
+            environ=None):
     """Returns :class:`Options`; a keyword wins over the environment.
 
     Raises:
@@ -61,4 +65,7 @@ def resolve(timeout=None, bigarray_bound=None, abort_on_exception=None, environ=
         abort_on_exception = env.get("MPIKV_ABORT_ON_EXCEPTION", "1")
     abort_on_exception = _flag("abort_on_exception (MPIKV_ABORT_ON_EXCEPTION)",
                                abort_on_exception)
-    return Options(timeout or math.inf, bigarray_bound, abort_on_exception)
+    if bucket_bytes is None:
+        bucket_bytes = env.get("MPIKV_BUCKET_BYTES", DEFAULT_BUCKET_BYTES)
+    bucket_bytes = _number("bucket_bytes (MPIKV_BUCKET_BYTES)", bucket_bytes, int, 1)
+    return Options(timeout or math.inf, bigarray_bound, abort_on_exception, bucket_bytes)

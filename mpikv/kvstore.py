@@ -8,15 +8,11 @@ rank and changes nothing.
 """
 
 
-import traceback
-
-import numpy as np
-
 from . import checkpoint, config, errors
-from ._arrays import accumulate_dtype, sum_arrays, wire_view
 from .agreement import describe, explain
 from .calls import Call, CallReader
-from .plan import OwnershipPlan
+from .engine import Engine
+from .plan import sort_key
 from .transport import make_transport
 
 #: store type -> transport kind
@@ -29,7 +25,8 @@ STORE_TYPES = {
 }
 
 
-def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_exception=None):
+def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_exception=None,
+           bucket_bytes=None):
     """Creates a store. Collective over ``comm`` for distributed types.
 
     Args:
@@ -42,6 +39,8 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
             all owners (default ``MPIKV_BIGARRAY_BOUND`` or 1,000,000).
         abort_on_exception: end the whole job when an exception escapes on
             any rank (default ``MPIKV_ABORT_ON_EXCEPTION`` or on).
+        bucket_bytes: the largest bucket small keys are fused into (default
+            ``MPIKV_BUCKET_BYTES`` or 64 MiB).
 
     Raises:
         TypeError: ``name`` is not a string.
@@ -55,21 +54,8 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
                          f"{', '.join(sorted(STORE_TYPES))}")
     if kind == "local" and comm is not None:
         raise ValueError(f"a {name!r} store has no communicator; use a dist_* type with comm=")
-    options = config.resolve(timeout, bigarray_bound, abort_on_exception)
+    options = config.resolve(timeout, bigarray_bound, abort_on_exception, bucket_bytes)
     return KVStore(name.lower(), make_transport(kind, comm, options), options)
-
-
-class _Entry:
-    """A stored value: the array, a flat view of it, where it lives, and whether
-    this rank's copy is behind the owners' (after a push with an updater)."""
-
-    __slots__ = ("array", "flat", "placement", "stale")
-
-    def __init__(self, array, placement):
-        self.array = array
-        self.flat = array.reshape(-1)
-        self.placement = placement
-        self.stale = False
 
 
 class KVStore:
@@ -79,15 +65,8 @@ class KVStore:
         self._type = name
         self._transport = transport
         self._options = options
-        self._plan = OwnershipPlan(transport.size, options.bigarray_bound)
-        self._entries = {}
-        self._key_type = None
-        self._updater = None
-        self._updater_kind = None
-        self._optimizer = None
-        self._states = {}   # (key, shard start) -> optimizer state, for owned shards only
-        self._counts = {}   # key -> pushes through the optimizer, the same on every rank
-        self._reader = CallReader(self._lookup, lambda: self._key_type)
+        self._engine = Engine(transport, options.bigarray_bound, options.bucket_bytes)
+        self._reader = CallReader(self._lookup, lambda: self._engine.key_type)
 
     # -- properties ------------------------------------------------------
     @property
@@ -108,7 +87,7 @@ class KVStore:
     @property
     def plan(self):
         """The :class:`mpikv.plan.OwnershipPlan`: who owns each key or shard."""
-        return self._plan
+        return self._engine.plan
 
     # -- collective operations ------------------------------------------
     def init(self, key, value):
@@ -120,7 +99,7 @@ class KVStore:
         """
         call = self._read("init", key, value, new_keys=True, need_values=True)
         self._agree(call)
-        self._init_items(call)
+        self._engine.init(call.op, call.items)
 
     def push(self, key, value, priority=0):
         """Sums values over devices and ranks and hands the sum to the updater.
@@ -134,7 +113,7 @@ class KVStore:
         call = self._read("push", key, value, need_values=True,
                           settings=self._push_settings(priority))
         self._agree(call)
-        self._push_items(call)
+        self._engine.push(call.op, call.items)
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         """Copies stored values into ``out``.
@@ -149,7 +128,7 @@ class KVStore:
         call = self._read("pull", key, outs=out, need_outs=True,
                           settings={"priority": priority})
         self._agree(call)
-        self._pull_items(call)
+        self._engine.pull(call.op, call.items)
 
     def pushpull(self, key, value, out=None, priority=0):
         """:meth:`push` then :meth:`pull` in one collective call.
@@ -160,16 +139,16 @@ class KVStore:
                           need_outs=out is not None, outs_default_values=True,
                           settings=self._push_settings(priority))
         self._agree(call)
-        self._push_items(call)
-        self._pull_items(call)
+        self._engine.push(call.op, call.items)
+        self._engine.pull(call.op, call.items)
 
     def broadcast(self, key, value, out, priority=0):
         """:meth:`init` with rank 0's ``value``, then :meth:`pull` into ``out``."""
         call = self._read("broadcast", key, value, out, new_keys=True, need_values=True,
                           need_outs=True, settings={"priority": priority})
         self._agree(call)
-        self._init_items(call)
-        self._pull_items(call)
+        self._engine.init(call.op, call.items)
+        self._engine.pull(call.op, call.items)
 
     def barrier(self):
         """Waits until every rank has called ``barrier`` (``MPI_Barrier``)."""
@@ -191,10 +170,10 @@ class KVStore:
         """
         if updater is not None and not callable(updater):
             raise TypeError(f"updater must be callable, not {type(updater).__name__}")
-        self._optimizer = None
-        self._states = {}
-        self._updater = updater
-        self._updater_kind = None if updater is None else "function"
+        e = self._engine
+        e.optimizer, e.states = None, {}
+        e.updater = updater
+        e.updater_kind = None if updater is None else "function"
 
     _set_updater = set_updater
 
@@ -234,10 +213,10 @@ class KVStore:
         """
         call = Call("save_optimizer_states",
                     settings={"fname": str(fname), "dump_optimizer": bool(dump_optimizer)})
-        if self._optimizer is None:
+        if self._engine.optimizer is None:
             call.fail(errors.OptimizerError, None, "no optimizer is set (use set_optimizer)")
         self._agree(call)
-        checkpoint.save(self, str(fname), "optimizer_states", False, dump_optimizer)
+        checkpoint.save(self._engine, str(fname), "optimizer_states", False, dump_optimizer)
 
     def load_optimizer_states(self, fname):
         """Loads states saved by :meth:`save_optimizer_states`, on any number of ranks.
@@ -247,7 +226,7 @@ class KVStore:
         """
         call = Call("load_optimizer_states", settings={"fname": str(fname)})
         self._agree(call)
-        checkpoint.load(self, str(fname), "optimizer_states", False)
+        checkpoint.load(self._engine, str(fname), "optimizer_states", False)
 
     def save_checkpoint(self, fname):
         """Saves the stored values, the optimizer and its states in one file set; collective.
@@ -257,7 +236,7 @@ class KVStore:
         """
         call = Call("save_checkpoint", settings={"fname": str(fname)})
         self._agree(call)
-        checkpoint.save(self, str(fname), "checkpoint", True, True)
+        checkpoint.save(self._engine, str(fname), "checkpoint", True, True)
 
     def load_checkpoint(self, fname):
         """Restores a :meth:`save_checkpoint` save, on any number of ranks; collective.
@@ -268,31 +247,60 @@ class KVStore:
         """
         call = Call("load_checkpoint", settings={"fname": str(fname)})
         self._agree(call)
-        checkpoint.load(self, str(fname), "checkpoint", True)
+        checkpoint.load(self._engine, str(fname), "checkpoint", True)
 
     def optimizer_state_nbytes(self):
         """Bytes of optimizer state this rank holds (only for what it owns)."""
-        return sum(a.nbytes for state in self._states.values() for a in state.values())
+        return sum(a.nbytes for state in self._engine.states.values() for a in state.values())
+
+    def gradient_buffers(self, keys):
+        """Zero-copy gradients: arrays that are views into the store's buckets.
+
+        Write gradients into these arrays, then push exactly them (a call
+        naming the same keys, one array per key): nothing is copied into the
+        store, the reduction runs on them in place, and ``pushpull(keys, bufs)``
+        leaves the sum in them. Not collective; float16 keys have none (they
+        are summed in float32).
+
+        Args:
+            keys: a key or a list of initialised keys.
+
+        Returns:
+            A list of arrays, one per key (an array for a single key).
+        """
+        single = not isinstance(keys, (list, tuple))
+        call = self._read("gradient_buffers", keys if not single else [keys])
+        if call.errors:
+            cls = getattr(errors, call.errors[0][0], errors.InputError)
+            raise cls(call.errors[0][2])
+        views = self._engine.gradient_buffers(call.keys)
+        out = [views[k] for k in (call.keys if single else
+                                  [self._normal(k) for k in keys])]
+        return out[0] if single else out
+
+    def _normal(self, key):
+        from .calls import normalize_key
+        return normalize_key(key)
 
     def _install_optimizer(self, optimizer):
-        self._optimizer = optimizer
-        self._states = {}
-        self._updater = None
-        self._updater_kind = "optimizer"
+        e = self._engine
+        e.optimizer, e.states = optimizer, {}
+        e.updater, e.updater_kind = None, "optimizer"
 
     # -- internals -------------------------------------------------------
     def _lookup(self, key):
-        entry = self._entries.get(key)
+        entry = self._engine.entries.get(key)
         return None if entry is None else (entry.array.shape, entry.array.dtype)
 
     def _read(self, op, key, values=None, outs=None, **kw):
         return self._reader.read(op, key, values, outs, **kw)
 
     def _push_settings(self, priority):
-        settings = {"priority": priority, "updater": self._updater_kind}
-        if self._optimizer is not None:
+        e = self._engine
+        settings = {"priority": priority, "updater": e.updater_kind}
+        if e.optimizer is not None:
             # Ranks that changed hyperparameters differently would drift apart.
-            settings["optimizer"] = self._optimizer.get_config()
+            settings["optimizer"] = e.optimizer.get_config()
         return settings
 
     def _agree(self, call):
@@ -307,126 +315,9 @@ class KVStore:
         cls, message = verdict
         raise cls(f"{message}; nothing was applied")
 
-    def _init_items(self, call):
-        t = self._transport
-        placed = self._plan.add([(i.key, int(np.prod(i.shape, dtype=np.int64)), i.dtype.itemsize)
-                                 for i in call.items])
-        for item in call.items:
-            array = np.empty(item.shape, item.dtype)
-            if t.rank == 0:
-                np.copyto(array, item.values[0])
-            entry = _Entry(array, placed[item.key])
-            t.bcast_(wire_view(entry.flat), 0, (call.op, [item.key]))
-            self._entries[item.key] = entry
-        if call.items and self._key_type is None:
-            self._key_type = type(call.items[0].key)
-
-    def _push_items(self, call):
-        t = self._transport
-        pending = []
-        if self._optimizer is not None and call.items:
-            # The schedule sees the global step, the same on every rank (MXNet's
-            # num_update: the largest update count of any key).
-            top = max(self._counts.get(i.key, self._optimizer.begin_num_update)
-                      for i in call.items) + 1
-            self._optimizer.num_update = max(self._optimizer.num_update, top)
-        for item in call.items:
-            entry = self._entries[item.key]
-            placement = entry.placement
-            what = (call.op, [item.key])
-            acc = sum_arrays(item.values, accumulate_dtype(entry.array.dtype))
-            if self._updater_kind is None:
-                if placement.split:
-                    for shard in placement.shards:
-                        t.reduce_(acc[shard.start:shard.stop], shard.owner, what)
-                    t.allgatherv_(acc, *placement.counts_and_displs(t.size), what)
-                else:
-                    t.allreduce_(acc, what)
-                np.copyto(entry.flat, acc, casting="unsafe")
-                entry.stale = False
-                continue
-            for shard in placement.shards:
-                t.reduce_(acc[shard.start:shard.stop], shard.owner, what)
-            if self._optimizer is not None:
-                self._counts[item.key] = self._counts.get(
-                    item.key, self._optimizer.begin_num_update) + 1
-            for shard in placement.shards:
-                if shard.owner == t.rank:
-                    if self._optimizer is not None:
-                        self._optimize(item.key, acc, entry, shard, pending)
-                    else:
-                        self._update(item.key, acc, entry, shard)
-            entry.stale = t.size > 1
-        if self._optimizer is not None and self._optimizer.num_partials and any(
-                self._entries[i.key].placement.split for i in call.items):
-            self._finish_updates(call, pending)  # collective: every rank, owner or not
-
-    def _views(self, acc, entry, shard):
-        """The gradient and stored views an owner updates: whole arrays, or flat shards."""
-        if entry.placement.split:
-            return acc[shard.start:shard.stop], entry.flat[shard.start:shard.stop]
-        return acc.reshape(entry.array.shape), entry.array
-
-    def _optimize(self, key, acc, entry, shard, pending):
-        opt = self._optimizer
-        grad, weight = self._views(acc, entry, shard)
-        state = self._states.get((key, shard.start))
-        if state is None:
-            state = self._states[(key, shard.start)] = opt.create_state(key, weight)
-        update = opt.begin_update(key, weight, grad, state)
-        if update.partials is not None:
-            if entry.placement.split:
-                pending.append((key, update))
-            else:
-                opt.finish_update(update, update.partials.copy())
-
-    def _finish_updates(self, call, pending):
-        """Sums the partials (LAMB's norms) of split keys over their owners, then finishes."""
-        opt = self._optimizer
-        keys = [i.key for i in call.items if self._entries[i.key].placement.split]
-        width = opt.num_partials
-        slot = {k: i for i, k in enumerate(keys)}
-        sums = np.zeros(len(keys) * width, np.float64)
-        for key, update in pending:
-            sums[slot[key] * width:(slot[key] + 1) * width] += update.partials
-        self._transport.allreduce_(sums, (call.op, keys))
-        for key, update in pending:
-            opt.finish_update(update, sums[slot[key] * width:(slot[key] + 1) * width])
-
-    def _update(self, key, acc, entry, shard):
-        grad, stored = self._views(acc, entry, shard)
-        if grad.dtype != stored.dtype:
-            grad = grad.astype(stored.dtype)
-        if self._transport.size == 1:
-            self._updater(key, grad, stored)
-            return
-        try:
-            self._updater(key, grad, stored)
-        except BaseException:
-            # Only this owner knows; its copy and the others' now disagree.
-            from .transport._deadline import EXCEPTION_EXIT_CODE, abort
-            abort(f"mpikv: rank {self.rank}: the updater raised on key {key!r}; the store "
-                  f"cannot stay consistent, ending the job\n{traceback.format_exc()}",
-                  EXCEPTION_EXIT_CODE)
-
-    def _pull_items(self, call):
-        t = self._transport
-        for item in call.items:
-            entry = self._entries[item.key]
-            if entry.stale:
-                placement = entry.placement
-                what = (call.op, [item.key])
-                if placement.split:
-                    t.allgatherv_(wire_view(entry.flat), *placement.counts_and_displs(t.size), what)
-                else:
-                    t.bcast_(wire_view(entry.flat), placement.owner, what)
-                entry.stale = False
-            for out in item.outs:
-                np.copyto(out, entry.array)
-
     def __repr__(self):
         return (f"<mpikv.KVStore type={self._type!r} rank={self.rank} "
-                f"num_workers={self.num_workers} keys={len(self._entries)}>")
+                f"num_workers={self.num_workers} keys={len(self._engine.entries)}>")
 
 
 __all__ = ["create", "KVStore", "STORE_TYPES"]

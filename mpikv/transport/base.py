@@ -12,6 +12,7 @@ class Transport(ABC):
 
     rank = 0
     size = 1
+    library = "none"
 
     @abstractmethod
     def agree(self, digest, has_error, what):
@@ -28,6 +29,13 @@ class Transport(ABC):
     @abstractmethod
     def reduce_(self, buf, root, what):
         """Sums ``buf`` over ranks into ``buf`` on ``root``."""
+
+    @abstractmethod
+    def reduce_scatter_(self, buf, counts, displs, what):
+        """Sums ``buf`` over ranks; rank r gets its block ``buf[displs[r]:+counts[r]]``.
+
+        The blocks lie in rank order. Other blocks of ``buf`` are left undefined.
+        """
 
     @abstractmethod
     def bcast_(self, buf, root, what):

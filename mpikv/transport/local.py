@@ -18,6 +18,9 @@ class LocalTransport(Transport):
     def reduce_(self, buf, root, what):
         pass
 
+    def reduce_scatter_(self, buf, counts, displs, what):
+        pass
+
     def bcast_(self, buf, root, what):
         pass
 

@@ -8,6 +8,8 @@ import json
 import os
 import time
 
+import numpy as np
+
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
@@ -38,6 +40,7 @@ class MPITransport(Transport):
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.timeout = options.timeout
+        self.library = MPI.Get_library_version().replace("\x00", "").strip()
         self._watchdog = Watchdog(options.timeout, self.rank)
         self._record = bytearray(_RECORD_BYTES)
         self._table = bytearray(_RECORD_BYTES * self.size)
@@ -112,6 +115,15 @@ class MPITransport(Transport):
             else:
                 self.comm.Reduce(buf, None, op=MPI.SUM, root=root)
 
+    def reduce_scatter_(self, buf, counts, displs, what):
+        mine = buf[displs[self.rank]:displs[self.rank] + counts[self.rank]]
+        # In place, MPI would leave the result at the start of buf, over other blocks'
+        # input; a separate receive buffer keeps the block where it belongs.
+        block = np.empty_like(mine)
+        with self._watchdog.watch(what):
+            self.comm.Reduce_scatter(buf, block, recvcounts=list(counts), op=MPI.SUM)
+        mine[...] = block
+
     def bcast_(self, buf, root, what):
         with self._watchdog.watch(what):
             self.comm.Bcast(buf, root=root)
@@ -127,7 +139,7 @@ class MPITransport(Transport):
 
     def describe(self):
         facts = super().describe()
-        facts["mpi_library"] = MPI.Get_library_version().replace("\x00", "").strip()
+        facts["mpi_library"] = self.library
         facts["timeout_s"] = self.timeout
         return facts
 

@@ -39,7 +39,7 @@ def test_rank_stuck_inside_a_collective_hits_the_watchdog():
     rc, out, seconds = run_job(2, SCRIPT, "stuck_in_data", "2")
     assert rc not in (0, 124), out
     assert seconds < BOUND, out
-    assert "rank 0: push (key 'b') did not complete within 2 s" in out
+    assert "rank 0: push (keys 'b', 'w') did not complete within 2 s" in out
 
 
 def test_updater_exception_ends_the_job():

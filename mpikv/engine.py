@@ -1,0 +1,373 @@
+"""The store's core: where values live and how a checked call moves them.
+
+:class:`Engine` runs calls that every rank has already agreed on (see
+:mod:`mpikv.agreement`), so nothing here can fail on one rank only. Values
+created by one ``init`` live in contiguous arenas laid out like the buckets
+of :mod:`mpikv.fusion`, so a push or pull of the same keys moves each bucket
+with one collective, and copies in and out of the store are single memcpys.
+"""
+
+import traceback
+
+import numpy as np
+
+from . import algorithms
+from ._arrays import accumulate_dtype, sum_into, wire_view
+from .errors import DTypeError
+from .fusion import DEFAULT_BUCKET_BYTES, plan_buckets
+from .plan import OwnershipPlan
+
+
+class Entry:
+    """A stored value.
+
+    Attributes:
+        array: the value (a view into ``arena`` for fused keys).
+        flat: a flat view of it.
+        placement: its :class:`mpikv.plan.Placement`.
+        arena / offset: the buffer it lives in and its element offset there.
+        stale: whether this rank's copy is behind the owners' (after a push
+            with an updater, or a checkpoint load), until the next pull.
+    """
+
+    __slots__ = ("array", "flat", "placement", "arena", "offset", "stale")
+
+    def __init__(self, arena, offset, shape, placement):
+        self.arena = arena
+        self.offset = offset
+        size = placement.size
+        self.flat = arena[offset:offset + size]
+        self.array = self.flat.reshape(shape)
+        self.placement = placement
+        self.stale = False
+
+
+class _Layout:
+    """A cached bucket plan for one key list, with the arenas it matches."""
+
+    __slots__ = ("buckets", "stored", "grads", "views")
+
+    def __init__(self, buckets, stored):
+        self.buckets = buckets
+        self.stored = stored   # per bucket: a view of the stored arena, or None
+        self.grads = None      # per bucket: the zero-copy gradient arena, or None
+        self.views = None      # key -> its view into ``grads``
+
+
+class Engine:
+    """Values, ownership, updater and optimizer state of one store, and its data path.
+
+    Args:
+        transport: a :class:`mpikv.transport.base.Transport`.
+        bigarray_bound: arrays with this many elements or more are split.
+        bucket_bytes: the largest fused bucket.
+    """
+
+    def __init__(self, transport, bigarray_bound, bucket_bytes=DEFAULT_BUCKET_BYTES):
+        self.transport = transport
+        self.plan = OwnershipPlan(transport.size, bigarray_bound)
+        self.bucket_bytes = bucket_bytes
+        self.entries = {}
+        self.key_type = None
+        self.updater = None
+        self.updater_kind = None    # None (assign), "function" or "optimizer"
+        self.optimizer = None
+        self.states = {}   # (key, shard start) -> optimizer state, for owned shards only
+        self.counts = {}   # key -> pushes through the optimizer, the same on every rank
+        self._layouts = {}
+        self._scratch = {}
+
+    # -- layout ----------------------------------------------------------
+    def forget_layouts(self):
+        """Drops cached bucket plans (after the ownership plan changed)."""
+        self._layouts = {}
+
+    def layout(self, keys):
+        """The bucket plan of a key list (canonical order), cached."""
+        sig = tuple(keys)
+        found = self._layouts.get(sig)
+        if found is None:
+            items = [(k, self.entries[k].array.dtype, self.entries[k].placement) for k in keys]
+            buckets = plan_buckets(items, self.transport.size, self.bucket_bytes)
+            found = self._layouts[sig] = _Layout(buckets, [self._stored_view(b) for b in buckets])
+        return found
+
+    def _stored_view(self, bucket):
+        """The stored values of a bucket as one view, if they lie in one arena in bucket order."""
+        first = self.entries[bucket.segments[0].key]
+        if bucket.split:
+            return first.flat
+        base = first.offset - bucket.segments[0].offset
+        for seg in bucket.segments:
+            e = self.entries[seg.key]
+            if e.arena is not first.arena or e.offset != base + seg.offset:
+                return None
+        return first.arena[base:base + bucket.size]
+
+    def scratch(self, dtype, size, slot=0):
+        """A reusable buffer of ``size`` elements (grown, never shrunk)."""
+        key = (np.dtype(dtype), slot)
+        buf = self._scratch.get(key)
+        if buf is None or buf.size < size:
+            buf = self._scratch[key] = np.empty(size, dtype)
+        return buf[:size]
+
+    def algorithm(self, nbytes):
+        return algorithms.choose(getattr(self.transport, "library", ""), nbytes)
+
+    # -- init ------------------------------------------------------------
+    def init(self, op, items):
+        """Creates keys from rank 0's values: one arena and one ``Bcast`` per bucket."""
+        t = self.transport
+        placed = self.plan.add([(i.key, int(np.prod(i.shape, dtype=np.int64)),
+                                 i.dtype.itemsize) for i in items])
+        by_key = {i.key: i for i in items}
+        buckets = plan_buckets([(i.key, i.dtype, placed[i.key]) for i in items],
+                               t.size, self.bucket_bytes)
+        for bucket in buckets:
+            arena = np.empty(bucket.size, bucket.dtype)
+            for key, offset in _key_offsets(bucket):
+                item = by_key[key]
+                entry = Entry(arena, offset, item.shape, placed[key])
+                if t.rank == 0:
+                    np.copyto(entry.array, item.values[0])
+                self.entries[key] = entry
+            t.bcast_(wire_view(arena), 0, (op, bucket.keys))
+        if items and self.key_type is None:
+            self.key_type = type(items[0].key)
+
+    # -- push ------------------------------------------------------------
+    def push(self, op, items):
+        """Sums the items' values over devices and ranks, then assigns or updates."""
+        t = self.transport
+        by_key = {i.key: i for i in items}
+        layout = self.layout(list(by_key))
+        opt = self.optimizer
+        if opt is not None and items:
+            for key in by_key:
+                self.counts[key] = self.counts.get(key, opt.begin_num_update) + 1
+            # The schedule sees MXNet's num_update (the largest count of any key),
+            # the same on every rank whichever keys it owns.
+            opt.num_update = max(opt.num_update, max(self.counts[k] for k in by_key))
+        pending = []
+        for index, bucket in enumerate(layout.buckets):
+            what = (op, bucket.keys)
+            buf = self._gather(layout, index, bucket, by_key)
+            if self.updater_kind is None:
+                self._sum_everywhere(buf, bucket, what)
+                self._store(layout.stored[index], buf, bucket)
+                continue
+            self._sum_to_owners(buf, bucket, what)
+            for seg in bucket.segments:
+                if seg.owner == t.rank:
+                    self._update(seg, buf, bucket, pending)
+            for key in bucket.keys:
+                self.entries[key].stale = t.size > 1
+        if opt is not None and opt.num_partials and any(b.split for b in layout.buckets):
+            self._finish_updates(op, layout, pending)  # collective: owners or not
+
+    def _gather(self, layout, index, bucket, by_key):
+        """The bucket's input: the zero-copy gradient arena, or a scratch buffer filled
+        with each key's sum over devices."""
+        if layout.grads is not None and all(
+                len(by_key[key].values) == 1 and by_key[key].values[0] is layout.views[key]
+                for key, _ in _key_offsets(bucket)):
+            return layout.grads[index]
+        buf = self.scratch(accumulate_dtype(bucket.dtype), bucket.size)
+        if bucket.split:
+            sum_into(buf, by_key[bucket.segments[0].key].values)
+        else:
+            for seg in bucket.segments:
+                sum_into(buf[seg.offset:seg.offset + seg.size], by_key[seg.key].values)
+        return buf
+
+    def _sum_everywhere(self, buf, bucket, what):
+        t = self.transport
+        if bucket.split:
+            for seg in bucket.segments:
+                t.reduce_(buf[seg.offset:seg.offset + seg.size], seg.owner, what)
+            t.allgatherv_(buf, bucket.counts, bucket.displs, what)
+            return
+        name = self.algorithm(bucket.nbytes)
+        if name == "allreduce":
+            t.allreduce_(buf, what)
+        elif name == "reduce_bcast":
+            self._reduce_blocks(buf, bucket, what)
+            for rank, (count, displ) in enumerate(zip(bucket.counts, bucket.displs)):
+                if count:
+                    t.bcast_(buf[displ:displ + count], rank, what)
+        else:
+            t.reduce_scatter_(buf, bucket.counts, bucket.displs, what)
+            t.allgatherv_(buf, bucket.counts, bucket.displs, what)
+
+    def _sum_to_owners(self, buf, bucket, what):
+        t = self.transport
+        if bucket.split:
+            for seg in bucket.segments:
+                t.reduce_(buf[seg.offset:seg.offset + seg.size], seg.owner, what)
+            return
+        name = self.algorithm(bucket.nbytes)
+        if name == "allreduce":
+            t.allreduce_(buf, what)
+        elif name == "reduce_bcast":
+            self._reduce_blocks(buf, bucket, what)
+        else:
+            t.reduce_scatter_(buf, bucket.counts, bucket.displs, what)
+
+    def _reduce_blocks(self, buf, bucket, what):
+        for rank, (count, displ) in enumerate(zip(bucket.counts, bucket.displs)):
+            if count:
+                self.transport.reduce_(buf[displ:displ + count], rank, what)
+
+    def _store(self, stored, buf, bucket):
+        """Copies a summed bucket into the stored values: one copy if they are one arena."""
+        if stored is not None:
+            if stored is not buf:
+                np.copyto(stored, buf, casting="unsafe")
+        else:
+            for seg in bucket.segments:
+                e = self.entries[seg.key]
+                np.copyto(e.flat, buf[seg.offset:seg.offset + seg.size], casting="unsafe")
+        for key in bucket.keys:
+            self.entries[key].stale = False
+
+    def _views(self, seg, buf, bucket):
+        """The gradient and stored views an owner updates: whole arrays, or flat shards."""
+        e = self.entries[seg.key]
+        grad = buf[seg.offset:seg.offset + seg.size]
+        if bucket.split:
+            return grad, e.flat[seg.offset:seg.offset + seg.size]
+        return grad.reshape(e.array.shape), e.array
+
+    def _update(self, seg, buf, bucket, pending):
+        grad, stored = self._views(seg, buf, bucket)
+        key = seg.key
+        if self.optimizer is not None:
+            self._optimize(key, seg, grad, stored, bucket, pending)
+            return
+        if grad.dtype != stored.dtype:
+            grad = grad.astype(stored.dtype)
+        if self.transport.size == 1:
+            self.updater(key, grad, stored)
+            return
+        try:
+            self.updater(key, grad, stored)
+        except BaseException:
+            # Only this owner knows; its copy and the others' now disagree.
+            from .transport._deadline import EXCEPTION_EXIT_CODE, abort
+            abort(f"mpikv: rank {self.transport.rank}: the updater raised on key {key!r}; "
+                  f"the store cannot stay consistent, ending the job\n"
+                  f"{traceback.format_exc()}", EXCEPTION_EXIT_CODE)
+
+    def _optimize(self, key, seg, grad, weight, bucket, pending):
+        opt = self.optimizer
+        start = seg.offset if bucket.split else 0
+        state = self.states.get((key, start))
+        if state is None:
+            state = self.states[(key, start)] = opt.create_state(key, weight)
+        update = opt.begin_update(key, weight, grad, state)
+        if update.partials is not None:
+            if bucket.split:
+                pending.append((key, update))
+            else:
+                opt.finish_update(update, update.partials.copy())
+
+    def _finish_updates(self, op, layout, pending):
+        """Sums the partials (LAMB's norms) of split keys over their owners, then finishes."""
+        opt = self.optimizer
+        keys = [b.segments[0].key for b in layout.buckets if b.split]
+        width = opt.num_partials
+        slot = {k: i for i, k in enumerate(keys)}
+        sums = np.zeros(len(keys) * width, np.float64)
+        for key, update in pending:
+            sums[slot[key] * width:(slot[key] + 1) * width] += update.partials
+        self.transport.allreduce_(sums, (op, keys))
+        for key, update in pending:
+            opt.finish_update(update, sums[slot[key] * width:(slot[key] + 1) * width])
+
+    # -- pull ------------------------------------------------------------
+    def pull(self, op, items):
+        """Brings stale values back from their owners, then copies into the outputs."""
+        t = self.transport
+        by_key = {i.key: i for i in items}
+        layout = self.layout(list(by_key))
+        for index, bucket in enumerate(layout.buckets):
+            stale = [k for k in bucket.keys if self.entries[k].stale]
+            if stale:
+                what = (op, stale)
+                stored = layout.stored[index]
+                if stored is not None and len(stale) == len(bucket.keys):
+                    t.allgatherv_(wire_view(stored), bucket.counts, bucket.displs, what)
+                else:
+                    for key in stale:
+                        self._pull_one(key, what)
+                for key in stale:
+                    self.entries[key].stale = False
+            for key in bucket.keys:
+                e = self.entries[key]
+                for out in by_key[key].outs:
+                    if out is not e.array:
+                        np.copyto(out, e.array)
+
+    def _pull_one(self, key, what):
+        t = self.transport
+        e = self.entries[key]
+        placement = e.placement
+        if placement.split:
+            counts, displs = placement.counts_and_displs(t.size)
+            t.allgatherv_(wire_view(e.flat), counts, displs, what)
+        else:
+            t.bcast_(wire_view(e.flat), placement.owner, what)
+
+    # -- zero copy -------------------------------------------------------
+    def gradient_buffers(self, keys):
+        """Arrays, one per key, that are views into this key list's gradient buckets.
+
+        Pushing exactly these arrays (one per key, in a call naming the same
+        keys) skips copying them into the store: the reduction runs on them in
+        place, and ``pushpull`` leaves the result in them. The stored values of
+        the keys are moved into matching arenas, so storing a sum is one copy.
+
+        Args:
+            keys: initialised keys, in canonical order.
+
+        Returns:
+            dict: key -> array (the stored shape and dtype).
+        """
+        layout = self.layout(keys)
+        for bucket in layout.buckets:
+            if accumulate_dtype(bucket.dtype) != bucket.dtype:
+                raise DTypeError(f"keys {bucket.keys} are {bucket.dtype}, which is summed in "
+                                 f"{accumulate_dtype(bucket.dtype)}: no zero-copy buffers")
+        if layout.grads is None:
+            self._rehome(layout)
+            layout.grads = [np.zeros(b.size, b.dtype) for b in layout.buckets]
+            layout.views = {}
+            for arena, bucket in zip(layout.grads, layout.buckets):
+                for key, offset in _key_offsets(bucket):
+                    e = self.entries[key]
+                    layout.views[key] = arena[offset:offset + e.flat.size].reshape(e.array.shape)
+        return layout.views
+
+    def _rehome(self, layout):
+        """Moves stored values into arenas laid out like ``layout``'s buckets."""
+        for index, bucket in enumerate(layout.buckets):
+            if layout.stored[index] is not None:
+                continue
+            arena = np.empty(bucket.size, bucket.dtype)
+            for key, offset in _key_offsets(bucket):
+                old = self.entries[key]
+                new = Entry(arena, offset, old.array.shape, old.placement)
+                np.copyto(new.array, old.array)
+                new.stale = old.stale
+                self.entries[key] = new
+        # Other cached layouts may point at the old arenas.
+        self._layouts = {sig: lay for sig, lay in self._layouts.items() if lay is layout}
+        layout.stored = [self._stored_view(b) for b in layout.buckets]
+
+
+def _key_offsets(bucket):
+    """``(key, offset)`` of each key in a bucket (a split key starts at 0)."""
+    if bucket.split:
+        return [(bucket.segments[0].key, 0)]
+    return [(s.key, s.offset) for s in bucket.segments]

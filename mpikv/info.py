@@ -1,0 +1,197 @@
+"""``python -m mpikv info``: what mpikv runs on, as rank 0 sees it.
+
+    python -m mpikv info
+    scripts/mpirun.sh -n 4 python -m mpikv info --json
+
+Collective over ``MPI.COMM_WORLD`` (hosts are gathered); only rank 0 prints.
+CUDA-awareness of the MPI library is a best guess: ``MPIKV_CUDA_AWARE=0|1``
+overrides it; otherwise Open MPI is asked through ``ompi_info`` (the one next
+to the Python interpreter, else on ``PATH``); other libraries are "unknown".
+"""
+
+import argparse
+import dataclasses
+import importlib
+import json
+import logging
+import math
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+
+from .agreement import format_ranks
+
+CUDA_AWARE_ENV = "MPIKV_CUDA_AWARE"
+# Open MPI 4 names the parameter mpi_built_with_cuda_support, Open MPI 5 opal_...
+_OMPI_CUDA = re.compile(r"(?:mpi|opal)_built_with_cuda_support:value:(true|false)")
+_OMPI_INFO_TIMEOUT = 10.0
+_THREAD_LEVELS = ("THREAD_SINGLE", "THREAD_FUNNELED", "THREAD_SERIALIZED", "THREAD_MULTIPLE")
+
+
+def _flag(raw):
+    text = raw.strip().lower()
+    return {"1": True, "true": True, "yes": True, "on": True,
+            "0": False, "false": False, "no": False, "off": False}.get(text)
+
+
+def cuda_aware(library_version, environ=None, ompi_info=None):
+    """Whether the MPI library takes GPU buffers: ``(True | False | None, how we know)``.
+
+    Args:
+        library_version: ``MPI.Get_library_version()``.
+        environ: the environment (default ``os.environ``).
+        ompi_info: path of ``ompi_info`` (default: looked up on ``PATH``).
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(CUDA_AWARE_ENV)
+    if raw is not None and raw.strip():
+        value = _flag(raw)
+        if value is not None:
+            return value, f"{CUDA_AWARE_ENV}={raw.strip()}"
+    if "Open MPI" not in library_version:
+        return None, "only Open MPI can be asked (set MPIKV_CUDA_AWARE=0 or 1)"
+    # The interpreter's own bin (a venv with the pip Open MPI) first: that
+    # ompi_info belongs to the library mpi4py loaded; then PATH.
+    tool = (ompi_info or shutil.which("ompi_info", path=os.path.dirname(sys.executable))
+            or shutil.which("ompi_info", path=env.get("PATH")))
+    if tool is None:
+        return None, "no ompi_info next to Python or on PATH"
+    try:
+        out = subprocess.run([tool, "--parsable", "--all"], capture_output=True, text=True,
+                             timeout=_OMPI_INFO_TIMEOUT, check=False).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"{tool} failed: {exc}"
+    found = _OMPI_CUDA.search(out)
+    if found is None:
+        return None, f"{tool} does not say"
+    return found.group(1) == "true", f"{tool}: built_with_cuda_support={found.group(1)}"
+
+
+def _module(name):
+    """``{"importable", "version"}`` and ``"error"`` when it is not importable."""
+    try:
+        mod = importlib.import_module(name)
+    except Exception as exc:  # a broken install raises more than ImportError
+        return {"importable": False, "version": None, "error": f"{type(exc).__name__}: {exc}"}
+    return {"importable": True, "version": getattr(mod, "__version__", None)}
+
+
+def settings(environ=None):
+    """The store options :func:`mpikv.config.resolve` gives now, with where each comes from.
+
+    Returns:
+        ``{name: {"value", "source"}}``, or ``{"error": message}`` when an
+        environment variable holds a bad value. A timeout of ``inf`` (never)
+        is given as None, since JSON has no infinity.
+    """
+    from . import _logging, config
+    env = os.environ if environ is None else environ
+    try:
+        options = config.resolve(environ=env)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    out = {}
+    for name, value in dataclasses.asdict(options).items():
+        if isinstance(value, float) and math.isinf(value):
+            value = None
+        var = "MPIKV_" + name.upper()  # config.py's naming rule for every option
+        out[name] = {"value": value, "source": var if var in env else "default"}
+    level = _logging.level_from_env(env)
+    out["log_level"] = {"value": logging.getLevelName(level),
+                        "source": _logging.LEVEL_ENV if _logging.LEVEL_ENV in env else "default"}
+    return out
+
+
+def collect(comm=None):
+    """Gathers the report; collective over ``comm``. Rank 0 gets the dict, others None.
+
+    Args:
+        comm: an mpi4py intra-communicator (default ``MPI.COMM_WORLD``).
+    """
+    import mpi4py
+    import numpy
+    from mpi4py import MPI
+
+    from . import __version__
+    comm = MPI.COMM_WORLD if comm is None else comm
+    names = comm.gather(MPI.Get_processor_name(), root=0)
+    if comm.Get_rank() != 0:
+        return None
+    hosts = {}
+    for rank, host in enumerate(names):
+        hosts.setdefault(host, []).append(rank)
+    library = MPI.Get_library_version().rstrip("\x00").strip()
+    level = MPI.Query_thread()
+    thread = next((f"MPI_{n}" for n in _THREAD_LEVELS if getattr(MPI, n) == level), str(level))
+    aware, how = cuda_aware(library)
+    return {
+        "mpikv": __version__,
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "numpy": numpy.__version__,
+        "mpi4py": mpi4py.__version__,
+        "mpi_library": library,
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
+        "thread_level": thread,
+        "size": comm.Get_size(),
+        "hosts": hosts,
+        "cuda_aware_mpi": aware,
+        "cuda_aware_mpi_source": how,
+        "cupy": _module("cupy"),
+        "torch": _module("torch"),
+        "settings": settings(),
+    }
+
+
+def format_text(info):
+    """The report as the lines ``python -m mpikv info`` prints."""
+    aware = {True: "yes", False: "no", None: "unknown"}[info["cuda_aware_mpi"]]
+    lines = [
+        f"mpikv:          {info['mpikv']}",
+        f"python:         {info['python']} ({info['python_executable']})",
+        f"numpy:          {info['numpy']}",
+        f"mpi4py:         {info['mpi4py']}",
+        f"MPI library:    {info['mpi_library']}",
+        f"MPI standard:   {info['mpi_standard']}",
+        f"thread level:   {info['thread_level']}",
+        f"ranks:          {info['size']}",
+        "hosts:          " + "; ".join(f"{host} ({format_ranks(ranks)})"
+                                       for host, ranks in info["hosts"].items()),
+        f"CUDA-aware MPI: {aware} ({info['cuda_aware_mpi_source']})",
+    ]
+    for name in ("cupy", "torch"):
+        mod = info[name]
+        if mod["importable"]:
+            state = mod["version"] or "importable (no __version__)"
+        else:
+            state = f"not importable ({mod['error']})"
+        lines.append(f"{name + ':':<15} {state}")
+    lines.append("settings:")
+    if "error" in info["settings"]:
+        lines.append(f"  error: {info['settings']['error']}")
+    else:
+        for name, item in info["settings"].items():
+            value = item["value"]
+            if name == "timeout":
+                value = "none (never)" if value is None else f"{value:g} s"
+            lines.append(f"  {name}: {value} ({item['source']})")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    """Runs ``python -m mpikv info [--json]``; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="python -m mpikv info",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    info = collect()
+    if info is not None:
+        print(json.dumps(info, sort_keys=True) if args.json else format_text(info), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

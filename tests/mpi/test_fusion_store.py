@@ -1,0 +1,142 @@
+"""Fused buckets, every collective algorithm, and zero-copy gradient buffers, with values."""
+
+import numpy as np
+import pytest
+
+import mpikv
+from mpikv import errors, optimizer
+from mpikv.algorithms import ALGORITHMS
+
+from .conftest import TEST_TIMEOUT
+
+pytestmark = pytest.mark.mpi
+
+# 30 small keys of mixed sizes and dtypes, and two split ones (bound 100).
+KEYS = list(range(32))
+SHAPES = [(3 + i % 5, 2) if i < 30 else (15, 11) for i in KEYS]
+DTYPES = [np.float32 if i % 3 else np.float64 for i in KEYS]
+
+
+def _store(**kw):
+    # 200-byte buckets: many buckets, and keys that fill one alone.
+    return mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=100,
+                        bucket_bytes=200, **kw)
+
+
+def _grads(rank, step=0):
+    return [np.full(s, (rank + 1) * (k + 1 + step), d) for k, s, d in zip(KEYS, SHAPES, DTYPES)]
+
+
+def _total(comm, k, step=0):
+    return sum(r + 1 for r in range(comm.size)) * (k + 1 + step)
+
+
+@pytest.fixture(params=ALGORITHMS)
+def algorithm(request, monkeypatch):
+    monkeypatch.setenv("MPIKV_ALGORITHM", request.param)
+    return request.param
+
+
+def test_fused_push_pull_every_algorithm(comm, algorithm):
+    kv = _store()
+    kv.init(KEYS, [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)])
+    kv.push(KEYS, _grads(comm.rank))
+    outs = [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)]
+    kv.pull(KEYS, out=outs)
+    for k, o in zip(KEYS, outs):
+        assert (o == _total(comm, k)).all(), (algorithm, k)
+    # A different key list (a subset, another order) still works.
+    sub = KEYS[::-3]
+    grads = _grads(comm.rank, 1)
+    kv.pushpull(sub, [grads[k] for k in sub])
+    out = np.zeros(SHAPES[sub[0]], DTYPES[sub[0]])
+    kv.pull(sub[0], out=out)
+    assert (out == _total(comm, sub[0], 1)).all()
+
+
+def test_fused_owner_path_every_algorithm(comm, algorithm):
+    kv = _store()
+    kv.init(KEYS, [np.ones(s, d) for s, d in zip(SHAPES, DTYPES)])
+    kv.set_optimizer(optimizer.SGD(learning_rate=0.5))
+    kv.push(KEYS, _grads(comm.rank))
+    outs = [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)]
+    kv.pull(KEYS, out=outs)
+    for k, o in zip(KEYS, outs):
+        np.testing.assert_allclose(o, 1 - 0.5 * _total(comm, k), err_msg=f"{algorithm} {k}")
+    # Pull of a subset after a push of all: stale keys come back one by one.
+    kv.push(KEYS, _grads(comm.rank))
+    out = np.zeros(SHAPES[5], DTYPES[5])
+    kv.pull(5, out=out)
+    np.testing.assert_allclose(out, 1 - 1.0 * _total(comm, 5))
+
+
+def test_updater_in_fused_buckets_runs_once_per_key_on_its_owner(comm):
+    kv = _store()
+    kv.init(KEYS, [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)])
+    ran = []
+    kv.set_updater(lambda key, value, stored: (ran.append(key), stored.__iadd__(value)))
+    kv.push(KEYS, _grads(comm.rank))
+    everyone = [k for part in comm.allgather(ran) for k in part]
+    shards = {k: len(kv.plan[k].shards) for k in KEYS}
+    assert sorted(everyone) == sorted(k for k in KEYS for _ in range(shards[k]))
+    outs = [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)]
+    kv.pull(KEYS, out=outs)
+    assert all((o == _total(comm, k)).all() for k, o in zip(KEYS, outs))
+
+
+def test_zero_copy_pushpull_leaves_the_sum_in_the_buffers(comm):
+    kv = _store()
+    kv.init(KEYS, [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)])
+    bufs = kv.gradient_buffers(KEYS)
+    assert [b.shape for b in bufs] == SHAPES and [b.dtype for b in bufs] == [
+        np.dtype(d) for d in DTYPES]
+    for step in range(3):
+        for b, g in zip(bufs, _grads(comm.rank, step)):
+            b[...] = g
+        kv.pushpull(KEYS, bufs)
+        for k, b in zip(KEYS, bufs):
+            assert (b == _total(comm, k, step)).all()
+    # The store kept the sum too.
+    out = np.zeros(SHAPES[7], DTYPES[7])
+    kv.pull(7, out=out)
+    assert (out == _total(comm, 7, 2)).all()
+    # Buffers are stable: asking again gives the same arrays.
+    assert all(a is b for a, b in zip(kv.gradient_buffers(KEYS), bufs))
+
+
+def test_zero_copy_with_optimizer_and_mixed_inputs(comm):
+    kv = _store()
+    kv.init(KEYS, [np.ones(s, d) for s, d in zip(SHAPES, DTYPES)])
+    kv.set_optimizer(optimizer.SGD(learning_rate=0.5))
+    bufs = kv.gradient_buffers(KEYS)
+    for b, g in zip(bufs, _grads(comm.rank)):
+        b[...] = g
+    # One key given as a fresh array instead of its buffer: that bucket is copied.
+    values = list(bufs)
+    values[4] = bufs[4].copy()
+    kv.push(KEYS, values)
+    outs = [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)]
+    kv.pull(KEYS, out=outs)
+    for k, o in zip(KEYS, outs):
+        np.testing.assert_allclose(o, 1 - 0.5 * _total(comm, k))
+
+
+def test_zero_copy_refuses_float16_and_unknown_keys(comm):
+    kv = _store()
+    kv.init([1, 2], [np.zeros(3, np.float16), np.zeros(3, np.float32)])
+    with pytest.raises(errors.DTypeError, match="float16"):
+        kv.gradient_buffers([1, 2])
+    with pytest.raises(errors.UnknownKeyError):
+        kv.gradient_buffers([9])
+    buf = kv.gradient_buffers(2)
+    buf[...] = 1
+    kv.pushpull(2, buf)
+    assert (buf == comm.size).all()
+
+
+def test_bad_algorithm_name_is_an_error():
+    from mpikv.algorithms import choose
+    with pytest.raises(ValueError, match="allreduce"):
+        choose("Open MPI", 10, environ={"MPIKV_ALGORITHM": "ring"})
+    assert choose("Open MPI", 10, environ={}) == "allreduce"
+    assert choose("MPICH 4", 10, environ={"MPIKV_ALGORITHM": "reduce_scatter"}) == "reduce_scatter"
