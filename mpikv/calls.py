@@ -41,6 +41,7 @@ class Call:
     items: list = field(default_factory=list)
     settings: dict = field(default_factory=dict)
     errors: list = field(default_factory=list)
+    user_keys: list = field(default_factory=list)
 
     def fail(self, exc_class, key, message):
         self.errors.append((exc_class.__name__, key, message))
@@ -143,12 +144,21 @@ class CallReader:
             out_entries = value_entries
         items = {}
         seen_types = set()
+        priority = call.settings.get("priority", 0)
+        if isinstance(priority, (list, tuple)):
+            if len(priority) != len(keys) or not all(
+                    isinstance(p, numbers.Integral) for p in priority):
+                call.fail(errors.InputError, None, f"priority must be an int or one int per "
+                          f"key ({len(keys)} keys), not {priority!r}")
+            call.settings["priority"] = [int(p) for p in priority
+                                         if isinstance(p, numbers.Integral)]
         for raw, value, out in zip(keys, value_entries, out_entries):
             try:
                 k = normalize_key(raw)
             except errors.KeyTypeError as exc:
                 call.fail(errors.KeyTypeError, None, str(exc))
                 continue
+            call.user_keys.append(k)
             seen_types.add(type(k))
             if k in items:
                 call.fail(errors.InputError, k, f"key {k!r} appears more than once in one call")

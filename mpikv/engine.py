@@ -137,8 +137,14 @@ class Engine:
             self.key_type = type(items[0].key)
 
     # -- push ------------------------------------------------------------
-    def push(self, op, items):
-        """Sums the items' values over devices and ranks, then assigns or updates."""
+    def push(self, op, items, order=None):
+        """Sums the items' values over devices and ranks, then assigns or updates.
+
+        Args:
+            op: the operation's name, for messages.
+            items: the call's checked :class:`mpikv.calls.Item` list.
+            order: key -> priority; buckets with higher priorities move first.
+        """
         t = self.transport
         by_key = {i.key: i for i in items}
         layout = self.layout(list(by_key))
@@ -150,7 +156,7 @@ class Engine:
             # the same on every rank whichever keys it owns.
             opt.num_update = max(opt.num_update, max(self.counts[k] for k in by_key))
         pending = []
-        for index, bucket in enumerate(layout.buckets):
+        for index, bucket in _ordered(layout.buckets, order):
             what = (op, bucket.keys)
             buf = self._gather(layout, index, bucket, by_key)
             if self.updater_kind is None:
@@ -286,12 +292,12 @@ class Engine:
             opt.finish_update(update, sums[slot[key] * width:(slot[key] + 1) * width])
 
     # -- pull ------------------------------------------------------------
-    def pull(self, op, items):
+    def pull(self, op, items, order=None):
         """Brings stale values back from their owners, then copies into the outputs."""
         t = self.transport
         by_key = {i.key: i for i in items}
         layout = self.layout(list(by_key))
-        for index, bucket in enumerate(layout.buckets):
+        for index, bucket in _ordered(layout.buckets, order):
             stale = [k for k in bucket.keys if self.entries[k].stale]
             if stale:
                 what = (op, stale)
@@ -364,6 +370,14 @@ class Engine:
         # Other cached layouts may point at the old arenas.
         self._layouts = {sig: lay for sig, lay in self._layouts.items() if lay is layout}
         layout.stored = [self._stored_view(b) for b in layout.buckets]
+
+
+def _ordered(buckets, order):
+    """``(index, bucket)`` pairs, highest priority first (stable), or in plan order."""
+    pairs = list(enumerate(buckets))
+    if order:
+        pairs.sort(key=lambda p: -max(order.get(k, 0) for k in p[1].keys))
+    return pairs
 
 
 def _key_offsets(bucket):

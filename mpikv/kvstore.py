@@ -11,6 +11,7 @@ rank and changes nothing.
 from . import checkpoint, config, errors
 from .agreement import describe, explain
 from .calls import Call, CallReader
+from ._executor import Executor, Handle
 from .engine import Engine
 from .plan import sort_key
 from .transport import make_transport
@@ -66,6 +67,7 @@ class KVStore:
         self._transport = transport
         self._options = options
         self._engine = Engine(transport, options.bigarray_bound, options.bucket_bytes)
+        self._executor = Executor(transport.threaded, self._background_error)
         self._reader = CallReader(self._lookup, lambda: self._engine.key_type)
 
     # -- properties ------------------------------------------------------
@@ -99,6 +101,7 @@ class KVStore:
         """
         call = self._read("init", key, value, new_keys=True, need_values=True)
         self._agree(call)
+        self._executor.drain()
         self._engine.init(call.op, call.items)
 
     def push(self, key, value, priority=0):
@@ -107,13 +110,18 @@ class KVStore:
         Args:
             key: a key or a list of keys.
             value: per key, an array or a list of arrays (one per device).
-            priority: must be the same on every rank; accepted for MXNet
-                compatibility.
+            priority: an int, or one int per key: buckets holding keys of
+                higher priority move first. Must be the same on every rank.
         """
-        call = self._read("push", key, value, need_values=True,
-                          settings=self._push_settings(priority))
-        self._agree(call)
-        self._engine.push(call.op, call.items)
+        self._run(self._push_call("push", key, value, priority), push=True)
+
+    def push_async(self, key, value, priority=0):
+        """:meth:`push` in the background; returns a :class:`Handle`.
+
+        Errors in the call are raised here, on every rank. Do not change
+        ``value`` until :meth:`wait` returns for the handle.
+        """
+        return self._submit(self._push_call("push", key, value, priority), push=True)
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         """Copies stored values into ``out``.
@@ -125,28 +133,39 @@ class KVStore:
             ignore_sparse: accepted for MXNet compatibility.
         """
         del ignore_sparse
-        call = self._read("pull", key, outs=out, need_outs=True,
-                          settings={"priority": priority})
-        self._agree(call)
-        self._engine.pull(call.op, call.items)
+        self._run(self._pull_call(key, out, priority), pull=True)
+
+    def pull_async(self, key, out=None, priority=0):
+        """:meth:`pull` in the background; ``out`` is filled when :meth:`wait` returns."""
+        return self._submit(self._pull_call(key, out, priority), pull=True)
 
     def pushpull(self, key, value, out=None, priority=0):
         """:meth:`push` then :meth:`pull` in one collective call.
 
         With ``out=None`` the result is written into ``value``.
         """
-        call = self._read("pushpull", key, value, out, need_values=True,
-                          need_outs=out is not None, outs_default_values=True,
-                          settings=self._push_settings(priority))
-        self._agree(call)
-        self._engine.push(call.op, call.items)
-        self._engine.pull(call.op, call.items)
+        self._run(self._push_call("pushpull", key, value, priority, out), push=True, pull=True)
+
+    def pushpull_async(self, key, value, out=None, priority=0):
+        """:meth:`pushpull` in the background; returns a :class:`Handle`."""
+        return self._submit(self._push_call("pushpull", key, value, priority, out),
+                            push=True, pull=True)
+
+    def wait(self, handle=None):
+        """Waits for one handle, or (``None``) for every call made so far."""
+        if handle is None:
+            self._executor.drain()
+        else:
+            handle.wait()
+
+    synchronize = wait
 
     def broadcast(self, key, value, out, priority=0):
         """:meth:`init` with rank 0's ``value``, then :meth:`pull` into ``out``."""
         call = self._read("broadcast", key, value, out, new_keys=True, need_values=True,
                           need_outs=True, settings={"priority": priority})
         self._agree(call)
+        self._executor.drain()
         self._engine.init(call.op, call.items)
         self._engine.pull(call.op, call.items)
 
@@ -154,6 +173,7 @@ class KVStore:
         """Waits until every rank has called ``barrier`` (``MPI_Barrier``)."""
         call = Call("barrier")
         self._agree(call)
+        self._executor.drain()
         self._transport.barrier(("barrier", []))
 
     _barrier = barrier
@@ -170,6 +190,7 @@ class KVStore:
         """
         if updater is not None and not callable(updater):
             raise TypeError(f"updater must be callable, not {type(updater).__name__}")
+        self._executor.drain()
         e = self._engine
         e.optimizer, e.states = None, {}
         e.updater = updater
@@ -194,6 +215,7 @@ class KVStore:
             call.fail(errors.OptimizerError, None, f"set_optimizer needs an "
                       f"mpikv.optimizer.Optimizer, not {type(optimizer).__name__}")
         self._agree(call)
+        self._executor.drain()
         self._install_optimizer(optimizer)
 
     def is_capable(self, capability):
@@ -216,6 +238,7 @@ class KVStore:
         if self._engine.optimizer is None:
             call.fail(errors.OptimizerError, None, "no optimizer is set (use set_optimizer)")
         self._agree(call)
+        self._executor.drain()
         checkpoint.save(self._engine, str(fname), "optimizer_states", False, dump_optimizer)
 
     def load_optimizer_states(self, fname):
@@ -226,6 +249,7 @@ class KVStore:
         """
         call = Call("load_optimizer_states", settings={"fname": str(fname)})
         self._agree(call)
+        self._executor.drain()
         checkpoint.load(self._engine, str(fname), "optimizer_states", False)
 
     def save_checkpoint(self, fname):
@@ -236,6 +260,7 @@ class KVStore:
         """
         call = Call("save_checkpoint", settings={"fname": str(fname)})
         self._agree(call)
+        self._executor.drain()
         checkpoint.save(self._engine, str(fname), "checkpoint", True, True)
 
     def load_checkpoint(self, fname):
@@ -247,6 +272,7 @@ class KVStore:
         """
         call = Call("load_checkpoint", settings={"fname": str(fname)})
         self._agree(call)
+        self._executor.drain()
         checkpoint.load(self._engine, str(fname), "checkpoint", True)
 
     def optimizer_state_nbytes(self):
@@ -273,6 +299,7 @@ class KVStore:
         if call.errors:
             cls = getattr(errors, call.errors[0][0], errors.InputError)
             raise cls(call.errors[0][2])
+        self._executor.drain()
         views = self._engine.gradient_buffers(call.keys)
         out = [views[k] for k in (call.keys if single else
                                   [self._normal(k) for k in keys])]
@@ -281,6 +308,10 @@ class KVStore:
     def _normal(self, key):
         from .calls import normalize_key
         return normalize_key(key)
+
+    def _background_error(self, text):
+        from .transport._deadline import EXCEPTION_EXIT_CODE, abort
+        abort(f"mpikv: rank {self.rank}: {text}", EXCEPTION_EXIT_CODE)
 
     def _install_optimizer(self, optimizer):
         e = self._engine
@@ -294,6 +325,36 @@ class KVStore:
 
     def _read(self, op, key, values=None, outs=None, **kw):
         return self._reader.read(op, key, values, outs, **kw)
+
+    def _push_call(self, op, key, value, priority, out=None):
+        return self._read(op, key, value, out, need_values=True,
+                          need_outs=op == "pushpull" and out is not None,
+                          outs_default_values=op == "pushpull",
+                          settings=self._push_settings(priority))
+
+    def _pull_call(self, key, out, priority):
+        return self._read("pull", key, outs=out, need_outs=True,
+                          settings={"priority": priority})
+
+    def _job(self, call, push, pull):
+        """The data movement of an agreed call, as a function of no arguments."""
+        engine, op, items = self._engine, call.op, call.items
+        order = _bucket_order(call)
+
+        def job():
+            if push:
+                engine.push(op, items, order)
+            if pull:
+                engine.pull(op, items, order)
+        return job
+
+    def _run(self, call, push=False, pull=False):
+        self._agree(call)
+        self._executor.run(self._job(call, push, pull), (call.op, call.keys))
+
+    def _submit(self, call, push=False, pull=False):
+        self._agree(call)
+        return self._executor.submit(self._job(call, push, pull), (call.op, call.keys))
 
     def _push_settings(self, priority):
         e = self._engine
@@ -320,4 +381,12 @@ class KVStore:
                 f"num_workers={self.num_workers} keys={len(self._engine.entries)}>")
 
 
-__all__ = ["create", "KVStore", "STORE_TYPES"]
+def _bucket_order(call):
+    """key -> priority when a call gives one priority per key, else None."""
+    priority = call.settings.get("priority", 0)
+    if isinstance(priority, (list, tuple)):
+        return dict(zip(call.user_keys, priority))
+    return None
+
+
+__all__ = ["create", "KVStore", "Handle", "STORE_TYPES"]

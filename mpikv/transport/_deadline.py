@@ -75,7 +75,7 @@ class Watchdog:
     def __init__(self, timeout, rank):
         self.timeout = timeout
         self.rank = rank
-        self._armed = None
+        self._armed = {}   # thread id -> (deadline, what): the comm thread and the caller
         self._thread = None
 
     def watch(self, what):
@@ -91,8 +91,10 @@ class Watchdog:
         period = min(1.0, max(self.timeout / 10, 0.01))
         while True:
             time.sleep(period)
-            armed = self._armed
-            if armed is not None and time.monotonic() > armed[0]:
+            now = time.monotonic()
+            late = [a for a in list(self._armed.values()) if now > a[0]]
+            if late:
+                armed = late[0]
                 abort(f"mpikv: rank {self.rank}: {format_what(armed[1])} did not complete within "
                       f"{self.timeout:g} s (a rank is stuck or gone); ending the job. "
                       f"create(timeout=) or MPIKV_TIMEOUT sets the limit.", TIMEOUT_EXIT_CODE)
@@ -108,7 +110,7 @@ class _Watch:
         dog = self.dog
         if dog.timeout != float("inf"):
             dog._start()
-            dog._armed = (time.monotonic() + dog.timeout, self.what)
+            dog._armed[threading.get_ident()] = (time.monotonic() + dog.timeout, self.what)
 
     def __exit__(self, *exc):
-        self.dog._armed = None
+        self.dog._armed.pop(threading.get_ident(), None)

@@ -13,6 +13,7 @@ class Transport(ABC):
     rank = 0
     size = 1
     library = "none"
+    threaded = False   # whether data may move on a worker thread
 
     @abstractmethod
     def agree(self, digest, has_error, what):

@@ -37,6 +37,10 @@ class MPITransport(Transport):
         if not isinstance(comm, MPI.Intracomm):
             raise TypeError(f"comm must be an mpi4py intra-communicator, not {type(comm).__name__}")
         self.comm = comm.Dup()
+        # Agreement runs in the caller's thread while the store's worker thread
+        # may be inside a data collective: separate communicators keep them apart.
+        self.agree_comm = comm.Dup()
+        self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.timeout = options.timeout
@@ -58,7 +62,7 @@ class MPITransport(Transport):
         record = self._record
         record[:16] = digest
         record[16] = 1 if has_error else 0
-        table, comm, size = self._table, self.comm, self.size
+        table, comm, size = self._table, self.agree_comm, self.size
         start = time.monotonic()
         if self.rank == 0:
             table[:_RECORD_BYTES] = record
@@ -100,7 +104,7 @@ class MPITransport(Transport):
 
     def allgather_records(self, record, what):
         with self._watchdog.watch(what):
-            texts = self.comm.allgather(json.dumps(record))
+            texts = self.agree_comm.allgather(json.dumps(record))
         return [json.loads(t) for t in texts]
 
     # -- data ------------------------------------------------------------

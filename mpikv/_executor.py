@@ -1,0 +1,96 @@
+"""Running data movement in the background, in the order calls were made.
+
+Every rank submits the same calls in the same order (the collective rule), so
+one worker thread per store, taking calls first in, first out, issues the same
+MPI collectives in the same order on every rank. Blocking MPI calls release
+the GIL, so the caller computes while a bucket moves.
+"""
+
+import queue
+import sys
+import threading
+import traceback
+
+
+class Handle:
+    """A call running in the background; :meth:`wait` for it before touching its arrays."""
+
+    __slots__ = ("_event", "what")
+
+    def __init__(self, what, done=False):
+        self.what = what
+        self._event = threading.Event()
+        if done:
+            self._event.set()
+
+    def done(self):
+        """Whether the call has finished."""
+        return self._event.is_set()
+
+    def wait(self):
+        """Blocks until the call has finished."""
+        self._event.wait()
+
+    def __repr__(self):
+        return f"<mpikv.Handle {self.what[0]} {'done' if self.done() else 'running'}>"
+
+
+class Executor:
+    """Runs store operations inline, or on one worker thread when asked to.
+
+    Args:
+        threaded: whether background execution is possible (MPI must allow
+            calls from several threads); if not, "asynchronous" calls run
+            before they return.
+        on_error: called with the formatted traceback when a background call
+            raises; it must end the job (the other ranks would wait forever).
+    """
+
+    def __init__(self, threaded, on_error):
+        self.threaded = threaded
+        self._on_error = on_error
+        self._queue = queue.Queue()
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._thread = None
+
+    def run(self, fn, what):
+        """Runs ``fn`` now, after everything submitted before it."""
+        if self._pending:
+            self.submit(fn, what).wait()
+        else:
+            fn()
+
+    def submit(self, fn, what):
+        """Queues ``fn``; returns its :class:`Handle`."""
+        if not self.threaded:
+            fn()
+            return Handle(what, done=True)
+        handle = Handle(what)
+        with self._idle:
+            self._pending += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="mpikv-comm", daemon=True)
+            self._thread.start()
+        self._queue.put((fn, handle))
+        return handle
+
+    def drain(self):
+        """Waits until every submitted call has finished."""
+        with self._idle:
+            while self._pending:
+                self._idle.wait()
+
+    def _work(self):
+        while True:
+            fn, handle = self._queue.get()
+            try:
+                fn()
+            except BaseException:
+                self._on_error(f"{handle.what[0]} failed in the background\n"
+                               f"{traceback.format_exc()}")
+                sys.exit(1)  # not reached: on_error ends the job
+            handle._event.set()
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
