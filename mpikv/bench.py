@@ -1,78 +1,389 @@
-"""Benchmarks of mpikv against raw mpi4py on the same bytes, in the same run.
+"""Benchmark mpikv against raw mpi4py on the same bytes, in the same run.
 
-    scripts/mpirun.sh -n 2 python -m mpikv.bench agreement
+    scripts/mpirun.sh -n 2 python -m mpikv.bench                  # every workload and mode
+    scripts/mpirun.sh -n 2 python -m mpikv.bench --workload resnet50 --mode sgd --json
+    scripts/mpirun.sh -n 2 python -m mpikv.bench agreement        # cost of the agreement step
+    scripts/mpirun.sh -n 2 python -m mpikv.bench algorithms       # the collective table
+    scripts/mpirun.sh -n 2 python -m mpikv.bench chunks           # Allreduce piece sizes
+    scripts/mpirun.sh -n 2 python -m mpikv.bench memory --workload bert_base --mode adam
 
-``agreement``: what the per-call agreement step costs (fingerprint, one small
-gather to rank 0 and one broadcast), for calls of 1 to 1000 keys, next to a
-raw ``MPI_Barrier`` and a raw 4 KiB in-place ``Allreduce``.
+Workloads: ``resnet50`` and ``bert_base`` (real parameter shapes, float32),
+``big64`` (one 64 MiB key), ``small1000`` (1000 keys of 4 KiB). Modes:
+``pushpull`` (default updater), ``sgd`` and ``adam`` (push + pull with the
+optimizer on the owners). Every store case runs interleaved with its raw
+baselines on the same bytes: one in-place ``Allreduce`` of one preallocated
+buffer, ``Reduce`` + ``Bcast`` of it, one blocking ``Allreduce`` per key, and
+for the optimizer modes one ``Allreduce`` followed by the same optimizer
+updating the whole model on every rank (what Horovod and DDP do). Times are
+the median over iterations of the slowest rank; GB/s is model bytes / time;
+"vs baseline" is the baseline's time over the case's (above 1: faster), the
+baseline being the fastest of the three raw sums (pushpull) or the raw
+Allreduce plus the whole-model update (sgd, adam).
 """
 
 import argparse
 import json
+import os
+import resource
 import sys
 import time
+from importlib import resources
 
 import numpy as np
 
-
-def _median_us(fn, comm, repeat):
-    for _ in range(max(3, repeat // 10)):
-        fn()
-    times = []
-    for _ in range(repeat):
-        comm.Barrier()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    # The slowest rank's median is the call's cost.
-    return max(comm.allgather(float(np.median(times)))) * 1e6
+WORKLOADS = ("resnet50", "bert_base", "big64", "small1000")
+MODES = ("pushpull", "sgd", "adam")
 
 
-def bench_agreement(repeat):
-    """Returns rows of (case, microseconds per call)."""
+def shapes(workload):
+    """The list of parameter shapes of a workload (all float32)."""
+    if workload == "big64":
+        return [(16 * 1024 * 1024,)]
+    if workload == "small1000":
+        return [(1024,)] * 1000
+    data = json.loads(resources.files("mpikv.workloads").joinpath(f"{workload}.json").read_text())
+    return [tuple(s["shape"]) for s in data["shapes"]]
+
+
+def _peak_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class _Timer:
+    """Interleaves cases: each iteration runs every case once, in turn."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.samples = {}
+
+    def run(self, cases, iterations, warmup=2):
+        """Times ``(name, prepare, fn)`` cases; ``prepare`` (untimed) refills inputs."""
+        for i in range(warmup + iterations):
+            for name, prepare, fn in cases:
+                if prepare is not None:
+                    prepare()
+                self.comm.Barrier()
+                t = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - t
+                slowest = self.comm.allreduce(dt, op=_max())
+                if i >= warmup:
+                    self.samples.setdefault(name, []).append(slowest)
+
+    def median(self, name):
+        return float(np.median(self.samples[name]))
+
+
+def _max():
+    from mpi4py import MPI
+    return MPI.MAX
+
+
+def bench_workload(workload, mode, iterations, comm):
+    """Returns a result dict for one workload and mode."""
+    from mpi4py import MPI
+
+    import mpikv
+    from mpikv import optimizer
+
+    shp = shapes(workload)
+    keys = list(range(len(shp)))
+    sizes = [int(np.prod(s)) for s in shp]
+    total = sum(sizes)
+    nbytes = total * 4
+    rng = np.random.default_rng(comm.rank)
+    grads = [rng.standard_normal(s).astype(np.float32) for s in shp]
+    outs = [np.zeros(s, np.float32) for s in shp]
+    flat = np.concatenate([g.reshape(-1) for g in grads])
+    raw = flat.copy()
+    key_bufs = [g.copy() for g in grads]
+
+    kv = mpikv.create("dist_sync")
+    kv.init(keys, [np.zeros(s, np.float32) for s in shp])
+    make_opt = {"sgd": lambda: optimizer.SGD(learning_rate=0.01, momentum=0.9, wd=1e-4),
+                "adam": lambda: optimizer.Adam(learning_rate=1e-3)}
+    if mode != "pushpull":
+        kv.set_optimizer(make_opt[mode]())
+    zero = kv.gradient_buffers(keys)
+    for z, g in zip(zero, grads):
+        z[...] = g
+
+    # In-place reductions overwrite their input: refill it, untimed, before each call
+    # (a training loop's backward pass writes fresh gradients there).
+    def refill_raw():
+        raw[...] = flat
+
+    def refill_keys():
+        for b, g in zip(key_bufs, grads):
+            b[...] = g
+
+    def refill_zero():
+        for z, g in zip(zero, grads):
+            z[...] = g
+
+    def raw_allreduce():
+        comm.Allreduce(MPI.IN_PLACE, raw)
+
+    def raw_reduce_bcast():
+        if comm.rank == 0:
+            comm.Reduce(MPI.IN_PLACE, raw, root=0)
+        else:
+            comm.Reduce(raw, None, root=0)
+        comm.Bcast(raw, root=0)
+
+    def raw_per_key():
+        for b in key_bufs:
+            comm.Allreduce(MPI.IN_PLACE, b)
+
+    cases = [("raw Allreduce (one buffer)", refill_raw, raw_allreduce),
+             ("raw Reduce+Bcast (one buffer)", refill_raw, raw_reduce_bcast),
+             ("raw Allreduce per key", refill_keys, raw_per_key)]
+    if mode == "pushpull":
+        cases += [("mpikv pushpull", None, lambda: kv.pushpull(keys, grads, out=outs)),
+                  ("mpikv pushpull, zero-copy", refill_zero, lambda: kv.pushpull(keys, zero))]
+    else:
+        weights = [np.zeros(s, np.float32) for s in shp]
+        whole = make_opt[mode]()
+        states = [whole.create_state(k, w) for k, w in zip(keys, weights)]
+
+        def raw_then_update():
+            comm.Allreduce(MPI.IN_PLACE, raw)
+            off = 0
+            for k, w, st, n in zip(keys, weights, states, sizes):
+                whole.update(k, w, raw[off:off + n].reshape(w.shape), st)
+                off += n
+
+        def store():
+            kv.push(keys, grads)
+            kv.pull(keys, out=outs)
+
+        def store_zero():
+            kv.push(keys, zero)
+            kv.pull(keys, out=outs)
+        cases += [(f"raw Allreduce + {mode} on every rank", refill_raw, raw_then_update),
+                  (f"mpikv push+pull, {mode} on owners", None, store),
+                  (f"mpikv push+pull, {mode} on owners, zero-copy", refill_zero, store_zero)]
+    timer = _Timer(comm)
+    timer.run(cases, iterations)
+    rows = [{"case": name, "ms": timer.median(name) * 1e3,
+             "GB/s": nbytes / timer.median(name) / 1e9} for name, _, _ in cases]
+    # The baseline: the fastest raw way to sum (for the optimizer modes, plus the
+    # whole-model update every rank then needs).
+    plain = min(r["ms"] for r in rows[:3])
+    base = plain if mode == "pushpull" else rows[3]["ms"]
+    for r in rows:
+        r["vs baseline"] = base / r["ms"]
+    peaks = comm.allgather(_peak_mib())
+    return {"workload": workload, "mode": mode, "ranks": comm.size, "tensors": len(shp),
+            "MiB": nbytes / 2**20, "iterations": iterations, "rows": rows,
+            "peak_MiB_per_rank": max(peaks), "library": _library()}
+
+
+def _library():
+    from mpi4py import MPI
+    return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
+
+
+def bench_agreement(repeat, comm):
+    """Rows of (case, microseconds per call) for the agreement step."""
     from mpi4py import MPI
 
     import mpikv
     from mpikv.agreement import describe
 
-    comm = MPI.COMM_WORLD
     kv = mpikv.create("dist_sync")
-    rows = []
     buf = np.ones(1024, np.float32)
-    rows.append(("raw MPI_Barrier", _median_us(comm.Barrier, comm, repeat)))
-    rows.append(("raw Allreduce 4 KiB in place",
-                 _median_us(lambda: comm.Allreduce(MPI.IN_PLACE, buf), comm, repeat)))
-    rows.append(("kv.barrier() (agreement + MPI_Barrier)", _median_us(kv.barrier, comm, repeat)))
+
+    def median_us(fn, n):
+        for _ in range(max(3, n // 10)):
+            fn()
+        times = []
+        for _ in range(n):
+            comm.Barrier()
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return max(comm.allgather(float(np.median(times)))) * 1e6
+
+    rows = [("raw MPI_Barrier", median_us(comm.Barrier, repeat)),
+            ("raw Allreduce 4 KiB in place",
+             median_us(lambda: comm.Allreduce(MPI.IN_PLACE, buf), repeat)),
+            ("kv.barrier() (agreement + MPI_Barrier)", median_us(kv.barrier, repeat))]
     for nkeys in (1, 100, 1000):
         keys = list(range(nkeys * 10, nkeys * 10 + nkeys))
         kv.init(keys, [np.zeros(1024, np.float32)] * nkeys)
         grads = [np.ones(1024, np.float32)] * nkeys
 
         def agree_only():
-            call = kv._read("push", keys, grads, need_values=True, settings=kv._push_settings(0))
+            call = kv._push_call("push", keys, grads, 0)
             digest, _ = describe(call)
             kv._transport.agree(digest, bool(call.errors), ("push", keys))
 
         rows.append((f"agreement of a push of {nkeys} key(s) (read + fingerprint + exchange)",
-                     _median_us(agree_only, comm, max(10, repeat // nkeys))))
-    return rows
+                     median_us(agree_only, max(10, repeat // nkeys))))
+    return [{"case": c, "us": us} for c, us in rows]
+
+
+def bench_algorithms(iterations, comm):
+    """The store's fused path under each algorithm, per bucket size (for the table)."""
+    import mpikv
+    from mpikv.algorithms import ALGORITHMS
+
+    results = []
+    for nbytes in (64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20):
+        n = nbytes // 4096  # keys of 4 KiB (1024 floats) filling one bucket
+        keys = list(range(n))
+        kv = mpikv.create("dist_sync", bucket_bytes=nbytes)
+        kv.init(keys, [np.zeros(1024, np.float32)] * n)
+        bufs = kv.gradient_buffers(keys)
+        cases = []
+        for name in ALGORITHMS:
+            def run(name=name):
+                os.environ["MPIKV_ALGORITHM"] = name
+                kv.pushpull(keys, bufs)
+            cases.append((name, None, run))
+        timer = _Timer(comm)
+        timer.run(cases, iterations)
+        os.environ.pop("MPIKV_ALGORITHM", None)
+        results.append({"bucket_KiB": nbytes >> 10,
+                        **{name: nbytes / timer.median(name) / 1e9 for name in ALGORITHMS}})
+    return results
+
+
+def bench_memory(workload, mode, iterations, comm):
+    """Peak memory per rank of a training loop through the store, and nothing else.
+
+    The loop writes gradients into the zero-copy buffers and pulls into the
+    parameters, as a framework would; no raw baseline shares the process.
+    """
+    import mpikv
+    from mpikv import optimizer
+
+    base = _peak_mib()
+    shp = shapes(workload)
+    keys = list(range(len(shp)))
+    nbytes = sum(int(np.prod(s)) for s in shp) * 4
+    params = [np.zeros(s, np.float32) for s in shp]
+    kv = mpikv.create("dist_sync")
+    kv.init(keys, params)
+    if mode != "pushpull":
+        kv.set_optimizer(optimizer.create(mode, learning_rate=1e-3))
+    grads = kv.gradient_buffers(keys)
+    for _ in range(iterations):
+        for g in grads:
+            g.fill(1e-3)  # the backward pass
+        kv.push(keys, grads)
+        kv.pull(keys, out=params)
+    peak = max(comm.allgather(_peak_mib()))
+    return {"workload": workload, "mode": mode, "ranks": comm.size, "model_MiB": nbytes / 2**20,
+            "start_MiB": base, "peak_MiB": peak, "peak_over_model": peak * 2**20 / nbytes,
+            "growth_over_model": (peak - base) * 2**20 / nbytes,
+            "state_MiB_per_rank": kv.optimizer_state_nbytes() / 2**20}
+
+
+def bench_chunks(iterations, comm):
+    """Raw in-place Allreduce of ResNet-50's bytes (97.5 MiB) in pieces of various sizes."""
+    from mpi4py import MPI
+    n = sum(int(np.prod(s)) for s in shapes("resnet50"))
+    src = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
+    buf = src.copy()
+    pieces = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, n * 4)
+
+    def case(piece):
+        step = piece // 4
+
+        def run():
+            for i in range(0, n, step):
+                comm.Allreduce(MPI.IN_PLACE, buf[i:i + step])
+        return (f"{piece >> 10} KiB", lambda: buf.__setitem__(Ellipsis, src), run)
+
+    timer = _Timer(comm)
+    cases = [case(p) for p in pieces]
+    timer.run(cases, iterations)
+    return [{"piece_KiB": p >> 10, "ms": timer.median(name) * 1e3,
+             "GB/s": n * 4 / timer.median(name) / 1e9} for p, (name, _, _) in zip(pieces, cases)]
+
+
+def _print_workload(res):
+    print(f"\n{res['workload']} ({res['tensors']} tensors, {res['MiB']:.1f} MiB), mode "
+          f"{res['mode']}, {res['ranks']} ranks, {res['iterations']} iterations; "
+          f"peak RSS per rank {res['peak_MiB_per_rank']:.0f} MiB")
+    print(f"  {'case':48s} {'ms':>9s} {'GB/s':>7s} {'vs baseline':>12s}")
+    for r in res["rows"]:
+        print(f"  {r['case']:48s} {r['ms']:9.2f} {r['GB/s']:7.2f} {r['vs baseline']:12.2f}")
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m mpikv.bench", description=__doc__)
-    parser.add_argument("what", choices=["agreement"])
-    parser.add_argument("--repeat", type=int, default=1000)
-    parser.add_argument("--json", action="store_true", help="print JSON rows")
+    parser = argparse.ArgumentParser(prog="python -m mpikv.bench",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("what", nargs="?", default="workloads",
+                        choices=["workloads", "agreement", "algorithms", "chunks", "memory"])
+    parser.add_argument("--workload", choices=WORKLOADS, action="append",
+                        help="repeatable; default: all")
+    parser.add_argument("--mode", choices=MODES, action="append", help="repeatable; default: all")
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="timed iterations (default: 10, 5 for bert_base)")
+    parser.add_argument("--json", action="store_true", help="one JSON document on rank 0")
     args = parser.parse_args(argv)
     from mpi4py import MPI
-    rows = bench_agreement(args.repeat)
-    if MPI.COMM_WORLD.rank == 0:
-        if args.json:
-            print(json.dumps([{"case": c, "us": round(us, 2)} for c, us in rows]))
-        else:
-            print(f"{MPI.COMM_WORLD.size} ranks; median microseconds per call (slowest rank)")
-            for case, us in rows:
-                print(f"{us:10.1f}  {case}")
+    comm = MPI.COMM_WORLD
+    if args.what == "agreement":
+        out = bench_agreement(args.iterations or 1000, comm)
+        if comm.rank == 0:
+            if args.json:
+                print(json.dumps(out))
+            else:
+                print(f"{comm.size} ranks; median microseconds per call (slowest rank)")
+                for row in out:
+                    print(f"{row['us']:10.1f}  {row['case']}")
+        return 0
+    if args.what == "memory":
+        out = [bench_memory(w, m, args.iterations or 3, comm)
+               for w in args.workload or ["bert_base"] for m in args.mode or ["adam"]]
+        if comm.rank == 0:
+            if args.json:
+                print(json.dumps(out))
+            for r in out if not args.json else []:
+                print(f"{r['workload']} {r['mode']} on {r['ranks']} ranks: model "
+                      f"{r['model_MiB']:.0f} MiB; peak RSS per rank {r['peak_MiB']:.0f} MiB = "
+                      f"{r['peak_over_model']:.2f} x model ({r['start_MiB']:.0f} MiB before "
+                      f"the model: growth {r['growth_over_model']:.2f} x model); optimizer "
+                      f"state on this rank {r['state_MiB_per_rank']:.0f} MiB")
+        return 0
+    if args.what == "chunks":
+        out = bench_chunks(args.iterations or 7, comm)
+        if comm.rank == 0:
+            if args.json:
+                print(json.dumps(out))
+            else:
+                print(f"{comm.size} ranks, {_library()}: in-place Allreduce of 97.5 MiB in pieces")
+                for row in out:
+                    print(f"  {row['piece_KiB']:8d} KiB pieces: {row['ms']:8.1f} ms "
+                          f"{row['GB/s']:6.2f} GB/s")
+        return 0
+    if args.what == "algorithms":
+        out = bench_algorithms(args.iterations or 10, comm)
+        if comm.rank == 0:
+            if args.json:
+                print(json.dumps(out))
+            else:
+                print(f"{comm.size} ranks, {_library()}: GB/s of a zero-copy pushpull of one "
+                      f"fused bucket")
+                for row in out:
+                    print(f"  {row['bucket_KiB']:8d} KiB  " + "  ".join(
+                        f"{k}={v:.2f}" for k, v in row.items() if k != "bucket_KiB"))
+        return 0
+    results = []
+    for workload in args.workload or WORKLOADS:
+        for mode in args.mode or MODES:
+            iterations = args.iterations or (5 if workload == "bert_base" else 10)
+            res = bench_workload(workload, mode, iterations, comm)
+            results.append(res)
+            if comm.rank == 0 and not args.json:
+                _print_workload(res)
+                sys.stdout.flush()
+    if comm.rank == 0 and args.json:
+        print(json.dumps(results))
     return 0
 
 

@@ -5,7 +5,7 @@
 | collective timeout, seconds (0: none) | ``timeout`` | ``MPIKV_TIMEOUT`` | 600 |
 | split arrays of at least this many elements | ``bigarray_bound`` | ``MPIKV_BIGARRAY_BOUND`` | 1000000 |
 | abort the job on an uncaught exception | ``abort_on_exception`` | ``MPIKV_ABORT_ON_EXCEPTION`` | 1 |
-| largest fused bucket, bytes | ``bucket_bytes`` | ``MPIKV_BUCKET_BYTES`` | 67108864 |
+| largest fused bucket (and Allreduce piece), bytes | ``bucket_bytes`` | ``MPIKV_BUCKET_BYTES`` | 4194304 |
 """
 
 import math

@@ -41,7 +41,8 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
         abort_on_exception: end the whole job when an exception escapes on
             any rank (default ``MPIKV_ABORT_ON_EXCEPTION`` or on).
         bucket_bytes: the largest bucket small keys are fused into (default
-            ``MPIKV_BUCKET_BYTES`` or 64 MiB).
+            ``MPIKV_BUCKET_BYTES`` or 4 MiB); also the largest piece one
+            ``Allreduce`` moves.
 
     Raises:
         TypeError: ``name`` is not a string.
@@ -342,10 +343,9 @@ class KVStore:
         order = _bucket_order(call)
 
         def job():
-            if push:
-                engine.push(op, items, order)
+            in_place = engine.push(op, items, order) if push else ()
             if pull:
-                engine.pull(op, items, order)
+                engine.pull(op, items, order, in_place)
         return job
 
     def _run(self, call, push=False, pull=False):

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Sets everything up (once) and runs the whole test suite:
 #   1. plain pytest: pure units, the local store, and whole MPI jobs (faults, examples);
-#   2. the collective tests under mpiexec at 1, 2, 3 and 4 ranks.
+#   2. the collective tests under mpiexec at 1, 2, 3 and 4 ranks;
+#   3. system tests: a real local SLURM cluster (sbatch) and a job across two
+#      network-namespace hosts (they install Debian's slurm-wlm the first time).
 # Every MPI run is under a timeout; the exit code is non-zero if any part failed.
 set -uo pipefail
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -25,5 +27,8 @@ for n in 1 2 3 4; do
     fi' "$py" 2>&1 | tr -d '\000' | grep -v -E '^(MPI (version|library version|vendor)|mpi4py (rc|config)|rank|size):' 
   [ "${PIPESTATUS[0]}" = 0 ] || { echo "collective tests on $n rank(s) FAILED"; status=1; }
 done
+echo "== system tests: a real SLURM cluster and two network-namespace hosts (root; skipped otherwise)"
+timeout -k 10 600 "$py" -m pytest tests/system -q --color=no -p no:randomly || status=1
+
 echo "== whole suite: $((SECONDS - start)) s, $([ $status = 0 ] && echo passed || echo FAILED)"
 exit $status
