@@ -1,7 +1,7 @@
 """What ranks must agree on before a collective call moves data, and why they did not.
 
-Pure: :func:`describe` turns a call into a fingerprint and a small JSON-able
-record; the transport compares fingerprints across ranks in one small
+Pure: :func:`fingerprint` turns a call into a 16-byte digest and :func:`record`
+into a small JSON-able description; the transport compares fingerprints across ranks in one small
 collective, and only when they differ (or some rank has an input error) are
 the full records gathered and :func:`explain` turns them into one message,
 the same on every rank.
@@ -24,24 +24,41 @@ def _dtype_name(dtype):
     return name
 
 
-def describe(call):
-    """Returns ``(digest, record)`` for a :class:`mpikv.calls.Call`.
+def keys_blob(call):
+    """The canonical bytes of a call's keys, shapes and dtypes (cacheable per key list)."""
+    return json.dumps([[item.key,
+                        None if item.shape is None else list(item.shape),
+                        None if item.dtype is None else _dtype_name(item.dtype)]
+                       for item in call.items], separators=(",", ":")).encode()
 
-    The digest covers everything that must be equal on every rank: operation,
-    keys, shapes, dtypes and settings. Input errors are carried in ``record``
-    and flagged separately, since their text may differ between ranks.
+
+def fingerprint(call, blob=None):
+    """The 16-byte digest of what must be equal on every rank.
+
+    It covers the operation, the settings, and the keys with their shapes and
+    dtypes (``blob``: their :func:`keys_blob`, if already known). Input errors
+    are not in it: their text may differ between ranks, so they are flagged
+    separately.
     """
-    record = {
+    head = json.dumps([call.op, call.settings], sort_keys=True, separators=(",", ":")).encode()
+    h = hashlib.blake2b(head, digest_size=16)
+    h.update(keys_blob(call) if blob is None else blob)
+    return h.digest()
+
+
+def record(call):
+    """The full, JSON-able description of a call, for :func:`explain` (only on failure)."""
+    return {
         "op": call.op,
         "settings": call.settings,
-        "keys": [[item.key,
-                  None if item.shape is None else list(item.shape),
-                  None if item.dtype is None else _dtype_name(item.dtype)] for item in call.items],
+        "keys": json.loads(keys_blob(call)),
         "errors": [list(e) for e in call.errors],
     }
-    public = {k: v for k, v in record.items() if k != "errors"}
-    blob = json.dumps(public, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.blake2b(blob, digest_size=16).digest(), record
+
+
+def describe(call):
+    """``(fingerprint(call), record(call))``."""
+    return fingerprint(call), record(call)
 
 
 def format_ranks(ranks):

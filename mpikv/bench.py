@@ -6,6 +6,7 @@
     scripts/mpirun.sh -n 2 python -m mpikv.bench algorithms       # the collective table
     scripts/mpirun.sh -n 2 python -m mpikv.bench chunks           # Allreduce piece sizes
     scripts/mpirun.sh -n 2 python -m mpikv.bench memory --workload bert_base --mode adam
+    scripts/mpirun.sh -n 2 python -m mpikv.bench overlap          # async: hiding communication
 
 Workloads: ``resnet50`` and ``bert_base`` (real parameter shapes, float32),
 ``big64`` (one 64 MiB key), ``small1000`` (1000 keys of 4 KiB). Modes:
@@ -189,7 +190,7 @@ def bench_agreement(repeat, comm):
     from mpi4py import MPI
 
     import mpikv
-    from mpikv.agreement import describe
+    from mpikv.agreement import fingerprint
 
     kv = mpikv.create("dist_sync")
     buf = np.ones(1024, np.float32)
@@ -216,8 +217,7 @@ def bench_agreement(repeat, comm):
 
         def agree_only():
             call = kv._push_call("push", keys, grads, 0)
-            digest, _ = describe(call)
-            kv._transport.agree(digest, bool(call.errors), ("push", keys))
+            kv._transport.agree(fingerprint(call), bool(call.errors), ("push", keys))
 
         rows.append((f"agreement of a push of {nkeys} key(s) (read + fingerprint + exchange)",
                      median_us(agree_only, max(10, repeat // nkeys))))
@@ -231,10 +231,13 @@ def bench_algorithms(iterations, comm):
 
     results = []
     for nbytes in (64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20):
-        n = nbytes // 4096  # keys of 4 KiB (1024 floats) filling one bucket
+        # Keys of 64 KiB or 256 KiB filling one bucket: few enough that the
+        # per-key Python work does not hide the collectives.
+        per_key = min(nbytes, 256 << 10)
+        n = nbytes // per_key
         keys = list(range(n))
         kv = mpikv.create("dist_sync", bucket_bytes=nbytes)
-        kv.init(keys, [np.zeros(1024, np.float32)] * n)
+        kv.init(keys, [np.zeros(per_key // 4, np.float32)] * n)
         bufs = kv.gradient_buffers(keys)
         cases = []
         for name in ALGORITHMS:
@@ -281,6 +284,42 @@ def bench_memory(workload, mode, iterations, comm):
             "state_MiB_per_rank": kv.optimizer_state_nbytes() / 2**20}
 
 
+def bench_overlap(iterations, comm):
+    """Does communication hide behind computation? ResNet-50's gradients and a matmul.
+
+    ``sequential``: compute, then pushpull. ``overlapped``: pushpull_async,
+    compute, wait. ``compute`` and ``pushpull`` alone give the ideal (the max).
+    """
+    import mpikv
+
+    shp = shapes("resnet50")
+    keys = list(range(len(shp)))
+    kv = mpikv.create("dist_sync")
+    kv.init(keys, [np.zeros(s, np.float32) for s in shp])
+    grads = kv.gradient_buffers(keys)
+    a = np.random.default_rng(0).standard_normal((700, 700))
+
+    def compute():
+        for _ in range(6):
+            a @ a
+
+    def refill():
+        for g in grads:
+            g.fill(1.0)
+
+    def overlapped():
+        h = kv.pushpull_async(keys, grads)
+        compute()
+        kv.wait(h)
+
+    cases = [("compute", None, compute), ("pushpull", refill, lambda: kv.pushpull(keys, grads)),
+             ("sequential", refill, lambda: (compute(), kv.pushpull(keys, grads))),
+             ("overlapped", refill, overlapped)]
+    timer = _Timer(comm)
+    timer.run(cases, iterations)
+    return {name: timer.median(name) * 1e3 for name, _, _ in cases}
+
+
 def bench_chunks(iterations, comm):
     """Raw in-place Allreduce of ResNet-50's bytes (97.5 MiB) in pieces of various sizes."""
     from mpi4py import MPI
@@ -317,7 +356,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m mpikv.bench",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("what", nargs="?", default="workloads",
-                        choices=["workloads", "agreement", "algorithms", "chunks", "memory"])
+                        choices=["workloads", "agreement", "algorithms", "chunks", "memory",
+                                 "overlap"])
     parser.add_argument("--workload", choices=WORKLOADS, action="append",
                         help="repeatable; default: all")
     parser.add_argument("--mode", choices=MODES, action="append", help="repeatable; default: all")
@@ -336,6 +376,19 @@ def main(argv=None):
                 print(f"{comm.size} ranks; median microseconds per call (slowest rank)")
                 for row in out:
                     print(f"{row['us']:10.1f}  {row['case']}")
+        return 0
+    if args.what == "overlap":
+        out = bench_overlap(args.iterations or 10, comm)
+        if comm.rank == 0:
+            if args.json:
+                print(json.dumps(out))
+            else:
+                ideal = max(out["compute"], out["pushpull"])
+                print(f"{comm.size} ranks, ResNet-50 gradients and a matmul (ms, median): " +
+                      ", ".join(f"{k} {v:.1f}" for k, v in out.items()) +
+                      f"; ideal overlap {ideal:.1f}; hidden: "
+                      f"{(out['sequential'] - out['overlapped']) / min(out['compute'], out['pushpull']):.0%}"
+                      " of the shorter part")
         return 0
     if args.what == "memory":
         out = [bench_memory(w, m, args.iterations or 3, comm)

@@ -42,13 +42,18 @@ class Call:
     settings: dict = field(default_factory=dict)
     errors: list = field(default_factory=list)
     user_keys: list = field(default_factory=list)
+    blob: bytes = None   # cached agreement.keys_blob of the items, if known
+    _keys: list = None
 
     def fail(self, exc_class, key, message):
         self.errors.append((exc_class.__name__, key, message))
 
     @property
     def keys(self):
-        return [item.key for item in self.items]
+        """The keys, in canonical order (computed once: items do not change once read)."""
+        if self._keys is None:
+            self._keys = [item.key for item in self.items]
+        return self._keys
 
 
 def normalize_key(key):

@@ -196,6 +196,7 @@ def _apply(store, plan, got, meta, new, with_values):
             store.key_type = type(key)
     store.plan = plan
     store.forget_layouts()
+    store.privatize()
     if store.optimizer is None and meta.get("optimizer") is not None:
         store.optimizer, store.updater, store.updater_kind = (
             from_config(meta["optimizer"]), None, "optimizer")

@@ -89,8 +89,15 @@ class Engine:
         if found is None:
             items = [(k, self.entries[k].array.dtype, self.entries[k].placement) for k in keys]
             buckets = plan_buckets(items, self.transport.size, self.bucket_bytes)
-            found = self._layouts[sig] = _Layout(buckets, [self._stored_view(b) for b in buckets])
+            found = self._layouts[sig] = _Layout(buckets, None)
+        if found.stored is None:  # after stored values moved (see _moved)
+            found.stored = [self._stored_view(b) for b in found.buckets]
         return found
+
+    def _moved(self):
+        """Stored values changed arenas: cached stored views must be recomputed."""
+        for lay in self._layouts.values():
+            lay.stored = None
 
     def _stored_view(self, bucket):
         """The stored values of a bucket as one view, if they lie in one arena in bucket order."""
@@ -137,7 +144,7 @@ class Engine:
             self.key_type = type(items[0].key)
 
     # -- push ------------------------------------------------------------
-    def push(self, op, items, order=None):
+    def push(self, op, items, order=None, zero_copy=False):
         """Sums the items' values over devices and ranks, then assigns or updates.
 
         Args:
@@ -150,25 +157,31 @@ class Engine:
             (a default-updater push summed it in place), for :meth:`pull`.
         """
         t = self.transport
-        by_key = {i.key: i for i in items}
-        layout = self.layout(list(by_key))
+        if zero_copy:
+            by_key = None
+            layout = self.layout([i.key for i in items])
+        else:
+            by_key = {i.key: i for i in items}
+            layout = self.layout(list(by_key))
         opt = self.optimizer
         if opt is not None and items:
-            for key in by_key:
+            keys = [i.key for i in items]
+            for key in keys:
                 self.counts[key] = self.counts.get(key, opt.begin_num_update) + 1
             # The schedule sees MXNet's num_update (the largest count of any key),
             # the same on every rank whichever keys it owns.
-            opt.num_update = max(opt.num_update, max(self.counts[k] for k in by_key))
+            opt.num_update = max(opt.num_update, max(self.counts[k] for k in keys))
         pending = []
-        in_place = set()
         for index, bucket in _ordered(layout.buckets, order):
             what = (op, bucket.keys)
-            buf = self._gather(layout, index, bucket, by_key)
+            buf = (layout.grads[index] if zero_copy
+                   else self._gather(layout, index, bucket, by_key))
             if self.updater_kind is None:
                 self._sum_everywhere(buf, bucket, what)
-                self._store(layout.stored[index], buf, bucket)
                 if layout.grads is not None and buf is layout.grads[index]:
-                    in_place.update(bucket.keys)
+                    self._alias(layout, index, bucket)
+                else:
+                    self._store(layout.stored[index], buf, bucket)
                 continue
             self._sum_to_owners(buf, bucket, what)
             for seg in bucket.segments:
@@ -178,7 +191,37 @@ class Engine:
                 self.entries[key].stale = t.size > 1
         if opt is not None and opt.num_partials and any(b.split for b in layout.buckets):
             self._finish_updates(op, layout, pending)  # collective: owners or not
-        return in_place
+
+    def _alias(self, layout, index, bucket):
+        """After a zero-copy push with the default updater the buffers hold the sum:
+        they become the stored values (no copy) until the updater changes."""
+        grads = layout.grads[index]
+        if layout.stored[index] is grads:
+            return  # aliased already; nothing makes an aliased value stale
+        for key, offset in _key_offsets(bucket):
+            old = self.entries[key]
+            e = Entry(grads, offset, old.array.shape, old.placement)
+            e.array = layout.views[key]
+            self.entries[key] = e
+        self._moved()
+        layout.stored = [self._stored_view(b) for b in layout.buckets]
+        layout.stored[index] = grads
+
+    def privatize(self):
+        """Gives stored values aliased to gradient buffers their own memory again
+        (before an updater may change them in place)."""
+        copies = {}
+        for key, e in list(self.entries.items()):
+            if any(lay.grads is not None and any(e.arena is g for g in lay.grads)
+                   for lay in self._layouts.values()):
+                arena = copies.get(id(e.arena))
+                if arena is None:
+                    arena = copies[id(e.arena)] = e.arena.copy()
+                new = Entry(arena, e.offset, e.array.shape, e.placement)
+                new.stale = e.stale
+                self.entries[key] = new
+        if copies:
+            self._moved()
 
     def _gather(self, layout, index, bucket, by_key):
         """The bucket's input: the zero-copy gradient arena, or a scratch buffer filled
@@ -312,12 +355,8 @@ class Engine:
             opt.finish_update(update, sums[slot[key] * width:(slot[key] + 1) * width])
 
     # -- pull ------------------------------------------------------------
-    def pull(self, op, items, order=None, in_place=()):
-        """Brings stale values back from their owners, then copies into the outputs.
-
-        ``in_place``: keys whose zero-copy buffer already holds the value (from
-        :meth:`push`); outputs that are those buffers are not copied again.
-        """
+    def pull(self, op, items, order=None):
+        """Brings stale values back from their owners, then copies into the outputs."""
         t = self.transport
         by_key = {i.key: i for i in items}
         layout = self.layout(list(by_key))
@@ -335,9 +374,8 @@ class Engine:
                     self.entries[key].stale = False
             for key in bucket.keys:
                 e = self.entries[key]
-                done = layout.views[key] if key in in_place else e.array
                 for out in by_key[key].outs:
-                    if out is not done:
+                    if out is not e.array:  # a zero-copy buffer that is the stored value
                         np.copyto(out, e.array)
 
     def _pull_one(self, key, what):
@@ -356,8 +394,10 @@ class Engine:
 
         Pushing exactly these arrays (one per key, in a call naming the same
         keys) skips copying them into the store: the reduction runs on them in
-        place, and ``pushpull`` leaves the result in them. The stored values of
-        the keys are moved into matching arenas, so storing a sum is one copy.
+        place, and ``pushpull`` leaves the result in them. With the default
+        updater the buffers then *are* the stored values of the keys (no copy),
+        until an updater or optimizer is set; otherwise the stored values move
+        into arenas laid out like the buckets, so storing a sum is one copy.
 
         Args:
             keys: initialised keys, in canonical order.
@@ -380,6 +420,11 @@ class Engine:
                     layout.views[key] = arena[offset:offset + e.flat.size].reshape(e.array.shape)
         return layout.views
 
+    def zero_copy_views(self, keys):
+        """key -> zero-copy buffer of a key list that has them, else None."""
+        layout = self._layouts.get(tuple(keys))
+        return None if layout is None else layout.views
+
     def _rehome(self, layout):
         """Moves stored values into arenas laid out like ``layout``'s buckets."""
         for index, bucket in enumerate(layout.buckets):
@@ -392,8 +437,7 @@ class Engine:
                 np.copyto(new.array, old.array)
                 new.stale = old.stale
                 self.entries[key] = new
-        # Other cached layouts may point at the old arenas.
-        self._layouts = {sig: lay for sig, lay in self._layouts.items() if lay is layout}
+        self._moved()
         layout.stored = [self._stored_view(b) for b in layout.buckets]
 
 

@@ -50,10 +50,11 @@ class Bucket:
     split: bool
     counts: tuple
     displs: tuple
+    keys: tuple = ()
 
-    @property
-    def keys(self):
-        return list(dict.fromkeys(s.key for s in self.segments))
+    def __post_init__(self):
+        # Read on every call that moves the bucket: computed once.
+        object.__setattr__(self, "keys", tuple(dict.fromkeys(s.key for s in self.segments)))
 
     @property
     def nbytes(self):

@@ -43,14 +43,16 @@ def cuda_aware(library_version, environ=None, ompi_info=None):
     Args:
         library_version: ``MPI.Get_library_version()``.
         environ: the environment (default ``os.environ``).
-        ompi_info: path of ``ompi_info`` (default: looked up on ``PATH``).
+        ompi_info: path of ``ompi_info`` (default: the one next to the Python
+            interpreter, else on ``PATH``).
     """
     env = os.environ if environ is None else environ
     raw = env.get(CUDA_AWARE_ENV)
     if raw is not None and raw.strip():
         value = _flag(raw)
-        if value is not None:
-            return value, f"{CUDA_AWARE_ENV}={raw.strip()}"
+        if value is None:
+            return None, f"{CUDA_AWARE_ENV}={raw.strip()!r} is not 0 or 1"
+        return value, f"{CUDA_AWARE_ENV}={raw.strip()}"
     if "Open MPI" not in library_version:
         return None, "only Open MPI can be asked (set MPIKV_CUDA_AWARE=0 or 1)"
     # The interpreter's own bin (a venv with the pip Open MPI) first: that

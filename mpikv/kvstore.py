@@ -8,8 +8,12 @@ rank and changes nothing.
 """
 
 
+import operator
+import os
+
 from . import checkpoint, config, errors
-from .agreement import describe, explain
+from ._logging import get_logger
+from .agreement import explain, fingerprint, keys_blob, record
 from .calls import Call, CallReader
 from ._executor import Executor, Handle
 from .engine import Engine
@@ -57,7 +61,19 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
     if kind == "local" and comm is not None:
         raise ValueError(f"a {name!r} store has no communicator; use a dist_* type with comm=")
     options = config.resolve(timeout, bigarray_bound, abort_on_exception, bucket_bytes)
-    return KVStore(name.lower(), make_transport(kind, comm, options), options)
+    store = KVStore(name.lower(), make_transport(kind, comm, options), options)
+    if kind == "mpi":
+        from . import algorithms
+        t = store._transport
+        get_logger().info(
+            "store %s: %d ranks on %s; buckets of %d bytes moved by %s (%s); timeout %g s; "
+            "arrays of %d elements or more split; background calls %s", name, t.size,
+            algorithms.family(t.library), options.bucket_bytes,
+            algorithms.choose(t.library, options.bucket_bytes),
+            "MPIKV_ALGORITHM" if os.environ.get("MPIKV_ALGORITHM") else "measured table",
+            options.timeout, options.bigarray_bound,
+            "on a worker thread" if t.threaded else "run inline (MPI is not THREAD_MULTIPLE)")
+    return store
 
 
 class KVStore:
@@ -69,6 +85,7 @@ class KVStore:
         self._options = options
         self._engine = Engine(transport, options.bigarray_bound, options.bucket_bytes)
         self._executor = Executor(transport.threaded, self._background_error)
+        self._zero_copy = {}   # (op, keys) -> _ZeroCopyCall
         self._reader = CallReader(self._lookup, lambda: self._engine.key_type)
 
     # -- properties ------------------------------------------------------
@@ -193,6 +210,7 @@ class KVStore:
             raise TypeError(f"updater must be callable, not {type(updater).__name__}")
         self._executor.drain()
         e = self._engine
+        e.privatize()
         e.optimizer, e.states = None, {}
         e.updater = updater
         e.updater_kind = None if updater is None else "function"
@@ -316,6 +334,7 @@ class KVStore:
 
     def _install_optimizer(self, optimizer):
         e = self._engine
+        e.privatize()
         e.optimizer, e.states = optimizer, {}
         e.updater, e.updater_kind = None, "optimizer"
 
@@ -328,10 +347,29 @@ class KVStore:
         return self._reader.read(op, key, values, outs, **kw)
 
     def _push_call(self, op, key, value, priority, out=None):
-        return self._read(op, key, value, out, need_values=True,
+        settings = self._push_settings(priority)
+        fast = self._zero_copy.get((op, key if type(key) is int or type(key) is str
+                                    else tuple(key))) if out is None else None
+        if fast is not None and fast.matches(value) and not isinstance(priority, list):
+            return fast.call(settings)
+        call = self._read(op, key, value, out, need_values=True,
                           need_outs=op == "pushpull" and out is not None,
-                          outs_default_values=op == "pushpull",
-                          settings=self._push_settings(priority))
+                          outs_default_values=op == "pushpull", settings=settings)
+        if out is None and not call.errors and isinstance(key, (list, tuple)):
+            self._remember_zero_copy(op, key, value, call)
+        return call
+
+    def _remember_zero_copy(self, op, key, value, call):
+        """Caches a call that hands over exactly the zero-copy buffers of its keys.
+
+        Such a call is then read with one identity check per key: its keys,
+        shapes and dtypes cannot have changed, since the buffers are the store's.
+        """
+        views = self._engine.zero_copy_views(call.keys)
+        if views is None or not all(len(i.values) == 1 and i.values[0] is views[i.key]
+                                    for i in call.items):
+            return
+        self._zero_copy[(op, tuple(key))] = _ZeroCopyCall(op, list(value), call)
 
     def _pull_call(self, key, out, priority):
         return self._read("pull", key, outs=out, need_outs=True,
@@ -342,18 +380,23 @@ class KVStore:
         engine, op, items = self._engine, call.op, call.items
         order = _bucket_order(call)
 
+        zero_copy = call.blob is not None  # a remembered call of zero-copy buffers
+
         def job():
-            in_place = engine.push(op, items, order) if push else ()
-            if pull:
-                engine.pull(op, items, order, in_place)
+            if push:
+                engine.push(op, items, order, zero_copy)
+            # After a zero-copy push with the default updater the buffers are the
+            # stored values: nothing to pull.
+            if pull and not (zero_copy and engine.updater_kind is None):
+                engine.pull(op, items, order)
         return job
 
     def _run(self, call, push=False, pull=False):
-        self._agree(call)
+        self._agree(call, call.blob)
         self._executor.run(self._job(call, push, pull), (call.op, call.keys))
 
     def _submit(self, call, push=False, pull=False):
-        self._agree(call)
+        self._agree(call, call.blob)
         return self._executor.submit(self._job(call, push, pull), (call.op, call.keys))
 
     def _push_settings(self, priority):
@@ -364,13 +407,12 @@ class KVStore:
             settings["optimizer"] = e.optimizer.get_config()
         return settings
 
-    def _agree(self, call):
+    def _agree(self, call, blob=None):
         """Raises the same MPIKVError on every rank unless all ranks made this call right."""
-        digest, record = describe(call)
         what = (call.op, call.keys)
-        if self._transport.agree(digest, bool(call.errors), what):
+        if self._transport.agree(fingerprint(call, blob), bool(call.errors), what):
             return
-        verdict = explain(self._transport.allgather_records(record, what))
+        verdict = explain(self._transport.allgather_records(record(call), what))
         if verdict is None:  # fingerprints differed in a way explain() does not name
             verdict = (errors.MismatchError, f"{call.op}: ranks made different calls")
         cls, message = verdict
@@ -379,6 +421,26 @@ class KVStore:
     def __repr__(self):
         return (f"<mpikv.KVStore type={self._type!r} rank={self.rank} "
                 f"num_workers={self.num_workers} keys={len(self._engine.entries)}>")
+
+
+class _ZeroCopyCall:
+    """A remembered push or pushpull of a key list's zero-copy buffers."""
+
+    def __init__(self, op, values, call):
+        self.values = values
+        self.template = call
+        self.blob = keys_blob(call)
+
+    def matches(self, values):
+        return (len(values) == len(self.values)
+                and all(map(operator.is_, values, self.values)))
+
+    def call(self, settings):
+        t = self.template
+        call = Call(t.op, items=t.items, settings=settings, user_keys=t.user_keys)
+        call.blob = self.blob
+        call._keys = t.keys
+        return call
 
 
 def _bucket_order(call):

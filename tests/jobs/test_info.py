@@ -1,0 +1,72 @@
+"""``python -m mpikv info`` under mpiexec and alone, and the ``python -m mpikv`` dispatch."""
+
+import json
+import os
+import subprocess
+import sys
+
+from mpikv.info import cuda_aware
+
+from .conftest import ROOT, run_job
+
+KEYS = {"mpikv", "python", "python_executable", "numpy", "mpi4py", "mpi_library",
+        "mpi_standard", "thread_level", "size", "hosts", "cuda_aware_mpi",
+        "cuda_aware_mpi_source", "cupy", "torch", "settings"}
+OPEN_MPI = "Open MPI v5.0.11, package: Open MPI"
+
+
+def _module(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "mpikv", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, **(env or {})))
+
+
+def test_json_on_two_ranks_is_one_object_from_rank_0():
+    rc, out, _ = run_job(2, "-m", "mpikv", "info", "--json", env={"MPIKV_TIMEOUT": "30"})
+    assert rc == 0, out
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, out  # only rank 0 prints
+    info = json.loads(lines[0])
+    assert KEYS <= set(info)
+    assert info["size"] == 2
+    assert sorted(r for ranks in info["hosts"].values() for r in ranks) == [0, 1]
+    assert "Open MPI" in info["mpi_library"] and not info["mpi_library"].endswith("\x00")
+    assert info["mpi_standard"].count(".") == 1
+    assert info["thread_level"].startswith("MPI_THREAD_")
+    assert info["cuda_aware_mpi"] in (True, False, None)
+    assert set(info["torch"]) >= {"importable", "version"}
+    settings = info["settings"]
+    assert settings["timeout"] == {"value": 30.0, "source": "MPIKV_TIMEOUT"}
+    assert settings["bigarray_bound"]["source"] == "default"
+    assert settings["log_level"]["value"] == "WARNING"
+
+
+def test_text_on_two_ranks_names_the_rank_count():
+    rc, out, _ = run_job(2, "-m", "mpikv", "info")
+    assert rc == 0, out
+    assert out.count("mpikv:") == 1, out
+    assert "ranks:          2" in out
+    assert "MPI library:    Open MPI" in out
+    assert "CUDA-aware MPI: " in out
+
+
+def test_cuda_aware_override_and_ompi_info(tmp_path):
+    assert cuda_aware(OPEN_MPI, {"MPIKV_CUDA_AWARE": "1"}) == (True, "MPIKV_CUDA_AWARE=1")
+    assert cuda_aware("MPICH 4.2", {"MPIKV_CUDA_AWARE": "0"})[0] is False
+    assert cuda_aware("MPICH 4.2", {})[0] is None
+    assert cuda_aware(OPEN_MPI, {"MPIKV_CUDA_AWARE": "maybe"}) == (
+        None, "MPIKV_CUDA_AWARE='maybe' is not 0 or 1")
+    fake = tmp_path / "ompi_info"
+    line = "mca:mpi:base:param:mpi_built_with_cuda_support:value:true"  # Open MPI 4's name
+    fake.write_text(f"#!/bin/sh\necho '{line}'\n")
+    fake.chmod(0o755)
+    aware, how = cuda_aware(OPEN_MPI, {}, ompi_info=str(fake))
+    assert aware is True and str(fake) in how
+
+
+def test_no_command_prints_usage_and_bench_is_forwarded():
+    proc = _module()
+    assert proc.returncode == 2 and "usage: python -m mpikv COMMAND" in proc.stderr
+    proc = _module("nonsense")
+    assert proc.returncode == 2 and "unknown command 'nonsense'" in proc.stderr
+    proc = _module("bench", "--help")
+    assert proc.returncode == 0 and "python -m mpikv.bench" in proc.stdout
