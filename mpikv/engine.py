@@ -233,9 +233,14 @@ class Engine:
         buf = self.scratch(accumulate_dtype(bucket.dtype), bucket.size)
         if bucket.split:
             sum_into(buf, by_key[bucket.segments[0].key].values)
-        else:
-            for seg in bucket.segments:
-                sum_into(buf[seg.offset:seg.offset + seg.size], by_key[seg.key].values)
+            return buf
+        items = [by_key[seg.key] for seg in bucket.segments]
+        if all(len(i.values) == 1 for i in items) and buf.dtype == bucket.dtype:
+            # One C call for the whole bucket instead of one copy per key.
+            np.concatenate([i.values[0] for i in items], axis=None, out=buf)
+            return buf
+        for seg, item in zip(bucket.segments, items):
+            sum_into(buf[seg.offset:seg.offset + seg.size], item.values)
         return buf
 
     def _allreduce(self, buf, what):

@@ -55,10 +55,10 @@ def test_small_keys_fuse_and_big_keys_travel_alone():
     buckets = plan_buckets(items, 2, bucket_bytes=16000)
     assert [b.split for b in buckets] == [False, False, False, True]
     assert [len(b.segments) for b in buckets[:3]] == [4, 4, 2]
-    assert buckets[3].keys == [10] and len(buckets[3].segments) == 2
+    assert buckets[3].keys == (10,) and len(buckets[3].segments) == 2
 
 
 def test_dtypes_do_not_mix():
     items = _items([10, 10, 10], ["float32", "float64", "float32"], ranks=1, bound=100)
     buckets = plan_buckets(items, 1)
-    assert [(b.dtype.name, b.keys) for b in buckets] == [("float32", [0, 2]), ("float64", [1])]
+    assert [(b.dtype.name, b.keys) for b in buckets] == [("float32", (0, 2)), ("float64", (1,))]
