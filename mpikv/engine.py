@@ -172,16 +172,19 @@ class Engine:
             # the same on every rank whichever keys it owns.
             opt.num_update = max(opt.num_update, max(self.counts[k] for k in keys))
         pending = []
+        summed_in_place = set()
         for index, bucket in _ordered(layout.buckets, order):
             what = (op, bucket.keys)
-            buf = (layout.grads[index] if zero_copy
-                   else self._gather(layout, index, bucket, by_key))
+            buf, direct = ((layout.grads[index], False) if zero_copy
+                           else self._gather(layout, index, bucket, by_key))
             if self.updater_kind is None:
                 self._sum_everywhere(buf, bucket, what)
                 if layout.grads is not None and buf is layout.grads[index]:
                     self._alias(layout, index, bucket)
                 else:
                     self._store(layout.stored[index], buf, bucket)
+                    if direct:
+                        summed_in_place.add(bucket.keys[0])
                 continue
             self._sum_to_owners(buf, bucket, what)
             for seg in bucket.segments:
@@ -191,6 +194,7 @@ class Engine:
                 self.entries[key].stale = t.size > 1
         if opt is not None and opt.num_partials and any(b.split for b in layout.buckets):
             self._finish_updates(op, layout, pending)  # collective: owners or not
+        return summed_in_place
 
     def _alias(self, layout, index, bucket):
         """After a zero-copy push with the default updater the buffers hold the sum:
@@ -224,24 +228,37 @@ class Engine:
             self._moved()
 
     def _gather(self, layout, index, bucket, by_key):
-        """The bucket's input: the zero-copy gradient arena, or a scratch buffer filled
-        with each key's sum over devices."""
+        """The bucket's input, and whether it is the caller's own array.
+
+        That is the zero-copy gradient arena, the caller's array itself (a
+        one-key pushpull into its value), or a scratch buffer filled with each
+        key's sum over devices.
+        """
         if layout.grads is not None and all(
                 len(by_key[key].values) == 1 and by_key[key].values[0] is layout.views[key]
                 for key, _ in _key_offsets(bucket)):
-            return layout.grads[index]
+            return layout.grads[index], False
+        if len(bucket.keys) == 1 and self.updater_kind is None:
+            # pushpull(key, value) of one contiguous array: sum in the caller's array,
+            # which is where the result goes anyway (no copy in, none out).
+            item = by_key[bucket.keys[0]]
+            value = item.values[0]
+            if (len(item.values) == 1 and len(item.outs) == 1 and item.outs[0] is value
+                    and value.flags.c_contiguous and value.dtype == accumulate_dtype(value.dtype)
+                    and value.flags.writeable):
+                return value.reshape(-1), True
         buf = self.scratch(accumulate_dtype(bucket.dtype), bucket.size)
         if bucket.split:
             sum_into(buf, by_key[bucket.segments[0].key].values)
-            return buf
+            return buf, False
         items = [by_key[seg.key] for seg in bucket.segments]
         if all(len(i.values) == 1 for i in items) and buf.dtype == bucket.dtype:
             # One C call for the whole bucket instead of one copy per key.
             np.concatenate([i.values[0] for i in items], axis=None, out=buf)
-            return buf
+            return buf, False
         for seg, item in zip(bucket.segments, items):
             sum_into(buf[seg.offset:seg.offset + seg.size], item.values)
-        return buf
+        return buf, False
 
     def _allreduce(self, buf, what):
         """In-place Allreduce in pieces of at most ``bucket_bytes``.
@@ -360,8 +377,12 @@ class Engine:
             opt.finish_update(update, sums[slot[key] * width:(slot[key] + 1) * width])
 
     # -- pull ------------------------------------------------------------
-    def pull(self, op, items, order=None):
-        """Brings stale values back from their owners, then copies into the outputs."""
+    def pull(self, op, items, order=None, done=()):
+        """Brings stale values back from their owners, then copies into the outputs.
+
+        ``done``: keys whose outputs already hold the value (summed in place by
+        :meth:`push`).
+        """
         t = self.transport
         by_key = {i.key: i for i in items}
         layout = self.layout(list(by_key))
@@ -378,6 +399,8 @@ class Engine:
                 for key in stale:
                     self.entries[key].stale = False
             for key in bucket.keys:
+                if key in done:
+                    continue
                 e = self.entries[key]
                 for out in by_key[key].outs:
                     if out is not e.array:  # a zero-copy buffer that is the stored value

@@ -380,15 +380,14 @@ class KVStore:
         engine, op, items = self._engine, call.op, call.items
         order = _bucket_order(call)
 
-        zero_copy = call.blob is not None  # a remembered call of zero-copy buffers
+        zero_copy = call.zero_copy
 
         def job():
-            if push:
-                engine.push(op, items, order, zero_copy)
+            done = engine.push(op, items, order, zero_copy) if push else ()
             # After a zero-copy push with the default updater the buffers are the
             # stored values: nothing to pull.
             if pull and not (zero_copy and engine.updater_kind is None):
-                engine.pull(op, items, order)
+                engine.pull(op, items, order, done)
         return job
 
     def _run(self, call, push=False, pull=False):
@@ -439,6 +438,7 @@ class _ZeroCopyCall:
         t = self.template
         call = Call(t.op, items=t.items, settings=settings, user_keys=t.user_keys)
         call.blob = self.blob
+        call.zero_copy = True
         call._keys = t.keys
         return call
 

@@ -11,6 +11,12 @@ bash "$top/scripts/setup.sh" || exit 1
 cd "$top"
 py=.venv/bin/python
 status=0
+# CPU torch for the torch variant of the training example: here a local wheel for
+# Python 3.11 (elsewhere its test is skipped, with the reason, rather than
+# downloading a multi-GB CUDA build).
+if ! "$py" -c "import torch" 2>/dev/null && "$py" -c "import sys; sys.exit(sys.version_info[:2] != (3, 11))"; then
+  "$py" -m pip install torch==2.13.0 >> .venv/install.log 2>&1 || echo "torch 2.13.0 could not be installed; its tests will be skipped"
+fi
 start=$SECONDS
 
 echo "== unit, local-store and job tests"

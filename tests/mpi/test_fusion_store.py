@@ -140,3 +140,21 @@ def test_bad_algorithm_name_is_an_error():
         choose("Open MPI", 10, environ={"MPIKV_ALGORITHM": "ring"})
     assert choose("Open MPI", 10, environ={}) == "allreduce"
     assert choose("MPICH 4", 10, environ={"MPIKV_ALGORITHM": "reduce_scatter"}) == "reduce_scatter"
+
+
+def test_pushpull_of_one_big_key_sums_in_the_callers_array(comm):
+    kv = _store()  # bound 100: the key is split over the owners
+    kv.init("w", np.zeros(500, np.float32))
+    value = np.full(500, comm.rank + 1.0, np.float32)
+    kv.pushpull("w", value)
+    total = sum(r + 1 for r in range(comm.size))
+    assert (value == total).all()
+    # The store kept its own copy of the sum: changing the array changes nothing.
+    value[:] = -1
+    out = np.zeros(500, np.float32)
+    kv.pull("w", out=out)
+    assert (out == total).all()
+    # A view that is not contiguous goes through the bucket copy, with the same result.
+    big = np.full(1000, comm.rank + 1.0, np.float32)
+    kv.pushpull("w", big[::2])
+    assert (big[::2] == total).all() and (big[1::2] == comm.rank + 1).all()

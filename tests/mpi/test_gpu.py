@@ -1,0 +1,125 @@
+"""cupy arrays through a ``dist_sync_device`` store: what a GPU machine must pass.
+
+Skipped where cupy is missing or sees no GPU. Each rank uses GPU
+``rank % device_count``. Values are checked on the host after the call.
+Run: ``scripts/mpirun.sh -n 2 python -m pytest tests/mpi/test_gpu.py --with-mpi``.
+"""
+
+import numpy as np
+import pytest
+
+import mpikv
+from mpikv import backends, cuda, optimizer
+
+from .conftest import TEST_TIMEOUT
+
+pytestmark = [pytest.mark.mpi,
+              pytest.mark.skipif(not backends.cupy_available(),
+                                 reason="cupy not installed / no GPU")]
+
+
+@pytest.fixture
+def cp(comm):
+    import cupy
+    device = cupy.cuda.Device(comm.rank % cupy.cuda.runtime.getDeviceCount())
+    with device:
+        yield cupy
+
+
+@pytest.fixture
+def gkv():
+    return mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT)
+
+
+def _tri(n):
+    return n * (n + 1) // 2  # the sum of rank + 1 over n ranks
+
+
+def test_push_pull(cp, comm, gkv):
+    n, r = comm.size, comm.rank
+    gkv.init(3, cp.full((2, 3), 5, cp.float32))
+    out = cp.zeros((2, 3), cp.float32)
+    gkv.pull(3, out=out)
+    assert out.get().tolist() == [[5] * 3] * 2
+    gkv.push(3, cp.full((2, 3), r + 1, cp.float32))
+    gkv.pull(3, out=out)
+    assert isinstance(out, cp.ndarray)
+    np.testing.assert_array_equal(out.get(), np.full((2, 3), _tri(n), np.float32))
+
+
+def test_device_list_is_summed(cp, comm, gkv):
+    n, r = comm.size, comm.rank
+    gkv.init("w", cp.zeros(4, cp.float64))
+    gkv.push("w", [cp.full(4, r + 1, cp.float64) for _ in range(3)])
+    outs = [cp.empty(4, cp.float64) for _ in range(2)]
+    gkv.pull("w", out=outs)
+    for o in outs:
+        assert o.get().tolist() == [3 * _tri(n)] * 4
+
+
+def test_pushpull_in_place_and_into_out(cp, comm, gkv):
+    n, r = comm.size, comm.rank
+    gkv.init([0, 1], [cp.zeros(5, cp.float32), cp.zeros((2, 2), cp.int64)])
+    a = cp.full(5, r + 1, cp.float32)
+    b = cp.full((2, 2), 2 * (r + 1), cp.int64)
+    gkv.pushpull([0, 1], [a, b])
+    assert a.get().tolist() == [_tri(n)] * 5
+    assert b.get().tolist() == [[2 * _tri(n)] * 2] * 2
+    out = cp.zeros(5, cp.float32)
+    gkv.pushpull(0, cp.ones(5, cp.float32), out=out)
+    assert out.get().tolist() == [n] * 5
+
+
+def test_float16_summed_in_float32(cp, comm, gkv):
+    gkv.init(7, cp.zeros(3, cp.float16))
+    value = cp.asarray(np.array([2048, 1, 0.5], np.float16)) if comm.rank == 0 else \
+        cp.asarray(np.array([1, 1, 0.5], np.float16))
+    out = cp.zeros(3, cp.float16)
+    gkv.pushpull(7, value, out=out)
+    ranks = comm.size
+    want = np.array([2048 + (ranks - 1), ranks, 0.5 * ranks], np.float32).astype(np.float16)
+    np.testing.assert_array_equal(out.get(), want)
+
+
+def test_split_array(cp, comm):
+    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=10)
+    n, r = comm.size, comm.rank
+    kv.init("big", cp.zeros(1001, cp.float32))
+    kv.push("big", cp.arange(1001, dtype=cp.float32) * (r + 1))
+    out = cp.empty(1001, cp.float32)
+    kv.pull("big", out=out)
+    np.testing.assert_array_equal(out.get(), np.arange(1001, dtype=np.float32) * _tri(n))
+
+
+def test_sgd_on_device_weights(cp, comm, gkv):
+    n = comm.size
+    gkv.init("w", cp.ones((3, 3), cp.float32))
+    gkv.set_optimizer(optimizer.SGD(learning_rate=0.1))
+    gkv.push("w", cp.ones((3, 3), cp.float32))
+    w = cp.empty((3, 3), cp.float32)
+    gkv.pull("w", out=w)
+    np.testing.assert_allclose(w.get(), np.full((3, 3), 1 - 0.1 * n, np.float32), rtol=1e-6)
+
+
+def test_host_out_from_device_store(cp, comm, gkv):
+    gkv.init(9, cp.full(2, 4, cp.float32))
+    out = np.zeros(2, np.float32)
+    gkv.pull(9, out=out)
+    assert out.tolist() == [4, 4]
+
+
+def test_torch_cuda_tensors(cp, comm, gkv):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    device = torch.device("cuda", comm.rank % torch.cuda.device_count())
+    gkv.init("t", torch.zeros(4, device=device))
+    grad = torch.full((4,), float(comm.rank + 1), device=device)
+    gkv.pushpull("t", grad)  # written back into the tensor, no copy to the host for the user
+    assert grad.cpu().tolist() == [float(_tri(comm.size))] * 4
+
+
+def test_decision_is_reported(comm):
+    facts = cuda.describe()
+    assert facts["device_path"] in ("direct", "staged")
+    assert isinstance(facts["cuda_aware_mpi_source"], str)
