@@ -39,11 +39,12 @@ def check_dtype(dtype, what="a value"):
 
 
 def as_host_array(value, what, writable=False):
-    """Returns a numpy view of ``value`` without copying.
+    """Returns a numpy (or, for GPU values, cupy) view of ``value`` without copying.
 
     Args:
-        value: a numpy array, or an object with ``__array_interface__`` or
-            ``__dlpack__`` on the CPU (a CPU torch tensor, for example).
+        value: a numpy array, an object with ``__array_interface__``, or a
+            torch tensor, cupy array or DLPack producer (see
+            :func:`mpikv.backends.as_native`).
         what: how the error message names the value ("value for key 3").
         writable: whether the store will write into the result.
 
@@ -55,13 +56,10 @@ def as_host_array(value, what, writable=False):
         array = value
     elif hasattr(value, "__array_interface__"):
         array = np.asarray(value)
-    elif hasattr(value, "__dlpack__"):
-        try:
-            array = np.from_dlpack(value)
-        except (BufferError, TypeError, RuntimeError, ValueError) as exc:
-            raise ValueTypeError(f"{what} cannot be read on the host: {exc}") from None
     else:
-        raise ValueTypeError(f"{what} is a {type(value).__name__}, not an array")
+        # torch tensors (CPU or CUDA), cupy arrays, DLPack producers: without copies.
+        from .backends import as_native
+        return as_native(value, writable, what)[1]
     if writable and not array.flags.writeable:
         raise ValueTypeError(f"{what} is read-only")
     return array

@@ -11,8 +11,8 @@ import traceback
 
 import numpy as np
 
-from . import algorithms
-from ._arrays import accumulate_dtype, sum_into, wire_view
+from . import algorithms, backends
+from ._arrays import accumulate_dtype, wire_view
 from .errors import DTypeError
 from .fusion import DEFAULT_BUCKET_BYTES, plan_buckets
 from .plan import OwnershipPlan
@@ -63,8 +63,11 @@ class Engine:
         bucket_bytes: the largest fused bucket.
     """
 
-    def __init__(self, transport, bigarray_bound, bucket_bytes=DEFAULT_BUCKET_BYTES):
+    def __init__(self, transport, bigarray_bound, bucket_bytes=DEFAULT_BUCKET_BYTES,
+                 device=False):
         self.transport = transport
+        self.device = device  # keep GPU values on the GPU (device, dist_sync_device)
+        self.on_gpu = False   # whether any stored value lives on a GPU
         self.plan = OwnershipPlan(transport.size, bigarray_bound)
         self.bucket_bytes = bucket_bytes
         self.entries = {}
@@ -111,12 +114,12 @@ class Engine:
                 return None
         return first.arena[base:base + bucket.size]
 
-    def scratch(self, dtype, size, slot=0):
-        """A reusable buffer of ``size`` elements (grown, never shrunk)."""
-        key = (np.dtype(dtype), slot)
+    def scratch(self, dtype, size, kind="numpy"):
+        """A reusable buffer of ``size`` elements on the host or the GPU (grown, never shrunk)."""
+        key = (np.dtype(dtype), kind)
         buf = self._scratch.get(key)
         if buf is None or buf.size < size:
-            buf = self._scratch[key] = np.empty(size, dtype)
+            buf = self._scratch[key] = backends.empty(kind, size, dtype)
         return buf[:size]
 
     def algorithm(self, nbytes):
@@ -132,12 +135,15 @@ class Engine:
         buckets = plan_buckets([(i.key, i.dtype, placed[i.key]) for i in items],
                                t.size, self.bucket_bytes)
         for bucket in buckets:
-            arena = np.empty(bucket.size, bucket.dtype)
+            on_gpu = self.device and any(backends.is_device(by_key[k].values[0])
+                                         for k in bucket.keys)
+            arena = backends.empty("cupy" if on_gpu else "numpy", bucket.size, bucket.dtype)
+            self.on_gpu = self.on_gpu or on_gpu
             for key, offset in _key_offsets(bucket):
                 item = by_key[key]
                 entry = Entry(arena, offset, item.shape, placed[key])
                 if t.rank == 0:
-                    np.copyto(entry.array, item.values[0])
+                    _copy(entry.array, item.values[0])
                 self.entries[key] = entry
             t.bcast_(wire_view(arena), 0, (op, bucket.keys))
         if items and self.key_type is None:
@@ -247,17 +253,20 @@ class Engine:
                     and value.flags.c_contiguous and value.dtype == accumulate_dtype(value.dtype)
                     and value.flags.writeable):
                 return value.reshape(-1), True
-        buf = self.scratch(accumulate_dtype(bucket.dtype), bucket.size)
+        home = self.entries[bucket.keys[0]].arena
+        buf = self.scratch(accumulate_dtype(bucket.dtype), bucket.size,
+                           "numpy" if type(home) is np.ndarray else "cupy")
         if bucket.split:
-            sum_into(buf, by_key[bucket.segments[0].key].values)
+            backends.sum_into(buf, by_key[bucket.segments[0].key].values)
             return buf, False
         items = [by_key[seg.key] for seg in bucket.segments]
-        if all(len(i.values) == 1 for i in items) and buf.dtype == bucket.dtype:
+        if (type(buf) is np.ndarray and buf.dtype == bucket.dtype
+                and all(len(i.values) == 1 and type(i.values[0]) is np.ndarray for i in items)):
             # One C call for the whole bucket instead of one copy per key.
             np.concatenate([i.values[0] for i in items], axis=None, out=buf)
             return buf, False
         for seg, item in zip(bucket.segments, items):
-            sum_into(buf[seg.offset:seg.offset + seg.size], item.values)
+            backends.sum_into(buf[seg.offset:seg.offset + seg.size], item.values)
         return buf, False
 
     def _allreduce(self, buf, what):
@@ -314,11 +323,11 @@ class Engine:
         """Copies a summed bucket into the stored values: one copy if they are one arena."""
         if stored is not None:
             if stored is not buf:
-                np.copyto(stored, buf, casting="unsafe")
+                _copy(stored, buf, "unsafe")
         else:
             for seg in bucket.segments:
                 e = self.entries[seg.key]
-                np.copyto(e.flat, buf[seg.offset:seg.offset + seg.size], casting="unsafe")
+                _copy(e.flat, buf[seg.offset:seg.offset + seg.size], "unsafe")
         for key in bucket.keys:
             self.entries[key].stale = False
 
@@ -404,7 +413,7 @@ class Engine:
                 e = self.entries[key]
                 for out in by_key[key].outs:
                     if out is not e.array:  # a zero-copy buffer that is the stored value
-                        np.copyto(out, e.array)
+                        _copy(out, e.array)
 
     def _pull_one(self, key, what):
         t = self.transport
@@ -440,7 +449,8 @@ class Engine:
                                  f"{accumulate_dtype(bucket.dtype)}: no zero-copy buffers")
         if layout.grads is None:
             self._rehome(layout)
-            layout.grads = [np.zeros(b.size, b.dtype) for b in layout.buckets]
+            layout.grads = [backends.zeros(_kind(self.entries[b.keys[0]].arena), b.size, b.dtype)
+                            for b in layout.buckets]
             layout.views = {}
             for arena, bucket in zip(layout.grads, layout.buckets):
                 for key, offset in _key_offsets(bucket):
@@ -458,15 +468,28 @@ class Engine:
         for index, bucket in enumerate(layout.buckets):
             if layout.stored[index] is not None:
                 continue
-            arena = np.empty(bucket.size, bucket.dtype)
+            home = self.entries[bucket.keys[0]].arena
+            arena = backends.empty(_kind(home), bucket.size, bucket.dtype)
             for key, offset in _key_offsets(bucket):
                 old = self.entries[key]
                 new = Entry(arena, offset, old.array.shape, old.placement)
-                np.copyto(new.array, old.array)
+                _copy(new.array, old.array)
                 new.stale = old.stale
                 self.entries[key] = new
         self._moved()
         layout.stored = [self._stored_view(b) for b in layout.buckets]
+
+
+def _kind(array):
+    return "numpy" if type(array) is np.ndarray else "cupy"
+
+
+def _copy(dst, src, casting="same_kind"):
+    """numpy.copyto, or a host/device copy when either side is on a GPU."""
+    if type(dst) is np.ndarray and type(src) is np.ndarray:
+        np.copyto(dst, src, casting=casting)
+    else:
+        backends.copyto(dst, src, casting=casting)
 
 
 def _ordered(buckets, order):

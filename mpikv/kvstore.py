@@ -83,7 +83,8 @@ class KVStore:
         self._type = name
         self._transport = transport
         self._options = options
-        self._engine = Engine(transport, options.bigarray_bound, options.bucket_bytes)
+        self._engine = Engine(transport, options.bigarray_bound, options.bucket_bytes,
+                              device="device" in name)
         self._executor = Executor(transport.threaded, self._background_error)
         self._zero_copy = {}   # (op, keys) -> _ZeroCopyCall
         self._reader = CallReader(self._lookup, lambda: self._engine.key_type)
@@ -228,7 +229,10 @@ class KVStore:
         """
         from .optimizer import Optimizer
         call = Call("set_optimizer")
-        if isinstance(optimizer, Optimizer):
+        if self._engine.on_gpu:
+            call.fail(errors.OptimizerError, None, "optimizers run on host (numpy) values only "
+                      "so far; this store holds GPU values (use a host store or set_updater)")
+        elif isinstance(optimizer, Optimizer):
             call.settings["optimizer"] = optimizer.get_config()
         else:
             call.fail(errors.OptimizerError, None, f"set_optimizer needs an "
@@ -256,6 +260,7 @@ class KVStore:
                     settings={"fname": str(fname), "dump_optimizer": bool(dump_optimizer)})
         if self._engine.optimizer is None:
             call.fail(errors.OptimizerError, None, "no optimizer is set (use set_optimizer)")
+        self._no_gpu_saves(call)
         self._agree(call)
         self._executor.drain()
         checkpoint.save(self._engine, str(fname), "optimizer_states", False, dump_optimizer)
@@ -278,6 +283,7 @@ class KVStore:
         (a job killed while saving leaves the previous save whole).
         """
         call = Call("save_checkpoint", settings={"fname": str(fname)})
+        self._no_gpu_saves(call)
         self._agree(call)
         self._executor.drain()
         checkpoint.save(self._engine, str(fname), "checkpoint", True, True)
@@ -293,6 +299,11 @@ class KVStore:
         self._agree(call)
         self._executor.drain()
         checkpoint.load(self._engine, str(fname), "checkpoint", True)
+
+    def _no_gpu_saves(self, call):
+        if self._engine.on_gpu:
+            call.fail(errors.StateFileError, None, "stores holding GPU values cannot be "
+                      "saved yet")
 
     def optimizer_state_nbytes(self):
         """Bytes of optimizer state this rank holds (only for what it owns)."""

@@ -41,6 +41,8 @@ class MPITransport(Transport):
         # may be inside a data collective: separate communicators keep them apart.
         self.agree_comm = comm.Dup()
         self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self._cuda = None     # CUDA-aware or not: decided at the first device buffer
+        self._stager = None
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.timeout = options.timeout
@@ -108,11 +110,30 @@ class MPITransport(Transport):
         return [json.loads(t) for t in texts]
 
     # -- data ------------------------------------------------------------
+    def _device(self, call, buf, what, copy_in=True, copy_back=True):
+        """Runs a blocking collective on a GPU buffer: straight to a CUDA-aware MPI,
+        or staged through pinned host memory (and staged for good if MPI refuses)."""
+        from .. import backends, cuda
+        if self._cuda is None:
+            # Every rank computes the same answer from the same library and environment.
+            self._cuda = cuda.detect()
+            self._stager = backends.Stager()
+        with self._watchdog.watch(what):
+            backends.device_collective(call, buf, self._cuda, self._stager, copy_in, copy_back)
+
     def allreduce_(self, buf, what):
+        if type(buf) is not np.ndarray:
+            return self._device(lambda b: self.comm.Allreduce(MPI.IN_PLACE, b, op=MPI.SUM),
+                                buf, what)
         with self._watchdog.watch(what):
             self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
     def reduce_(self, buf, root, what):
+        if type(buf) is not np.ndarray:
+            mine = self.rank == root
+            return self._device(
+                lambda b: self.comm.Reduce(MPI.IN_PLACE if mine else b, b if mine else None,
+                                           op=MPI.SUM, root=root), buf, what, copy_back=mine)
         with self._watchdog.watch(what):
             if self.rank == root:
                 self.comm.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=root)
@@ -123,19 +144,31 @@ class MPITransport(Transport):
         mine = buf[displs[self.rank]:displs[self.rank] + counts[self.rank]]
         # In place, MPI would leave the result at the start of buf, over other blocks'
         # input; a separate receive buffer keeps the block where it belongs.
-        block = np.empty_like(mine)
+        block = np.empty(mine.size, mine.dtype)
+        if type(buf) is not np.ndarray:
+            from ..backends import copyto
+            self._device(lambda b: self.comm.Reduce_scatter(b, block, recvcounts=list(counts),
+                                                            op=MPI.SUM), buf, what, copy_back=False)
+            copyto(mine, block)
+            return
         with self._watchdog.watch(what):
             self.comm.Reduce_scatter(buf, block, recvcounts=list(counts), op=MPI.SUM)
         mine[...] = block
 
     def bcast_(self, buf, root, what):
+        if type(buf) is not np.ndarray:
+            return self._device(lambda b: self.comm.Bcast(b, root=root), buf, what,
+                                copy_in=self.rank == root, copy_back=self.rank != root)
         with self._watchdog.watch(what):
             self.comm.Bcast(buf, root=root)
 
     def allgatherv_(self, buf, counts, displs, what):
+        def gather(b):
+            self.comm.Allgatherv(MPI.IN_PLACE, [b, (counts, displs), from_numpy_dtype(b.dtype)])
+        if type(buf) is not np.ndarray:
+            return self._device(gather, buf, what)
         with self._watchdog.watch(what):
-            self.comm.Allgatherv(MPI.IN_PLACE,
-                                 [buf, (counts, displs), from_numpy_dtype(buf.dtype)])
+            gather(buf)
 
     def barrier(self, what):
         with self._watchdog.watch(what):
@@ -144,6 +177,8 @@ class MPITransport(Transport):
     def describe(self):
         facts = super().describe()
         facts["mpi_library"] = self.library
+        from .. import cuda
+        facts["cuda"] = cuda.describe(self._cuda) if self._cuda is not None else "no device buffer yet"
         facts["timeout_s"] = self.timeout
         return facts
 
