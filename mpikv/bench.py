@@ -140,7 +140,13 @@ def bench_workload(workload, mode, iterations, comm):
              ("raw Reduce+Bcast (one buffer)", refill_raw, raw_reduce_bcast),
              ("raw Allreduce per key", refill_keys, raw_per_key)]
     if mode == "pushpull":
-        cases += [("mpikv pushpull", None, lambda: kv.pushpull(keys, grads, out=outs)),
+        def refill_inplace():
+            for b, g in zip(inplace, grads):
+                b[...] = g
+        inplace = [g.copy() for g in grads]
+        cases += [("mpikv pushpull(out=...)", None, lambda: kv.pushpull(keys, grads, out=outs)),
+                  ("mpikv pushpull in place (out=None)", refill_inplace,
+                   lambda: kv.pushpull(keys, inplace)),
                   ("mpikv pushpull, zero-copy", refill_zero, lambda: kv.pushpull(keys, zero))]
     else:
         weights = [np.zeros(s, np.float32) for s in shp]
