@@ -149,9 +149,14 @@ slurm_up() {
   printf '127.0.0.1 localhost\n%s h1\n%s h2\n' "$net.1" "$net.2" > "$sdir/hosts"
   for i in 1 2; do
     [ -s "$sdir/slurmd-h$i.pid" ] && [ -d "/proc/$(cat "$sdir/slurmd-h$i.pid")" ] && continue
+    # A checkout under /tmp (CI clones anywhere) must stay visible on both hosts:
+    # hold it on a side mount while /tmp is replaced, then put it back.
+    install -d -m 0755 "$sdir/keep-h$i"
     nsenter --net="/run/netns/${p}h$i" unshare --mount --uts sh -ec "
       hostname h$i
+      case '$top' in /tmp/*) mount --bind '$top' $sdir/keep-h$i ;; esac
       mount --bind $sdir/tmp-h$i /tmp
+      case '$top' in /tmp/*) mkdir -p '$top'; mount --bind $sdir/keep-h$i '$top' ;; esac
       mount --bind $sdir/hosts /etc/hosts
       if [ $i = 1 ]; then slurmctld -c -f $sdir/slurm.conf; fi
       slurmd -f $sdir/slurm.conf -N h$i"
