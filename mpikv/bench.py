@@ -108,6 +108,7 @@ def bench_workload(workload, mode, iterations, comm):
     zero = kv.gradient_buffers(keys)
     for z, g in zip(zero, grads):
         z[...] = g
+    shm_used = any(a is not None for a in kv._engine.layout(keys).shared or [])
 
     # In-place reductions overwrite their input: refill it, untimed, before each call
     # (a training loop's backward pass writes fresh gradients there).
@@ -144,10 +145,21 @@ def bench_workload(workload, mode, iterations, comm):
             for b, g in zip(inplace, grads):
                 b[...] = g
         inplace = [g.copy() for g in grads]
+        # The same zero-copy buffers without shared memory: MPI moves every byte.
+        kv_mpi = mpikv.create("dist_sync", shared_memory=False)
+        kv_mpi.init(keys, [np.zeros(s, np.float32) for s in shp])
+        zero_mpi = kv_mpi.gradient_buffers(keys)
+
+        def refill_zero_mpi():
+            for z, g in zip(zero_mpi, grads):
+                z[...] = g
         cases += [("mpikv pushpull(out=...)", None, lambda: kv.pushpull(keys, grads, out=outs)),
                   ("mpikv pushpull in place (out=None)", refill_inplace,
                    lambda: kv.pushpull(keys, inplace)),
-                  ("mpikv pushpull, zero-copy", refill_zero, lambda: kv.pushpull(keys, zero))]
+                  ("mpikv pushpull, zero-copy (MPI)", refill_zero_mpi,
+                   lambda: kv_mpi.pushpull(keys, zero_mpi)),
+                  ("mpikv pushpull, zero-copy" + (" (shared memory)" if shm_used else ""),
+                   refill_zero, lambda: kv.pushpull(keys, zero))]
     else:
         weights = [np.zeros(s, np.float32) for s in shp]
         whole = make_opt[mode]()

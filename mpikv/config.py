@@ -6,6 +6,7 @@
 | split arrays of at least this many elements | ``bigarray_bound`` | ``MPIKV_BIGARRAY_BOUND`` | 1000000 |
 | abort the job on an uncaught exception | ``abort_on_exception`` | ``MPIKV_ABORT_ON_EXCEPTION`` | 1 |
 | largest fused bucket (and Allreduce piece), bytes | ``bucket_bytes`` | ``MPIKV_BUCKET_BYTES`` | 4194304 |
+| zero-copy buffers in node-local shared memory | ``shared_memory`` | ``MPIKV_SHARED_MEMORY`` | 1 |
 """
 
 import math
@@ -26,6 +27,7 @@ class Options:
     bigarray_bound: int = DEFAULT_BIGARRAY_BOUND
     abort_on_exception: bool = True
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    shared_memory: bool = True
 
 
 def _number(name, raw, cast, minimum):
@@ -48,7 +50,7 @@ def _flag(name, raw):
 
 
 def resolve(timeout=None, bigarray_bound=None, abort_on_exception=None, bucket_bytes=None,
-            environ=None):
+            shared_memory=None, environ=None):
     """Returns :class:`Options`; a keyword wins over the environment.
 
     Raises:
@@ -68,4 +70,8 @@ def resolve(timeout=None, bigarray_bound=None, abort_on_exception=None, bucket_b
     if bucket_bytes is None:
         bucket_bytes = env.get("MPIKV_BUCKET_BYTES", DEFAULT_BUCKET_BYTES)
     bucket_bytes = _number("bucket_bytes (MPIKV_BUCKET_BYTES)", bucket_bytes, int, 1)
-    return Options(timeout or math.inf, bigarray_bound, abort_on_exception, bucket_bytes)
+    if shared_memory is None:
+        shared_memory = env.get("MPIKV_SHARED_MEMORY", "1")
+    shared_memory = _flag("shared_memory (MPIKV_SHARED_MEMORY)", shared_memory)
+    return Options(timeout or math.inf, bigarray_bound, abort_on_exception, bucket_bytes,
+                   shared_memory)

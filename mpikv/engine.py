@@ -45,13 +45,14 @@ class Entry:
 class _Layout:
     """A cached bucket plan for one key list, with the arenas it matches."""
 
-    __slots__ = ("buckets", "stored", "grads", "views")
+    __slots__ = ("buckets", "stored", "grads", "views", "shared")
 
     def __init__(self, buckets, stored):
         self.buckets = buckets
         self.stored = stored   # per bucket: a view of the stored arena, or None
         self.grads = None      # per bucket: the zero-copy gradient arena, or None
         self.views = None      # key -> its view into ``grads``
+        self.shared = None     # per bucket: its node-local SharedArena, or None
 
 
 class Engine:
@@ -181,6 +182,14 @@ class Engine:
         summed_in_place = set()
         for index, bucket in _ordered(layout.buckets, order):
             what = (op, bucket.keys)
+            arena = layout.shared[index] if layout.shared else None
+            if arena is not None and self.updater_kind is None:
+                # Node-local shared memory: every rank's gradients in its own segment.
+                if not zero_copy:
+                    self._gather(layout, index, bucket, by_key, into=arena.mine)
+                t.allreduce_shared_(arena, what)
+                self._alias(layout, index, bucket)
+                continue
             buf, direct = ((layout.grads[index], False) if zero_copy
                            else self._gather(layout, index, bucket, by_key))
             if self.updater_kind is None:
@@ -233,18 +242,18 @@ class Engine:
         if copies:
             self._moved()
 
-    def _gather(self, layout, index, bucket, by_key):
+    def _gather(self, layout, index, bucket, by_key, into=None):
         """The bucket's input, and whether it is the caller's own array.
 
         That is the zero-copy gradient arena, the caller's array itself (a
-        one-key pushpull into its value), or a scratch buffer filled with each
-        key's sum over devices.
+        one-key pushpull into its value), or a scratch buffer (or ``into``)
+        filled with each key's sum over devices.
         """
         if layout.grads is not None and all(
                 len(by_key[key].values) == 1 and by_key[key].values[0] is layout.views[key]
                 for key, _ in _key_offsets(bucket)):
             return layout.grads[index], False
-        if len(bucket.keys) == 1 and self.updater_kind is None:
+        if into is None and len(bucket.keys) == 1 and self.updater_kind is None:
             # pushpull(key, value) of one contiguous array: sum in the caller's array,
             # which is where the result goes anyway (no copy in, none out).
             item = by_key[bucket.keys[0]]
@@ -254,8 +263,9 @@ class Engine:
                     and value.flags.writeable):
                 return value.reshape(-1), True
         home = self.entries[bucket.keys[0]].arena
-        buf = self.scratch(accumulate_dtype(bucket.dtype), bucket.size,
-                           "numpy" if type(home) is np.ndarray else "cupy")
+        buf = into if into is not None else self.scratch(
+            accumulate_dtype(bucket.dtype), bucket.size,
+            "numpy" if type(home) is np.ndarray else "cupy")
         if bucket.split:
             backends.sum_into(buf, by_key[bucket.segments[0].key].values)
             return buf, False
@@ -426,7 +436,7 @@ class Engine:
             t.bcast_(wire_view(e.flat), placement.owner, what)
 
     # -- zero copy -------------------------------------------------------
-    def gradient_buffers(self, keys):
+    def gradient_buffers(self, keys, shared=False):
         """Arrays, one per key, that are views into this key list's gradient buckets.
 
         Pushing exactly these arrays (one per key, in a call naming the same
@@ -438,6 +448,8 @@ class Engine:
 
         Args:
             keys: initialised keys, in canonical order.
+            shared: put the buckets in node-local shared memory (collective;
+                see :mod:`mpikv.transport.shm`) where the transport can.
 
         Returns:
             dict: key -> array (the stored shape and dtype).
@@ -449,8 +461,12 @@ class Engine:
                                  f"{accumulate_dtype(bucket.dtype)}: no zero-copy buffers")
         if layout.grads is None:
             self._rehome(layout)
-            layout.grads = [backends.zeros(_kind(self.entries[b.keys[0]].arena), b.size, b.dtype)
-                            for b in layout.buckets]
+            layout.shared = [self.transport.shared_arena(b.size, b.dtype)
+                             if shared and type(self.entries[b.keys[0]].arena) is np.ndarray
+                             else None for b in layout.buckets]
+            layout.grads = [a.mine if a is not None else
+                            backends.zeros(_kind(self.entries[b.keys[0]].arena), b.size, b.dtype)
+                            for a, b in zip(layout.shared, layout.buckets)]
             layout.views = {}
             for arena, bucket in zip(layout.grads, layout.buckets):
                 for key, offset in _key_offsets(bucket):

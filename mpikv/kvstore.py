@@ -11,6 +11,8 @@ rank and changes nothing.
 import operator
 import os
 
+import numpy as np
+
 from . import checkpoint, config, errors
 from ._logging import get_logger
 from .agreement import explain, fingerprint, keys_blob, record
@@ -31,7 +33,7 @@ STORE_TYPES = {
 
 
 def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_exception=None,
-           bucket_bytes=None):
+           bucket_bytes=None, shared_memory=None):
     """Creates a store. Collective over ``comm`` for distributed types.
 
     Args:
@@ -47,6 +49,9 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
         bucket_bytes: the largest bucket small keys are fused into (default
             ``MPIKV_BUCKET_BYTES`` or 4 MiB); also the largest piece one
             ``Allreduce`` moves.
+        shared_memory: put :meth:`KVStore.gradient_buffers` in node-local MPI
+            shared memory and sum them straight from the peers' buffers
+            (default ``MPIKV_SHARED_MEMORY`` or on).
 
     Raises:
         TypeError: ``name`` is not a string.
@@ -60,7 +65,8 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
                          f"{', '.join(sorted(STORE_TYPES))}")
     if kind == "local" and comm is not None:
         raise ValueError(f"a {name!r} store has no communicator; use a dist_* type with comm=")
-    options = config.resolve(timeout, bigarray_bound, abort_on_exception, bucket_bytes)
+    options = config.resolve(timeout, bigarray_bound, abort_on_exception, bucket_bytes,
+                             shared_memory)
     store = KVStore(name.lower(), make_transport(kind, comm, options), options)
     if kind == "mpi":
         from . import algorithms
@@ -315,8 +321,11 @@ class KVStore:
         Write gradients into these arrays, then push exactly them (a call
         naming the same keys, one array per key): nothing is copied into the
         store, the reduction runs on them in place, and ``pushpull(keys, bufs)``
-        leaves the sum in them. Not collective; float16 keys have none (they
-        are summed in float32).
+        leaves the sum in them. On a distributed store the buckets live in
+        node-local MPI shared memory (unless ``shared_memory`` is off), and a
+        push with the default updater sums them straight from the other ranks'
+        buffers. Collective (it allocates that memory); float16 keys have none
+        (they are summed in float32).
 
         Args:
             keys: a key or a list of initialised keys.
@@ -325,19 +334,18 @@ class KVStore:
             A list of arrays, one per key (an array for a single key).
         """
         single = not isinstance(keys, (list, tuple))
-        call = self._read("gradient_buffers", keys if not single else [keys])
-        if call.errors:
-            cls = getattr(errors, call.errors[0][0], errors.InputError)
-            raise cls(call.errors[0][2])
+        key_list = [keys] if single else list(keys)
+        call = self._read("gradient_buffers", key_list,
+                          settings={"shared": self._options.shared_memory})
+        if any(self._engine.entries.get(i.key) is not None
+               and self._engine.entries[i.key].array.dtype == np.float16 for i in call.items):
+            call.fail(errors.DTypeError, None, "float16 keys are summed in float32: they have "
+                      "no zero-copy buffers")
+        self._agree(call)
         self._executor.drain()
-        views = self._engine.gradient_buffers(call.keys)
-        out = [views[k] for k in (call.keys if single else
-                                  [self._normal(k) for k in keys])]
+        views = self._engine.gradient_buffers(call.keys, self._options.shared_memory)
+        out = [views[k] for k in call.user_keys]
         return out[0] if single else out
-
-    def _normal(self, key):
-        from .calls import normalize_key
-        return normalize_key(key)
 
     def _background_error(self, text):
         from .transport._deadline import EXCEPTION_EXIT_CODE, abort

@@ -50,6 +50,10 @@ class Transport(ABC):
     def barrier(self, what):
         """Waits until every rank has arrived."""
 
+    def shared_arena(self, size, dtype):
+        """A node-local shared bucket (see :mod:`mpikv.transport.shm`), or None."""
+        return None
+
     def describe(self):
         """A dict of facts for ``info`` and logs."""
         return {"transport": type(self).__name__, "rank": self.rank, "size": self.size}

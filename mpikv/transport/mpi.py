@@ -52,6 +52,28 @@ class MPITransport(Transport):
         self._table = bytearray(_RECORD_BYTES * self.size)
         if options.abort_on_exception:
             install_exception_hook()
+        self._nodes = None
+
+    # -- node-local shared memory --------------------------------------------
+    @property
+    def nodes(self):
+        """The :class:`~mpikv.transport.shm.NodeGroup` (made at first use: collective)."""
+        if self._nodes is None:
+            from .shm import NodeGroup
+            self._nodes = NodeGroup(self.comm)
+        return self._nodes
+
+    def shared_arena(self, size, dtype):
+        """A bucket of ``size`` elements in a node-local shared window, or None
+        where the shared path cannot be used (the same answer on every rank)."""
+        if self.size == 1 or not self.nodes.usable:
+            return None
+        from .shm import SharedArena
+        return SharedArena(self.nodes, size, dtype)
+
+    def allreduce_shared_(self, arena, what):
+        with self._watchdog.watch(what):
+            arena.allreduce()
 
     # -- agreement -------------------------------------------------------
     def agree(self, digest, has_error, what):

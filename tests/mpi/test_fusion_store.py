@@ -158,3 +158,49 @@ def test_pushpull_of_one_big_key_sums_in_the_callers_array(comm):
     big = np.full(1000, comm.rank + 1.0, np.float32)
     kv.pushpull("w", big[::2])
     assert (big[::2] == total).all() and (big[1::2] == comm.rank + 1).all()
+
+
+def test_zero_copy_buffers_use_node_shared_memory(comm):
+    kv = _store()
+    kv.init(KEYS, [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)])
+    bufs = kv.gradient_buffers(KEYS)
+    arenas = kv._engine.layout(KEYS).shared
+    # One node here: shared windows whenever there is more than one rank.
+    assert all((a is not None) == (comm.size > 1) for a in arenas)
+    for step in range(3):
+        for b, g in zip(bufs, _grads(comm.rank, step)):
+            b[...] = g
+        kv.pushpull(KEYS, bufs)
+        for k, b in zip(KEYS, bufs):
+            assert (b == _total(comm, k, step)).all(), (step, k)
+    # Given copies instead of the buffers, the same shared path runs.
+    kv.pushpull(KEYS, [g.copy() for g in _grads(comm.rank, 5)])
+    assert all((b == _total(comm, k, 5)).all() for k, b in zip(KEYS, bufs))
+
+
+def test_shared_memory_off_and_hierarchical_nodes(comm):
+    if comm.size < 4:
+        pytest.skip("needs 4 ranks to act as 2 nodes of 2")
+    from mpikv.transport.shm import NodeGroup
+    kv = _store()
+    t = kv._transport
+    # Pairs of ranks act as nodes: node-local sums, then an Allreduce across "nodes".
+    t._nodes = NodeGroup(t.comm, node=t.comm.Split(comm.rank // 2, comm.rank))
+    assert t._nodes.nodes == comm.size // 2 and t._nodes.usable == (comm.size % 2 == 0)
+    kv.init(KEYS, [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)])
+    bufs = kv.gradient_buffers(KEYS)
+    for b, g in zip(bufs, _grads(comm.rank)):
+        b[...] = g
+    kv.pushpull(KEYS, bufs)
+    assert all((b == _total(comm, k)).all() for k, b in zip(KEYS, bufs))
+
+
+def test_shared_memory_can_be_turned_off(comm):
+    kv = _store(shared_memory=False)
+    kv.init(KEYS, [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)])
+    bufs = kv.gradient_buffers(KEYS)
+    assert all(a is None for a in kv._engine.layout(KEYS).shared)
+    for b, g in zip(bufs, _grads(comm.rank)):
+        b[...] = g
+    kv.pushpull(KEYS, bufs)
+    assert all((b == _total(comm, k)).all() for k, b in zip(KEYS, bufs))
