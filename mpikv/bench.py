@@ -235,9 +235,14 @@ def bench_agreement(repeat, comm):
 
         def agree_only():
             call = kv._push_call("push", keys, grads, 0)
-            kv._transport.agree(fingerprint(call), bool(call.errors), ("push", keys))
+            kv._transport.agree(fingerprint(call, call.blob), bool(call.errors), ("push", keys))
 
-        rows.append((f"agreement of a push of {nkeys} key(s) (read + fingerprint + exchange)",
+        first = time.perf_counter()
+        agree_only()  # the first call with a key list reads every key in full
+        first = max(comm.allgather(time.perf_counter() - first)) * 1e6
+        rows.append((f"agreement of the first push of {nkeys} key(s) (read + fingerprint + "
+                     f"exchange), one call", first))
+        rows.append((f"agreement of a repeated push of {nkeys} key(s)",
                      median_us(agree_only, max(10, repeat // nkeys))))
     return [{"case": c, "us": us} for c, us in rows]
 
@@ -370,12 +375,72 @@ def _print_workload(res):
         print(f"  {r['case']:48s} {r['ms']:9.2f} {r['GB/s']:7.2f} {r['vs baseline']:12.2f}")
 
 
+def _show_agreement(out, comm):
+    print(f"{comm.size} ranks; median microseconds per call (slowest rank)")
+    for row in out:
+        print(f"{row['us']:10.1f}  {row['case']}")
+
+
+def _show_overlap(out, comm):
+    ideal = max(out["compute"], out["pushpull"])
+    hidden = (out["sequential"] - out["overlapped"]) / min(out["compute"], out["pushpull"])
+    print(f"{comm.size} ranks, ResNet-50 gradients and a matmul (ms, median): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in out.items())
+          + f"; ideal overlap {ideal:.1f}; hidden: {hidden:.0%} of the shorter part")
+
+
+def _show_memory(out, comm):
+    for r in out:
+        print(f"{r['workload']} {r['mode']} on {r['ranks']} ranks: model "
+              f"{r['model_MiB']:.0f} MiB; peak RSS per rank {r['peak_MiB']:.0f} MiB = "
+              f"{r['peak_over_model']:.2f} x model ({r['start_MiB']:.0f} MiB before "
+              f"the model: growth {r['growth_over_model']:.2f} x model); optimizer "
+              f"state on this rank {r['state_MiB_per_rank']:.0f} MiB")
+
+
+def _show_chunks(out, comm):
+    print(f"{comm.size} ranks, {_library()}: in-place Allreduce of 97.5 MiB in pieces")
+    for row in out:
+        print(f"  {row['piece_KiB']:8d} KiB pieces: {row['ms']:8.1f} ms {row['GB/s']:6.2f} GB/s")
+
+
+def _show_algorithms(out, comm):
+    print(f"{comm.size} ranks, {_library()}: GB/s of a zero-copy pushpull of one fused bucket")
+    for row in out:
+        print(f"  {row['bucket_KiB']:8d} KiB  " + "  ".join(
+            f"{k}={v:.2f}" for k, v in row.items() if k != "bucket_KiB"))
+
+
+def _workloads(args, comm):
+    results = []
+    for workload in args.workload or WORKLOADS:
+        for mode in args.mode or MODES:
+            iterations = args.iterations or (5 if workload == "bert_base" else 10)
+            res = bench_workload(workload, mode, iterations, comm)
+            results.append(res)
+            if comm.rank == 0 and not args.json:
+                _print_workload(res)  # as they come: a full run takes minutes
+                sys.stdout.flush()
+    return results
+
+
+# what -> (run(args, comm), show(result, comm) or None when printed as it runs)
+COMMANDS = {
+    "workloads": (_workloads, None),
+    "agreement": (lambda a, c: bench_agreement(a.iterations or 1000, c), _show_agreement),
+    "overlap": (lambda a, c: bench_overlap(a.iterations or 10, c), _show_overlap),
+    "memory": (lambda a, c: [bench_memory(w, m, a.iterations or 3, c)
+                             for w in a.workload or ["bert_base"] for m in a.mode or ["adam"]],
+               _show_memory),
+    "chunks": (lambda a, c: bench_chunks(a.iterations or 7, c), _show_chunks),
+    "algorithms": (lambda a, c: bench_algorithms(a.iterations or 10, c), _show_algorithms),
+}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m mpikv.bench",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("what", nargs="?", default="workloads",
-                        choices=["workloads", "agreement", "algorithms", "chunks", "memory",
-                                 "overlap"])
+    parser.add_argument("what", nargs="?", default="workloads", choices=list(COMMANDS))
     parser.add_argument("--workload", choices=WORKLOADS, action="append",
                         help="repeatable; default: all")
     parser.add_argument("--mode", choices=MODES, action="append", help="repeatable; default: all")
@@ -385,76 +450,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
-    if args.what == "agreement":
-        out = bench_agreement(args.iterations or 1000, comm)
-        if comm.rank == 0:
-            if args.json:
-                print(json.dumps(out))
-            else:
-                print(f"{comm.size} ranks; median microseconds per call (slowest rank)")
-                for row in out:
-                    print(f"{row['us']:10.1f}  {row['case']}")
-        return 0
-    if args.what == "overlap":
-        out = bench_overlap(args.iterations or 10, comm)
-        if comm.rank == 0:
-            if args.json:
-                print(json.dumps(out))
-            else:
-                ideal = max(out["compute"], out["pushpull"])
-                print(f"{comm.size} ranks, ResNet-50 gradients and a matmul (ms, median): " +
-                      ", ".join(f"{k} {v:.1f}" for k, v in out.items()) +
-                      f"; ideal overlap {ideal:.1f}; hidden: "
-                      f"{(out['sequential'] - out['overlapped']) / min(out['compute'], out['pushpull']):.0%}"
-                      " of the shorter part")
-        return 0
-    if args.what == "memory":
-        out = [bench_memory(w, m, args.iterations or 3, comm)
-               for w in args.workload or ["bert_base"] for m in args.mode or ["adam"]]
-        if comm.rank == 0:
-            if args.json:
-                print(json.dumps(out))
-            for r in out if not args.json else []:
-                print(f"{r['workload']} {r['mode']} on {r['ranks']} ranks: model "
-                      f"{r['model_MiB']:.0f} MiB; peak RSS per rank {r['peak_MiB']:.0f} MiB = "
-                      f"{r['peak_over_model']:.2f} x model ({r['start_MiB']:.0f} MiB before "
-                      f"the model: growth {r['growth_over_model']:.2f} x model); optimizer "
-                      f"state on this rank {r['state_MiB_per_rank']:.0f} MiB")
-        return 0
-    if args.what == "chunks":
-        out = bench_chunks(args.iterations or 7, comm)
-        if comm.rank == 0:
-            if args.json:
-                print(json.dumps(out))
-            else:
-                print(f"{comm.size} ranks, {_library()}: in-place Allreduce of 97.5 MiB in pieces")
-                for row in out:
-                    print(f"  {row['piece_KiB']:8d} KiB pieces: {row['ms']:8.1f} ms "
-                          f"{row['GB/s']:6.2f} GB/s")
-        return 0
-    if args.what == "algorithms":
-        out = bench_algorithms(args.iterations or 10, comm)
-        if comm.rank == 0:
-            if args.json:
-                print(json.dumps(out))
-            else:
-                print(f"{comm.size} ranks, {_library()}: GB/s of a zero-copy pushpull of one "
-                      f"fused bucket")
-                for row in out:
-                    print(f"  {row['bucket_KiB']:8d} KiB  " + "  ".join(
-                        f"{k}={v:.2f}" for k, v in row.items() if k != "bucket_KiB"))
-        return 0
-    results = []
-    for workload in args.workload or WORKLOADS:
-        for mode in args.mode or MODES:
-            iterations = args.iterations or (5 if workload == "bert_base" else 10)
-            res = bench_workload(workload, mode, iterations, comm)
-            results.append(res)
-            if comm.rank == 0 and not args.json:
-                _print_workload(res)
-                sys.stdout.flush()
-    if comm.rank == 0 and args.json:
-        print(json.dumps(results))
+    run, show = COMMANDS[args.what]
+    out = run(args, comm)
+    if comm.rank == 0:
+        if args.json:
+            print(json.dumps(out))
+        elif show is not None:
+            show(out, comm)
     return 0
 
 
