@@ -140,7 +140,8 @@ class CallReader:
         if type(key) is list and not new_keys:
             # A key list seen before, with one plain array per key of the right shape
             # and dtype, is read without the general checks (a training loop's case).
-            sig = (op, tuple(key), outs is not None)
+            # Types too: 1.0 == 1 and True == 1, but only the int is a key.
+            sig = (op, tuple(key), tuple(map(type, key)), outs is not None)
             known = self._known.get(sig)
             if known is not None:
                 call = known.read(values if need_values else None,
@@ -165,14 +166,7 @@ class CallReader:
             out_entries = value_entries
         items = {}
         seen_types = set()
-        priority = call.settings.get("priority", 0)
-        if isinstance(priority, (list, tuple)):
-            if len(priority) != len(keys) or not all(
-                    isinstance(p, numbers.Integral) for p in priority):
-                call.fail(errors.InputError, None, f"priority must be an int or one int per "
-                          f"key ({len(keys)} keys), not {priority!r}")
-            call.settings["priority"] = [int(p) for p in priority
-                                         if isinstance(p, numbers.Integral)]
+        self._check_priority(call, len(keys))
         for raw, value, out in zip(keys, value_entries, out_entries):
             try:
                 k = normalize_key(raw)
@@ -196,6 +190,26 @@ class CallReader:
                                    f"mixed key types are not allowed: this store has "
                                    f"{self._key_type().__name__} keys"))
         call.items = [items[k] for k in sorted(items, key=sort_key)]
+
+    @staticmethod
+    def _check_priority(call, nkeys):
+        """Priorities become plain ints (numpy ints too); anything else is an input error."""
+        if "priority" not in call.settings:
+            return
+        priority = call.settings["priority"]
+
+        def ok(p):
+            return isinstance(p, numbers.Integral) and not isinstance(p, (bool, np.bool_))
+        if isinstance(priority, (list, tuple)):
+            if len(priority) == nkeys and all(ok(p) for p in priority):
+                call.settings["priority"] = [int(p) for p in priority]
+                return
+        elif ok(priority):
+            call.settings["priority"] = int(priority)
+            return
+        call.fail(errors.InputError, None, f"priority must be an int or one int per key "
+                  f"({nkeys} keys), not {priority!r}")
+        call.settings["priority"] = repr(priority)  # still JSON, still compared
 
     def _check_item(self, call, item, value, out, new_keys, need_values, need_outs):
         key = item.key
@@ -243,8 +257,8 @@ class _KnownList:
     def read(self, values, outs, outs_default_values, settings):
         """A checked Call, or None when anything is unusual (the full reader then
         runs and reports it)."""
-        if isinstance((settings or {}).get("priority"), (list, tuple)):
-            return None  # per-key priorities are checked by the full reader
+        if type((settings or {}).get("priority", 0)) is not int:
+            return None  # lists, numpy ints and bad values: the full reader checks them
         if outs_default_values and outs is None:
             outs = values
         n = len(self.order)

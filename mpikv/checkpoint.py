@@ -194,9 +194,11 @@ def _apply(store, plan, got, meta, new, with_values):
         store.entries[key] = Entry(np.zeros(plan[key].size, dtype), 0, shape, plan[key])
         if store.key_type is None:
             store.key_type = type(key)
-    store.plan = plan
-    store.forget_layouts()
+    # Existing keys keep their placement (only new keys were added), so cached
+    # bucket plans stay valid; values loaded into buffers a push had aliased
+    # must get the store's own memory first.
     store.privatize()
+    store.plan = plan
     if store.optimizer is None and meta.get("optimizer") is not None:
         store.optimizer, store.updater, store.updater_kind = (
             from_config(meta["optimizer"]), None, "optimizer")

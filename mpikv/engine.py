@@ -69,6 +69,7 @@ class Engine:
         self.transport = transport
         self.device = device  # keep GPU values on the GPU (device, dist_sync_device)
         self.on_gpu = False   # whether any stored value lives on a GPU
+        self._in_place_ok = False
         self.plan = OwnershipPlan(transport.size, bigarray_bound)
         self.bucket_bytes = bucket_bytes
         self.entries = {}
@@ -82,9 +83,6 @@ class Engine:
         self._scratch = {}
 
     # -- layout ----------------------------------------------------------
-    def forget_layouts(self):
-        """Drops cached bucket plans (after the ownership plan changed)."""
-        self._layouts = {}
 
     def layout(self, keys):
         """The bucket plan of a key list (canonical order), cached."""
@@ -164,12 +162,12 @@ class Engine:
             (a default-updater push summed it in place), for :meth:`pull`.
         """
         t = self.transport
-        if zero_copy:
-            by_key = None
-            layout = self.layout([i.key for i in items])
-        else:
-            by_key = {i.key: i for i in items}
-            layout = self.layout(list(by_key))
+        layout = self.layout([i.key for i in items])
+        zero_copy = zero_copy and layout.grads is not None
+        by_key = None if zero_copy else {i.key: i for i in items}
+        # Summing a caller's array in place is only safe if no other key of the
+        # call reads the same memory.
+        self._in_place_ok = not zero_copy and _distinct_memory(items)
         opt = self.optimizer
         if opt is not None and items:
             keys = [i.key for i in items]
@@ -253,7 +251,8 @@ class Engine:
                 len(by_key[key].values) == 1 and by_key[key].values[0] is layout.views[key]
                 for key, _ in _key_offsets(bucket)):
             return layout.grads[index], False
-        if into is None and len(bucket.keys) == 1 and self.updater_kind is None:
+        if (into is None and len(bucket.keys) == 1 and self.updater_kind is None
+                and self._in_place_ok):
             # pushpull(key, value) of one contiguous array: sum in the caller's array,
             # which is where the result goes anyway (no copy in, none out).
             item = by_key[bucket.keys[0]]
@@ -494,6 +493,12 @@ class Engine:
                 self.entries[key] = new
         self._moved()
         layout.stored = [self._stored_view(b) for b in layout.buckets]
+
+
+def _distinct_memory(items):
+    """Whether no two input arrays of a call are (views of) the same array."""
+    bases = [id(v if v.base is None else v.base) for i in items for v in i.values]
+    return len(set(bases)) == len(bases)
 
 
 def _kind(array):

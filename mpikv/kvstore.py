@@ -367,14 +367,14 @@ class KVStore:
 
     def _push_call(self, op, key, value, priority, out=None):
         settings = self._push_settings(priority)
-        fast = self._zero_copy.get((op, key if type(key) is int or type(key) is str
-                                    else tuple(key))) if out is None else None
-        if fast is not None and fast.matches(value) and not isinstance(priority, list):
+        fast = (self._zero_copy.get((op, tuple(key), tuple(map(type, key))))
+                if out is None and type(key) is list else None)
+        if fast is not None and fast.matches(value) and type(priority) is int:
             return fast.call(settings)
         call = self._read(op, key, value, out, need_values=True,
                           need_outs=op == "pushpull" and out is not None,
                           outs_default_values=op == "pushpull", settings=settings)
-        if out is None and not call.errors and isinstance(key, (list, tuple)):
+        if out is None and not call.errors and type(key) is list:
             self._remember_zero_copy(op, key, value, call)
         return call
 
@@ -388,7 +388,8 @@ class KVStore:
         if views is None or not all(len(i.values) == 1 and i.values[0] is views[i.key]
                                     for i in call.items):
             return
-        self._zero_copy[(op, tuple(key))] = _ZeroCopyCall(op, list(value), call)
+        self._zero_copy[(op, tuple(key), tuple(map(type, key)))] = _ZeroCopyCall(
+            op, list(value), call)
 
     def _pull_call(self, key, out, priority):
         return self._read("pull", key, outs=out, need_outs=True,

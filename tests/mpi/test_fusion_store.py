@@ -7,7 +7,7 @@ import mpikv
 from mpikv import errors, optimizer
 from mpikv.algorithms import ALGORITHMS
 
-from .conftest import TEST_TIMEOUT
+from .conftest import TEST_TIMEOUT, raises_everywhere
 
 pytestmark = pytest.mark.mpi
 
@@ -204,3 +204,60 @@ def test_shared_memory_can_be_turned_off(comm):
         b[...] = g
     kv.pushpull(KEYS, bufs)
     assert all((b == _total(comm, k)).all() for k, b in zip(KEYS, bufs))
+
+
+def test_one_array_given_for_two_keys_is_not_summed_twice(comm):
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bucket_bytes=16)  # a bucket per key
+    kv.init([1, 2], [np.zeros(4, np.float32)] * 2)
+    a = np.ones(4, np.float32)
+    kv.pushpull([1, 2], [a, a])
+    o = [np.zeros(4, np.float32), np.zeros(4, np.float32)]
+    kv.pull([1, 2], out=o)
+    assert (o[0] == comm.size).all() and (o[1] == comm.size).all()
+
+
+def test_a_cached_key_list_does_not_admit_equal_non_int_keys(comm):
+    kv = _store()
+    kv.init([1, 2], [np.zeros(3, np.float32)] * 2)
+    vals = [np.ones(3, np.float32)] * 2
+    kv.push([1, 2], vals)
+    kv.push([1, 2], vals)  # now read through the cache
+    for bad in ([1.0, 2], [True, 2]):
+        raises_everywhere(comm, errors.KeyTypeError, lambda: kv.push(bad, vals))
+    zero = kv.gradient_buffers([1, 2])
+    kv.pushpull([1, 2], zero)
+    raises_everywhere(comm, errors.KeyTypeError, lambda: kv.pushpull([1.0, 2], zero))
+
+
+def test_priority_values(comm):
+    kv = _store()
+    kv.init(3, np.zeros(4, np.float32))
+    kv.push(3, np.ones(4, np.float32), priority=np.int64(-1))  # numpy ints are ints
+    for bad in ("high", 2.5, True):
+        msg = raises_everywhere(comm, errors.InputError,
+                                lambda: kv.push(3, np.ones(4, np.float32), priority=bad))
+        assert "priority must be an int" in msg
+    if comm.size > 1:
+        p = np.int64(1) if comm.rank == 1 else 1
+        kv.push(3, np.ones(4, np.float32), priority=p)  # equal values agree
+
+
+def test_zero_copy_then_checkpoint_load_gives_the_store_its_own_memory(comm, mpi_tmp_path):
+    kv = _store()
+    keys = [0, 1]
+    kv.init(keys, [np.zeros(4, np.float32)] * 2)
+    bufs = kv.gradient_buffers(keys)
+    for b in bufs:
+        b[:] = 1
+    kv.push(keys, bufs)  # the buffers are now the stored values
+    path = str(mpi_tmp_path / "zc")
+    kv.save_checkpoint(path)
+    kv.load_checkpoint(path)
+    bufs[0][:] = 123  # the next gradient
+    out = np.zeros(4, np.float32)
+    kv.pull(0, out=out)
+    assert (out == comm.size).all()
+    for b in bufs:
+        b[:] = 2
+    kv.pushpull(keys, bufs)
+    assert all((b == 2 * comm.size).all() for b in bufs)
