@@ -190,6 +190,12 @@ class CallReader:
                                    f"mixed key types are not allowed: this store has "
                                    f"{self._key_type().__name__} keys"))
         call.items = [items[k] for k in sorted(items, key=sort_key)]
+        priority = call.settings.get("priority")
+        if isinstance(priority, list) and not call.errors:
+            # Agreed on, and used, in the canonical key order: ranks may list keys
+            # in any order, and must still order their buckets alike.
+            of = dict(zip(call.user_keys, priority))
+            call.settings["priority"] = [of[item.key] for item in call.items]
 
     @staticmethod
     def _check_priority(call, nkeys):
@@ -267,7 +273,7 @@ class _KnownList:
             # Whole-list comparisons run in C: a training loop's call costs little.
             if arrays is None:
                 continue
-            if (len(arrays) != n or not all(type(a) is ndarray for a in arrays)
+            if (type(arrays) not in (list, tuple) or len(arrays) != n or not all(type(a) is ndarray for a in arrays)
                     or [a.shape for a in arrays] != self.shapes
                     or [a.dtype for a in arrays] != self.dtypes):
                 return None

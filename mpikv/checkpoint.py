@@ -31,8 +31,10 @@ def _exchange(transport, what, fn):
     """
     try:
         result, error = fn(), None
-    except (MPIKVError, OSError) as exc:
+    except MPIKVError as exc:
         result, error = None, [type(exc).__name__, str(exc)]
+    except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank
+        result, error = None, ["StateFileError", f"{type(exc).__name__}: {exc}"]
     outcomes = transport.allgather_records({"result": result, "error": error}, what)
     failed = [(rank, o["error"]) for rank, o in enumerate(outcomes) if o["error"]]
     if failed:
@@ -122,7 +124,7 @@ def load(store, fname, kind, with_values):
         meta = man.meta
         if meta.get("kind") != kind:
             raise StateFileError(f"{fname!r} holds {meta.get('kind')!r}, not {kind!r}")
-        saved = {k: (tuple(shape), np.dtype(dtype)) for k, shape, dtype in meta["keys"]}
+        saved = _saved_keys(meta, fname)
         opt = store.optimizer
         if opt is None and meta.get("optimizer") is None and not with_values:
             raise OptimizerError("no optimizer is set and the file holds none "
@@ -185,10 +187,44 @@ def load(store, fname, kind, with_values):
     _apply(store, plan, local["got"], local["meta"], local["new"], with_values)
 
 
+def _saved_keys(meta, fname):
+    """key -> (shape, dtype) from a manifest's meta, and its counts checked too.
+
+    The manifest's checksum catches corruption, not a crafted file: every field
+    used later is checked here, before anything is applied.
+    """
+    from ._arrays import SUPPORTED_DTYPES
+
+    def bad(what):
+        return StateFileError(f"{fname!r} is not a valid mpikv save: {what}")
+
+    def is_key(k):
+        return (isinstance(k, int) and not isinstance(k, bool)) or isinstance(k, str)
+    keys, counts = meta.get("keys"), meta.get("counts", [])
+    if not isinstance(keys, list) or not isinstance(counts, list):
+        raise bad("'keys' and 'counts' must be lists")
+    saved = {}
+    for entry in keys:
+        if not (isinstance(entry, list) and len(entry) == 3 and is_key(entry[0])
+                and isinstance(entry[1], list)
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                        for d in entry[1])
+                and entry[2] in [str(d) for d in SUPPORTED_DTYPES]):
+            raise bad(f"key entry {entry!r}")
+        saved[entry[0]] = (tuple(entry[1]), np.dtype(entry[2]))
+    for entry in counts:
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in saved
+                and isinstance(entry[1], int) and not isinstance(entry[1], bool)):
+            raise bad(f"count entry {entry!r}")
+    if len({type(k) for k in saved}) > 1:
+        raise bad("mixed int and str keys")
+    return saved
+
+
 def _apply(store, plan, got, meta, new, with_values):
     """Installs what every rank read successfully (no failure is possible here)."""
     t = store.transport
-    saved = {k: (tuple(shape), np.dtype(dtype)) for k, shape, dtype in meta["keys"]}
+    saved = _saved_keys(meta, "")
     for key in sorted(new, key=sort_key):
         shape, dtype = saved[key]
         store.entries[key] = Entry(np.zeros(plan[key].size, dtype), 0, shape, plan[key])

@@ -69,6 +69,7 @@ class Engine:
         self.transport = transport
         self.device = device  # keep GPU values on the GPU (device, dist_sync_device)
         self.on_gpu = False   # whether any stored value lives on a GPU
+        self.int_keys = set()  # keys of integer dtype (no optimizer for them)
         self._in_place_ok = False
         self.plan = OwnershipPlan(transport.size, bigarray_bound)
         self.bucket_bytes = bucket_bytes
@@ -145,6 +146,7 @@ class Engine:
                     _copy(entry.array, item.values[0])
                 self.entries[key] = entry
             t.bcast_(wire_view(arena), 0, (op, bucket.keys))
+        self.int_keys.update(i.key for i in items if np.dtype(i.dtype).kind != "f")
         if items and self.key_type is None:
             self.key_type = type(items[0].key)
 
@@ -352,19 +354,20 @@ class Engine:
         grad, stored = self._views(seg, buf, bucket)
         key = seg.key
         if self.optimizer is not None:
-            self._optimize(key, seg, grad, stored, bucket, pending)
-            return
-        if grad.dtype != stored.dtype:
-            grad = grad.astype(stored.dtype)
+            run = lambda: self._optimize(key, seg, grad, stored, bucket, pending)  # noqa: E731
+        else:
+            if grad.dtype != stored.dtype:
+                grad = grad.astype(stored.dtype)
+            run = lambda: self.updater(key, grad, stored)  # noqa: E731
         if self.transport.size == 1:
-            self.updater(key, grad, stored)
+            run()
             return
         try:
-            self.updater(key, grad, stored)
+            run()
         except BaseException:
             # Only this owner knows; its copy and the others' now disagree.
             from .transport._deadline import EXCEPTION_EXIT_CODE, abort
-            abort(f"mpikv: rank {self.transport.rank}: the updater raised on key {key!r}; "
+            abort(f"mpikv: rank {self.transport.rank}: the update of key {key!r} raised; "
                   f"the store cannot stay consistent, ending the job\n"
                   f"{traceback.format_exc()}", EXCEPTION_EXIT_CODE)
 
@@ -408,9 +411,8 @@ class Engine:
             stale = [k for k in bucket.keys if self.entries[k].stale]
             if stale:
                 what = (op, stale)
-                stored = layout.stored[index]
-                if stored is not None and len(stale) == len(bucket.keys):
-                    t.allgatherv_(wire_view(stored), bucket.counts, bucket.displs, what)
+                if len(stale) == len(bucket.keys):
+                    self._gather_bucket(layout.stored[index], bucket, what)
                 else:
                     for key in stale:
                         self._pull_one(key, what)
@@ -423,6 +425,20 @@ class Engine:
                 for out in by_key[key].outs:
                     if out is not e.array:  # a zero-copy buffer that is the stored value
                         _copy(out, e.array)
+
+    def _gather_bucket(self, stored, bucket, what):
+        """One Allgatherv of the owners' blocks: in place when the stored values are
+        one arena, else through a scratch buffer (the same collective either way)."""
+        t = self.transport
+        if stored is not None:
+            t.allgatherv_(wire_view(stored), bucket.counts, bucket.displs, what)
+            return
+        buf = self.scratch(bucket.dtype, bucket.size, _kind(self.entries[bucket.keys[0]].arena))
+        for seg in bucket.segments:
+            _copy(buf[seg.offset:seg.offset + seg.size], self.entries[seg.key].flat)
+        t.allgatherv_(wire_view(buf), bucket.counts, bucket.displs, what)
+        for seg in bucket.segments:
+            _copy(self.entries[seg.key].flat, buf[seg.offset:seg.offset + seg.size])
 
     def _pull_one(self, key, what):
         t = self.transport

@@ -369,12 +369,21 @@ class KVStore:
         settings = self._push_settings(priority)
         fast = (self._zero_copy.get((op, tuple(key), tuple(map(type, key))))
                 if out is None and type(key) is list else None)
+        remember = False
         if fast is not None and fast.matches(value) and type(priority) is int:
-            return fast.call(settings)
-        call = self._read(op, key, value, out, need_values=True,
-                          need_outs=op == "pushpull" and out is not None,
-                          outs_default_values=op == "pushpull", settings=settings)
-        if out is None and not call.errors and type(key) is list:
+            call = fast.call(settings)
+        else:
+            call = self._read(op, key, value, out, need_values=True,
+                              need_outs=op == "pushpull" and out is not None,
+                              outs_default_values=op == "pushpull", settings=settings)
+            remember = out is None and type(key) is list
+        e = self._engine
+        if e.optimizer is not None and e.int_keys and not call.errors:
+            bad = [k for k in call.keys if k in e.int_keys]
+            if bad:
+                call.fail(errors.OptimizerError, bad[0], f"key {bad[0]!r} holds integers; "
+                          f"optimizers update floating-point values only")
+        if remember and not call.errors:
             self._remember_zero_copy(op, key, value, call)
         return call
 
@@ -466,8 +475,8 @@ class _ZeroCopyCall:
 def _bucket_order(call):
     """key -> priority when a call gives one priority per key, else None."""
     priority = call.settings.get("priority", 0)
-    if isinstance(priority, (list, tuple)):
-        return dict(zip(call.user_keys, priority))
+    if isinstance(priority, list):
+        return dict(zip(call.keys, priority))  # canonical order (see calls.CallReader)
     return None
 
 

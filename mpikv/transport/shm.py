@@ -10,12 +10,13 @@ data inside a node.
 """
 
 import atexit
-import weakref
 
 import numpy as np
 from mpi4py import MPI
 
-_live = weakref.WeakSet()
+# In creation order: freeing a window is collective, so every rank must free its
+# windows in the same order (they were created collectively, in the same order).
+_live = []
 
 
 @atexit.register
@@ -68,7 +69,7 @@ class SharedArena:
         # One passive-target epoch for the window's life: Sync + Barrier order the
         # loads and stores of the ranks (MPI-3's unified memory model).
         self.win.Lock_all(MPI.MODE_NOCHECK)
-        _live.add(self)
+        _live.append(self)
 
     def _fence(self):
         self.win.Sync()
@@ -103,4 +104,4 @@ class SharedArena:
             except MPI.Exception:
                 pass
             self.win = None
-            _live.discard(self)
+            _live.remove(self)

@@ -60,3 +60,11 @@ def test_healthy_job_finishes():
     rc, out, _ = run_job(3, SCRIPT, "none", "60")
     assert rc == 0, out
     assert out.count("finished with [3.0, 3.0, 3.0]") == 3
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_exit_with_shared_memory_windows_does_not_hang(n):
+    # Freeing a window is collective: every rank must free them in the same order.
+    rc, out, seconds = run_job(n, "tests/jobs/scripts/shm_exit.py", timeout=60)
+    assert rc == 0, out
+    assert out.count("done") == n

@@ -261,3 +261,23 @@ def test_zero_copy_then_checkpoint_load_gives_the_store_its_own_memory(comm, mpi
         b[:] = 2
     kv.pushpull(keys, bufs)
     assert all((b == 2 * comm.size).all() for b in bufs)
+
+
+def test_per_key_priorities_follow_the_keys_not_the_list_order(comm):
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bucket_bytes=16)  # a bucket per key
+    kv.init([0, 1], [np.zeros(4, np.float32), np.zeros(8, np.float32)])
+    keys = [0, 1] if comm.rank % 2 == 0 else [1, 0]
+    prio = {0: 5, 1: 7}
+    vals = {0: np.full(4, 1, np.float32), 1: np.full(8, 100, np.float32)}
+    kv.push(keys, [vals[k] for k in keys], priority=[prio[k] for k in keys])
+    o = [np.zeros(4, np.float32), np.zeros(8, np.float32)]
+    kv.pull([0, 1], out=o)
+    assert (o[0] == comm.size).all() and (o[1] == 100 * comm.size).all()
+
+
+def test_cached_key_list_still_rejects_a_2d_array_as_the_value_list(comm):
+    kv = _store()
+    kv.init([0, 1], [np.zeros(4, np.float32)] * 2)
+    kv.push([0, 1], [np.ones(4, np.float32)] * 2)
+    kv.push([0, 1], [np.ones(4, np.float32)] * 2)
+    raises_everywhere(comm, errors.InputError, lambda: kv.push([0, 1], np.ones((2, 4), np.float32)))

@@ -268,3 +268,39 @@ def test_loading_states_of_another_optimizer_is_refused(comm, mpi_tmp_path):
     kv.set_optimizer(optimizer.Adam())
     msg = raises_everywhere(comm, errors.StateFileError, lambda: kv.load_optimizer_states(path))
     assert "SGD" in msg or "sgd" in msg
+
+
+def test_optimizer_refuses_integer_keys_on_every_rank(comm):
+    kv = _store()
+    kv.init(["a", "w"], [np.zeros(3, np.int32), np.zeros(3)])
+    kv.set_optimizer(optimizer.SGD())
+    msg = raises_everywhere(comm, errors.OptimizerError,
+                            lambda: kv.push(["a", "w"], [np.ones(3, np.int32), np.ones(3)]))
+    assert "key 'a' holds integers" in msg
+    kv.push("w", np.ones(3))
+
+
+def test_unusable_file_name_is_an_error_on_every_rank(comm):
+    kv = _store()
+    kv.init(1, np.ones(3))
+    kv.set_optimizer(optimizer.SGD())
+    raises_everywhere(comm, errors.StateFileError, lambda: kv.save_checkpoint("bad\0name"))
+
+
+def test_crafted_manifest_with_bad_fields_is_refused(comm, mpi_tmp_path):
+    from mpikv import statefile
+    kv = _store()
+    kv.init(1, np.ones(3))
+    for name, meta in [("keys", {"kind": "checkpoint", "keys": 5}),
+                       ("dtype", {"kind": "checkpoint", "keys": [[1, [3], "float128x"]]}),
+                       ("counts", {"kind": "checkpoint", "keys": [[1, [3], "float64"]],
+                                   "counts": [["a", "b"]]})]:
+        path = str(mpi_tmp_path / f"crafted-{name}")
+        if comm.rank == 0:
+            statefile.commit(path, statefile.new_generation(), [], meta)
+        comm.Barrier()
+        msg = raises_everywhere(comm, errors.StateFileError, lambda: kv.load_checkpoint(path))
+        assert "not a valid mpikv save" in msg
+    out = np.zeros(3)
+    kv.pull(1, out=out)
+    assert (out == 1).all()
