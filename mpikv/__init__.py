@@ -1,11 +1,12 @@
 """mpikv: MXNet's KVStore API on MPI, with no parameter servers."""
 
+from ._executor import Handle
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 
 __version__ = "0.1.0"
 
-__all__ = ["create", "__version__", *_errors_all]
+__all__ = ["create", "Handle", "__version__", *_errors_all]
 
 
 def create(name="local", comm=None, timeout=None, **options):  # noqa: D401

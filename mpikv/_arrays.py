@@ -1,6 +1,6 @@
-"""Host arrays: which values the store takes, and how it sums them.
+"""Host arrays: which values the store takes, which dtypes it holds, float16 summing.
 
-Pure numpy; the GPU backends plug in here in a later issue.
+Host (numpy) arrays here; GPU values go through :mod:`mpikv.backends`.
 """
 
 import numpy as np
@@ -63,10 +63,3 @@ def as_host_array(value, what, writable=False):
     if writable and not array.flags.writeable:
         raise ValueTypeError(f"{what} is read-only")
     return array
-
-
-def sum_into(out, arrays):
-    """Writes the sum of same-shaped arrays into the flat array ``out`` (in its dtype)."""
-    np.copyto(out, arrays[0].reshape(-1), casting="unsafe")
-    for other in arrays[1:]:
-        np.add(out, other.reshape(-1), out=out, casting="unsafe")

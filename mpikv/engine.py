@@ -404,7 +404,6 @@ class Engine:
         ``done``: keys whose outputs already hold the value (summed in place by
         :meth:`push`).
         """
-        t = self.transport
         by_key = {i.key: i for i in items}
         layout = self.layout(list(by_key))
         for index, bucket in _ordered(layout.buckets, order):

@@ -19,7 +19,6 @@ from .agreement import explain, fingerprint, keys_blob, record
 from .calls import Call, CallReader
 from ._executor import Executor, Handle
 from .engine import Engine
-from .plan import sort_key
 from .transport import make_transport
 
 #: store type -> transport kind
