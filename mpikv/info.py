@@ -17,28 +17,19 @@ import logging
 import math
 import os
 import platform
-import re
-import shutil
-import subprocess
 import sys
 
 from .agreement import format_ranks
 
 CUDA_AWARE_ENV = "MPIKV_CUDA_AWARE"
-# Open MPI 4 names the parameter mpi_built_with_cuda_support, Open MPI 5 opal_...
-_OMPI_CUDA = re.compile(r"(?:mpi|opal)_built_with_cuda_support:value:(true|false)")
-_OMPI_INFO_TIMEOUT = 10.0
 _THREAD_LEVELS = ("THREAD_SINGLE", "THREAD_FUNNELED", "THREAD_SERIALIZED", "THREAD_MULTIPLE")
-
-
-def _flag(raw):
-    text = raw.strip().lower()
-    return {"1": True, "true": True, "yes": True, "on": True,
-            "0": False, "false": False, "no": False, "off": False}.get(text)
 
 
 def cuda_aware(library_version, environ=None, ompi_info=None):
     """Whether the MPI library takes GPU buffers: ``(True | False | None, how we know)``.
+
+    The same probes as the store's (:mod:`mpikv.cuda`), but None where they
+    cannot tell, rather than the store's safe default (staging).
 
     Args:
         library_version: ``MPI.Get_library_version()``.
@@ -46,30 +37,25 @@ def cuda_aware(library_version, environ=None, ompi_info=None):
         ompi_info: path of ``ompi_info`` (default: the one next to the Python
             interpreter, else on ``PATH``).
     """
+    from . import cuda
     env = os.environ if environ is None else environ
-    raw = env.get(CUDA_AWARE_ENV)
-    if raw is not None and raw.strip():
-        value = _flag(raw)
-        if value is None:
-            return None, f"{CUDA_AWARE_ENV}={raw.strip()!r} is not 0 or 1"
-        return value, f"{CUDA_AWARE_ENV}={raw.strip()}"
+    raw = env.get(CUDA_AWARE_ENV, "").strip()
+    try:
+        override = cuda.parse_env(env)
+    except ValueError:
+        return None, f"{CUDA_AWARE_ENV}={raw!r} is not 0 or 1"
+    if override is not None:
+        return override, f"{CUDA_AWARE_ENV}={raw}"
     if "Open MPI" not in library_version:
         return None, "only Open MPI can be asked (set MPIKV_CUDA_AWARE=0 or 1)"
-    # The interpreter's own bin (a venv with the pip Open MPI) first: that
-    # ompi_info belongs to the library mpi4py loaded; then PATH.
-    tool = (ompi_info or shutil.which("ompi_info", path=os.path.dirname(sys.executable))
-            or shutil.which("ompi_info", path=env.get("PATH")))
-    if tool is None:
-        return None, "no ompi_info next to Python or on PATH"
-    try:
-        out = subprocess.run([tool, "--parsable", "--all"], capture_output=True, text=True,
-                             timeout=_OMPI_INFO_TIMEOUT, check=False).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"{tool} failed: {exc}"
-    found = _OMPI_CUDA.search(out)
-    if found is None:
+    tool = ompi_info or cuda.find_ompi_info(env)
+    text, note = cuda.run_ompi_info(tool, environ=env)
+    if text is None:
+        return None, note
+    value, name = cuda.parse_ompi_info(text)
+    if value is None:
         return None, f"{tool} does not say"
-    return found.group(1) == "true", f"{tool}: built_with_cuda_support={found.group(1)}"
+    return value, f"{tool}: {name}={str(value).lower()}"
 
 
 def _module(name):
