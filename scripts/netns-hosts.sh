@@ -25,6 +25,8 @@
 # nsenter --net (ip netns exec remounts /sys, and slurmd then dies). Config, state
 # and logs are in /run/mpikv_slurm; job output must not go to /tmp (per host).
 set -euo pipefail
+# Daemons and ip/nsenter live in sbin, which a minimal PATH (cron, CI, env -i) lacks.
+export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export MPIKV_NETNS_PREFIX=${MPIKV_NETNS_PREFIX:-mpikv_}
 export MPIKV_NETNS_NET=${MPIKV_NETNS_NET:-10.77.0}

@@ -9,6 +9,8 @@ set -uo pipefail
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$top/scripts/setup.sh" || exit 1
 cd "$top"
+# The system tests drive SLURM daemons and network namespaces, whose tools live in sbin.
+export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
 py=.venv/bin/python
 status=0
 # CPU torch for the torch variant of the training example: here a local wheel for

@@ -9,6 +9,8 @@
 # Exit codes: 0 the node is idle (or busy with jobs); 2 not root; 3 packages
 # were missing and apt-get failed (no network?); 1 anything else.
 set -euo pipefail
+# Daemons and ip/nsenter live in sbin, which a minimal PATH (cron, CI, env -i) lacks.
+export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 if [ "$(id -u)" != 0 ]; then

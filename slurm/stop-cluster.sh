@@ -2,6 +2,8 @@
 # Stops the cluster that slurm/start-cluster.sh started: slurmd, slurmctld and
 # munged, each through its PID file (nothing else is killed). Packages stay.
 set -euo pipefail
+# Daemons and ip/nsenter live in sbin, which a minimal PATH (cron, CI, env -i) lacks.
+export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
 if [ "$(id -u)" != 0 ]; then
   echo "stop-cluster.sh: must run as root" >&2
   exit 2
