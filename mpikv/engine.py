@@ -158,10 +158,12 @@ class Engine:
             op: the operation's name, for messages.
             items: the call's checked :class:`mpikv.calls.Item` list.
             order: key -> priority; buckets with higher priorities move first.
+            zero_copy: the items are known to be exactly the key list's zero-copy
+                buffers (a remembered call), so they need no checking.
 
         Returns:
-            set: keys whose zero-copy gradient buffer now holds the stored value
-            (a default-updater push summed it in place), for :meth:`pull`.
+            set: keys whose value the push summed in the caller's own array
+            (a one-key ``pushpull`` into its value), for :meth:`pull` to skip.
         """
         t = self.transport
         layout = self.layout([i.key for i in items])
