@@ -103,15 +103,22 @@ class Engine:
             lay.stored = None
 
     def _stored_view(self, bucket):
-        """The stored values of a bucket as one view, if they lie in one arena in bucket order."""
+        """The stored values of a bucket as one view, if they lie in one arena in bucket order.
+
+        A bucket that fills its arena is the arena itself (the same object), so
+        identity tells an aliased zero-copy bucket at once.
+        """
         first = self.entries[bucket.segments[0].key]
         if bucket.split:
-            return first.flat
-        base = first.offset - bucket.segments[0].offset
-        for seg in bucket.segments:
-            e = self.entries[seg.key]
-            if e.arena is not first.arena or e.offset != base + seg.offset:
-                return None
+            base = first.offset
+        else:
+            base = first.offset - bucket.segments[0].offset
+            for seg in bucket.segments:
+                e = self.entries[seg.key]
+                if e.arena is not first.arena or e.offset != base + seg.offset:
+                    return None
+        if base == 0 and bucket.size == first.arena.size:
+            return first.arena
         return first.arena[base:base + bucket.size]
 
     def scratch(self, dtype, size, kind="numpy"):
