@@ -10,6 +10,15 @@ import queue
 import sys
 import threading
 import traceback
+import weakref
+
+_live = weakref.WeakSet()
+
+
+def drain_all():
+    """Waits for every store's background calls (before MPI or its windows go away)."""
+    for executor in list(_live):
+        executor.drain()
 
 
 class Handle:
@@ -53,6 +62,7 @@ class Executor:
         self._pending = 0
         self._idle = threading.Condition()
         self._thread = None
+        _live.add(self)
 
     def run(self, fn, what):
         """Runs ``fn`` now, after everything submitted before it."""

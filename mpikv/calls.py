@@ -145,7 +145,8 @@ class CallReader:
             known = self._known.get(sig)
             if known is not None:
                 call = known.read(values if need_values else None,
-                                  outs if need_outs else None, outs_default_values, settings)
+                                  outs if need_outs else None, outs_default_values, settings,
+                                  need_values, need_outs)
                 if call is not None:
                     return call
         call = Call(op, settings=dict(settings or {}))
@@ -260,9 +261,13 @@ class _KnownList:
         from .agreement import keys_blob
         self.blob = keys_blob(call)
 
-    def read(self, values, outs, outs_default_values, settings):
+    def read(self, values, outs, outs_default_values, settings, need_values=False,
+             need_outs=False):
         """A checked Call, or None when anything is unusual (the full reader then
         runs and reports it)."""
+        if (need_values and values is None) or (
+                need_outs and outs is None and not outs_default_values):
+            return None
         if type((settings or {}).get("priority", 0)) is not int:
             return None  # lists, numpy ints and bad values: the full reader checks them
         if outs_default_values and outs is None:

@@ -195,7 +195,10 @@ class Engine:
             if arena is not None and self.updater_kind is None:
                 # Node-local shared memory: every rank's gradients in its own segment.
                 if not zero_copy:
-                    self._gather(layout, index, bucket, by_key, into=arena.mine)
+                    # Gathered apart first: the inputs may be (parts of) the segment.
+                    buf, _ = self._gather(layout, index, bucket, by_key)
+                    if buf is not arena.mine:
+                        _copy(arena.mine, buf)
                 t.allreduce_shared_(arena, what)
                 self._alias(layout, index, bucket)
                 continue
@@ -251,19 +254,18 @@ class Engine:
         if copies:
             self._moved()
 
-    def _gather(self, layout, index, bucket, by_key, into=None):
+    def _gather(self, layout, index, bucket, by_key):
         """The bucket's input, and whether it is the caller's own array.
 
         That is the zero-copy gradient arena, the caller's array itself (a
-        one-key pushpull into its value), or a scratch buffer (or ``into``)
-        filled with each key's sum over devices.
+        one-key pushpull into its value), or a scratch buffer filled with each
+        key's sum over devices.
         """
         if layout.grads is not None and all(
                 len(by_key[key].values) == 1 and by_key[key].values[0] is layout.views[key]
                 for key, _ in _key_offsets(bucket)):
             return layout.grads[index], False
-        if (into is None and len(bucket.keys) == 1 and self.updater_kind is None
-                and self._in_place_ok):
+        if len(bucket.keys) == 1 and self.updater_kind is None and self._in_place_ok:
             # pushpull(key, value) of one contiguous array: sum in the caller's array,
             # which is where the result goes anyway (no copy in, none out).
             item = by_key[bucket.keys[0]]
@@ -273,9 +275,8 @@ class Engine:
                     and value.flags.writeable):
                 return value.reshape(-1), True
         home = self.entries[bucket.keys[0]].arena
-        buf = into if into is not None else self.scratch(
-            accumulate_dtype(bucket.dtype), bucket.size,
-            "numpy" if type(home) is np.ndarray else "cupy")
+        buf = self.scratch(accumulate_dtype(bucket.dtype), bucket.size,
+                           "numpy" if type(home) is np.ndarray else "cupy")
         if bucket.split:
             backends.sum_into(buf, by_key[bucket.segments[0].key].values)
             return buf, False

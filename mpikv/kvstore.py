@@ -459,7 +459,7 @@ class _ZeroCopyCall:
         self.blob = keys_blob(call)
 
     def matches(self, values):
-        return (len(values) == len(self.values)
+        return (type(values) in (list, tuple) and len(values) == len(self.values)
                 and all(map(operator.is_, values, self.values)))
 
     def call(self, settings):

@@ -53,6 +53,7 @@ class MPITransport(Transport):
         if options.abort_on_exception:
             install_exception_hook()
         self._nodes = None
+        _drain_at_exit()
 
     # -- node-local shared memory --------------------------------------------
     @property
@@ -203,6 +204,20 @@ class MPITransport(Transport):
         facts["cuda"] = cuda.describe(self._cuda) if self._cuda is not None else "no device buffer yet"
         facts["timeout_s"] = self.timeout
         return facts
+
+
+_drain_registered = False
+
+
+def _drain_at_exit():
+    """Background calls finish before MPI_Finalize (registered after mpi4py's own
+    exit hook, so it runs first)."""
+    global _drain_registered
+    if not _drain_registered:
+        import atexit
+        from .._executor import drain_all
+        atexit.register(drain_all)
+        _drain_registered = True
 
 
 def _drain(pending):

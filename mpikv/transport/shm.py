@@ -21,7 +21,10 @@ _live = []
 
 @atexit.register
 def _free_all():
-    # Windows must be freed before MPI_Finalize, which mpi4py runs at exit after this.
+    # Windows must be freed before MPI_Finalize, which mpi4py runs at exit after
+    # this, and only once no background call still uses them.
+    from .._executor import drain_all
+    drain_all()
     for arena in list(_live):
         arena.free()
 

@@ -281,3 +281,32 @@ def test_cached_key_list_still_rejects_a_2d_array_as_the_value_list(comm):
     kv.push([0, 1], [np.ones(4, np.float32)] * 2)
     kv.push([0, 1], [np.ones(4, np.float32)] * 2)
     raises_everywhere(comm, errors.InputError, lambda: kv.push([0, 1], np.ones((2, 4), np.float32)))
+
+
+def test_missing_values_on_a_known_key_list_are_an_error_everywhere(comm):
+    kv = _store()
+    kv.init([0, 1], [np.zeros(4, np.float32)] * 2)
+    kv.push([0, 1], [np.ones(4, np.float32)] * 2)
+    raises_everywhere(comm, errors.ValueTypeError, lambda: kv.push([0, 1], None))
+    bufs = kv.gradient_buffers([0, 1])
+    kv.pushpull([0, 1], bufs)
+    raises_everywhere(comm, errors.ValueTypeError,
+                      lambda: kv.pushpull([0, 1], None if comm.rank == comm.size - 1 else bufs))
+
+
+def test_shared_buffers_given_crosswise_still_sum_right(comm):
+    kv = _store()
+    kv.init([0, 1], [np.zeros(4, np.float32)] * 2)
+    bufs = kv.gradient_buffers([0, 1])
+    bufs[0][:] = 1
+    bufs[1][:] = 10
+    other = np.full(4, 100, np.float32)
+    kv.push([0, 1], [[other, bufs[0]], bufs[1]])  # a device list holding the key's own buffer
+    o = [np.zeros(4, np.float32), np.zeros(4, np.float32)]
+    kv.pull([0, 1], out=o)
+    assert (o[0] == 101 * comm.size).all() and (o[1] == 10 * comm.size).all()
+    bufs[0][:] = 1
+    bufs[1][:] = 10
+    kv.push([0, 1], [bufs[1], bufs[0]])  # swapped between the keys
+    kv.pull([0, 1], out=o)
+    assert (o[0] == 10 * comm.size).all() and (o[1] == comm.size).all()

@@ -15,3 +15,5 @@ for _ in range(2):
         kv.pushpull(keys, bufs)
     stores.append(kv)
 print(f"rank {kv.rank}: done", flush=True)
+# And one call still running in the background at exit.
+h = kv.pushpull_async([0, 1, 2], kv.gradient_buffers([0, 1, 2]))
