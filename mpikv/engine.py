@@ -485,9 +485,10 @@ class Engine:
                                  f"{accumulate_dtype(bucket.dtype)}: no zero-copy buffers")
         if layout.grads is None:
             self._rehome(layout)
+            # Allocating a window is collective: decide from what every rank shares
+            # (the store type), not from where this rank's values happen to live.
             layout.shared = [self.transport.shared_arena(b.size, b.dtype)
-                             if shared and type(self.entries[b.keys[0]].arena) is np.ndarray
-                             else None for b in layout.buckets]
+                             if shared and not self.device else None for b in layout.buckets]
             layout.grads = [a.mine if a is not None else
                             backends.zeros(_kind(self.entries[b.keys[0]].arena), b.size, b.dtype)
                             for a, b in zip(layout.shared, layout.buckets)]
