@@ -174,17 +174,17 @@ def load(store, fname, kind, with_values):
                 else:
                     wanted.append((key, name, shard.start, shard.stop))
         got = statefile.read_slices(man, wanted)
-        return got, meta, new
+        return got, meta, saved, new
 
     # Results stay local (large arrays); only success is exchanged.
     local = {}
 
     def read_local():
-        local["got"], local["meta"], local["new"] = read()
+        local["got"], local["meta"], local["saved"], local["new"] = read()
         return None
 
     _exchange(t, what, read_local)
-    _apply(store, plan, local["got"], local["meta"], local["new"], with_values)
+    _apply(store, plan, local["got"], local["meta"], local["saved"], local["new"], with_values)
 
 
 def _saved_keys(meta, fname):
@@ -221,10 +221,9 @@ def _saved_keys(meta, fname):
     return saved
 
 
-def _apply(store, plan, got, meta, new, with_values):
+def _apply(store, plan, got, meta, saved, new, with_values):
     """Installs what every rank read successfully (no failure is possible here)."""
     t = store.transport
-    saved = _saved_keys(meta, "")
     for key in sorted(new, key=sort_key):
         shape, dtype = saved[key]
         store.entries[key] = Entry(np.zeros(plan[key].size, dtype), 0, shape, plan[key])

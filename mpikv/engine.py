@@ -305,13 +305,10 @@ class Engine:
         name = self.algorithm(bucket.nbytes)
         if name == "allreduce":
             self._allreduce(buf, what)
-            return
-        if bucket.split:
-            for seg in bucket.segments:
-                t.reduce_(buf[seg.offset:seg.offset + seg.size], seg.owner, what)
+        elif bucket.split:  # one shard per owner: a block each
+            self._reduce_blocks(buf, bucket, what)
             t.allgatherv_(buf, bucket.counts, bucket.displs, what)
-            return
-        if name == "reduce_bcast":
+        elif name == "reduce_bcast":
             self._reduce_blocks(buf, bucket, what)
             for rank, (count, displ) in enumerate(zip(bucket.counts, bucket.displs)):
                 if count:
@@ -321,21 +318,16 @@ class Engine:
             t.allgatherv_(buf, bucket.counts, bucket.displs, what)
 
     def _sum_to_owners(self, buf, bucket, what):
-        t = self.transport
         name = self.algorithm(bucket.nbytes)
         if name == "allreduce":
             self._allreduce(buf, what)  # every rank gets the sum; owners use their part
-            return
-        if bucket.split:
-            for seg in bucket.segments:
-                t.reduce_(buf[seg.offset:seg.offset + seg.size], seg.owner, what)
-            return
-        if name == "reduce_bcast":
+        elif bucket.split or name == "reduce_bcast":
             self._reduce_blocks(buf, bucket, what)
         else:
-            t.reduce_scatter_(buf, bucket.counts, bucket.displs, what)
+            self.transport.reduce_scatter_(buf, bucket.counts, bucket.displs, what)
 
     def _reduce_blocks(self, buf, bucket, what):
+        """Sums each owner's block (or shard) of the bucket into that owner."""
         for rank, (count, displ) in enumerate(zip(bucket.counts, bucket.displs)):
             if count:
                 self.transport.reduce_(buf[displ:displ + count], rank, what)
