@@ -246,8 +246,11 @@ def _device_context(cp, device):
     return device  # a cupy.cuda.Device is its own context manager
 
 
-def _on(array):
-    """The context that makes ``array``'s GPU current (a no-op for host arrays)."""
+def on(array):
+    """The context that makes ``array``'s GPU current (a no-op for host arrays).
+
+    cupy runs kernels and allocates on the current GPU, which is per thread.
+    """
     device = getattr(array, "device", None)
     if device is not None and hasattr(device, "__enter__"):
         return device
@@ -280,6 +283,13 @@ def zeros(kind, size, dtype, device=None):
     return out
 
 
+def module_of(array):
+    """numpy for a host array, cupy for a device one (as ``cupy.get_array_module``)."""
+    if isinstance(array, np.ndarray):
+        return np
+    return xp(native_kind(array) or NUMPY)
+
+
 def _same_gpu(a, b):
     return a.device.id == b.device.id
 
@@ -298,7 +308,7 @@ def sum_into(out, arrays):
     """
     mod = np if isinstance(out, np.ndarray) else xp(CUPY)
     if out.dtype == np.float16 and len(arrays) > 1:
-        wide = mod.empty(out.size, np.float32) if mod is np else _empty_like_on(mod, out, np.float32)
+        wide = mod.empty(out.size, np.float32) if mod is np else _empty_likeon(mod, out, np.float32)
         sum_into(wide, arrays)
         copyto(out, wide, casting="unsafe")
         return
@@ -327,7 +337,7 @@ def sum_into(out, arrays):
             mod.cuda.get_current_stream().synchronize()
 
 
-def _empty_like_on(mod, like, dtype):
+def _empty_likeon(mod, like, dtype):
     with like.device:
         return mod.empty(like.size, dtype)
 
@@ -473,7 +483,7 @@ class Stager:
             return {str(d): sorted(b.size for b in pool) for d, pool in self._free.items() if pool}
 
     def _synchronize(self, dev_flat):
-        with _on(dev_flat):
+        with on(dev_flat):
             self.device_module.cuda.get_current_stream().synchronize()
 
     def to_host(self, dev_flat, host=None):
@@ -492,7 +502,7 @@ class Stager:
             host = self.acquire(dev_flat.dtype, dev_flat.size)
         # The kernels that wrote dev_flat may still be running.
         self._synchronize(dev_flat)
-        with _on(dev_flat):
+        with on(dev_flat):
             dev_flat.get(out=host)
         return host
 
@@ -503,7 +513,7 @@ class Stager:
         visible to kernels on any stream.
         """
         _check_flat(dev_flat)
-        with _on(dev_flat):
+        with on(dev_flat):
             stream = self.device_module.cuda.get_current_stream()
             dev_flat.set(host, stream=stream)
             stream.synchronize()
@@ -601,5 +611,5 @@ def _synchronize_any(dev_buf, stager):
 
 
 __all__ = ["KINDS", "array_module", "native_kind", "is_device", "as_native", "xp",
-           "cupy_available", "empty", "zeros", "sum_into", "copyto", "synchronize",
+           "cupy_available", "module_of", "on", "empty", "zeros", "sum_into", "copyto", "synchronize",
            "Stager", "device_collective", "INSTALL_HINT", "NONBLOCKING_ON_DEVICE"]

@@ -272,7 +272,7 @@ class Engine:
             value = item.values[0]
             if (len(item.values) == 1 and len(item.outs) == 1 and item.outs[0] is value
                     and value.flags.c_contiguous and value.dtype == accumulate_dtype(value.dtype)
-                    and value.flags.writeable):
+                    and getattr(value.flags, "writeable", True)):  # cupy has no such flag
                 return value.reshape(-1), True
         home = self.entries[bucket.keys[0]].arena
         buf = self.scratch(accumulate_dtype(bucket.dtype), bucket.size,

@@ -234,10 +234,7 @@ class KVStore:
         """
         from .optimizer import Optimizer
         call = Call("set_optimizer")
-        if self._engine.on_gpu:
-            call.fail(errors.OptimizerError, None, "optimizers run on host (numpy) values only "
-                      "so far; this store holds GPU values (use a host store or set_updater)")
-        elif isinstance(optimizer, Optimizer):
+        if isinstance(optimizer, Optimizer):
             call.settings["optimizer"] = optimizer.get_config()
         else:
             call.fail(errors.OptimizerError, None, f"set_optimizer needs an "

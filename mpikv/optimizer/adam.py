@@ -2,8 +2,7 @@
 
 import math
 
-import numpy as np
-
+from .. import backends
 from . import _checks
 from .base import Optimizer, register
 
@@ -28,11 +27,12 @@ class _Moments(Optimizer):
 
     def _moments(self, g, state):
         """Updates and returns ``(mean, var)`` in place from gradient ``g``."""
+        xp = backends.module_of(g)
         mean, var = state["mean"], state["var"]
         mean *= self.beta1
         mean += (1.0 - self.beta1) * g
         var *= self.beta2
-        var += (1.0 - self.beta2) * np.square(g)
+        var += (1.0 - self.beta2) * xp.square(g)
         return mean, var
 
     def _corrected_lr(self, lr, t):
@@ -77,9 +77,10 @@ class Adam(_Moments):
         return {**super()._hyperparams(), "lazy_update": self.lazy_update}
 
     def _step(self, w, g, state, lr, wd, t):
+        xp = backends.module_of(w)
         g = self._clipped(self.rescale_grad * g + wd * w)
         mean, var = self._moments(g, state)
-        return w - self._corrected_lr(lr, t) * mean / (np.sqrt(var) + self.epsilon)
+        return w - self._corrected_lr(lr, t) * mean / (xp.sqrt(var) + self.epsilon)
 
 
 @register
@@ -123,6 +124,7 @@ class AdamW(_Moments):
         return {**super()._hyperparams(), "eta": self.eta, "correct_bias": self.correct_bias}
 
     def _step(self, w, g, state, lr, wd, t):
+        xp = backends.module_of(w)
         mean, var = self._moments(self._scaled_grad(g), state)
         lr_t = self._corrected_lr(lr, t) if self.correct_bias else lr
-        return w - self.eta * (lr_t * mean / (np.sqrt(var) + self.epsilon) + wd * w)
+        return w - self.eta * (lr_t * mean / (xp.sqrt(var) + self.epsilon) + wd * w)

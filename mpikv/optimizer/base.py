@@ -15,6 +15,7 @@ import warnings
 
 import numpy as np
 
+from .. import backends
 from ..errors import OptimizerError
 from . import _checks
 from .schedulers import LRScheduler, lr_scheduler_from_config
@@ -109,10 +110,10 @@ def compute_dtype(weight):
     other floating dtypes are used as they are.
 
     Raises:
-        TypeError: ``weight`` is not a floating-point numpy array.
+        TypeError: ``weight`` is not a floating-point numpy or cupy array.
     """
-    if not isinstance(weight, np.ndarray):
-        raise TypeError(f"weight must be a numpy array, not {type(weight).__name__}")
+    if not isinstance(weight, np.ndarray) and backends.native_kind(weight) != backends.CUPY:
+        raise TypeError(f"weight must be a numpy or cupy array, not {type(weight).__name__}")
     if weight.dtype.kind != "f":
         raise TypeError(f"weight must have a floating dtype, not {weight.dtype}")
     return np.dtype(np.float32) if weight.dtype.itemsize < 4 else weight.dtype
@@ -288,15 +289,19 @@ class Optimizer:
 
         Returns:
             ``{name: array}``: zeros shaped like ``weight`` in
-            :func:`compute_dtype`, and ``"t"``, an int64 array of shape (1,)
-            holding ``begin_num_update``.
+            :func:`compute_dtype`, where ``weight`` lives (host or its GPU),
+            and ``"t"``, an int64 numpy array of shape (1,) holding
+            ``begin_num_update``. The count stays on the host even for GPU
+            weights: reading it from a GPU would wait for the GPU every step.
         """
         dtype = compute_dtype(weight)
-        state = {name: np.zeros(weight.shape, dtype) for name in self.elementwise_state_names}
+        xp = backends.module_of(weight)
+        with backends.on(weight):
+            state = {name: xp.zeros(weight.shape, dtype) for name in self.elementwise_state_names}
         state[COUNT] = np.full(1, self.begin_num_update, dtype=np.int64)
         return state
 
-    def _check_state(self, state, weight, dtype):
+    def _check_state(self, state, weight, dtype, xp):
         if not isinstance(state, dict):
             raise OptimizerError(f"state must be a dict of arrays, not {type(state).__name__}")
         if set(state) != set(self.state_names):
@@ -304,11 +309,12 @@ class Optimizer:
                                  f"{sorted(self.state_names)}")
         for name in self.elementwise_state_names:
             arr = state[name]
-            if (not isinstance(arr, np.ndarray) or arr.shape != weight.shape
+            if (not isinstance(arr, xp.ndarray) or arr.shape != weight.shape
                     or arr.dtype != dtype):
                 raise OptimizerError(
-                    f"state {name!r} must be a {dtype} array of shape {weight.shape}, got "
-                    f"{getattr(arr, 'dtype', type(arr).__name__)} {getattr(arr, 'shape', '')}")
+                    f"state {name!r} must be a {dtype} {xp.__name__} array of shape "
+                    f"{weight.shape}, got {type(arr).__module__}.{type(arr).__name__} "
+                    f"{getattr(arr, 'dtype', '')} {getattr(arr, 'shape', '')}")
         count = state[COUNT]
         if not isinstance(count, np.ndarray) or count.size != 1 or count.dtype.kind not in "iu":
             raise OptimizerError(f"state {COUNT!r} must be an integer array of one element")
@@ -326,25 +332,32 @@ class Optimizer:
 
         Args:
             key: The key; selects ``lr_mult``/``wd_mult``.
-            weight: The weight, updated in place (a floating numpy array).
+            weight: The weight, updated in place: a floating numpy array, or
+                a cupy array (the math then runs on its GPU).
             grad: The gradient, same shape as ``weight``; not modified.
+                Host gradients of a GPU weight are copied to its GPU.
             state: The dict from :meth:`create_state` for this shard.
 
         Returns:
             A :class:`PendingUpdate`.
 
         Raises:
-            TypeError: ``weight`` is not a floating numpy array.
+            TypeError: ``weight`` is not a floating numpy or cupy array.
             ValueError: ``weight`` is read-only or ``grad`` has another shape.
             OptimizerError: ``state`` does not fit this optimizer or weight.
         """
         dtype = compute_dtype(weight)
-        if not weight.flags.writeable:
+        if not getattr(weight.flags, "writeable", True):  # cupy arrays have no such flag
             raise ValueError("weight is read-only; it is updated in place")
-        grad = np.asarray(grad)
-        if grad.shape != weight.shape:
-            raise ValueError(f"grad has shape {grad.shape}, weight {weight.shape}")
-        self._check_state(state, weight, dtype)
+        xp = backends.module_of(weight)
+        with backends.on(weight):
+            grad = xp.asarray(grad)
+            if grad.shape != weight.shape:
+                raise ValueError(f"grad has shape {grad.shape}, weight {weight.shape}")
+            self._check_state(state, weight, dtype, xp)
+            return self._begin_checked(key, weight, grad, state, dtype, xp)
+
+    def _begin_checked(self, key, weight, grad, state, dtype, xp):
         count = state[COUNT].reshape(-1)
         t = int(count[0]) + 1
         count[0] = t
@@ -354,11 +367,12 @@ class Optimizer:
         g = grad.astype(dtype, copy=False)
         partials, result = self._begin(w, g, state, lr, wd, t)
         if partials is None:
-            np.copyto(weight, result, casting="same_kind")
+            xp.copyto(weight, result, casting="same_kind")
             return PendingUpdate(None, key, None, None)
 
         def finish(totals):
-            np.copyto(weight, result(totals), casting="same_kind")
+            with backends.on(weight):
+                xp.copyto(weight, result(totals), casting="same_kind")
 
         return PendingUpdate(self, key, partials, finish)
 
@@ -418,7 +432,7 @@ class Optimizer:
         """Clips a fresh array in place, MXNet style (no clipping when <= 0)."""
         clip = self.clip_gradient
         if clip is not None and clip > 0:
-            np.clip(g, -clip, clip, out=g)
+            backends.module_of(g).clip(g, -clip, clip, out=g)
         return g
 
     def _scaled_grad(self, g):
@@ -427,6 +441,6 @@ class Optimizer:
 
 
 def sum_of_squares(a):
-    """``sum(a * a)`` accumulated in float64."""
+    """``sum(a * a)`` accumulated in float64 (on ``a``'s GPU for a cupy array)."""
     flat = a.astype(np.float64, copy=False).reshape(-1)
-    return float(np.dot(flat, flat))
+    return float(backends.module_of(a).dot(flat, flat))

@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 
+from .. import backends
 from . import _checks
 from .adam import _Moments
 from .base import register, sum_of_squares
@@ -65,11 +66,12 @@ class LAMB(_Moments):
                 "upper_bound": self.upper_bound, "bias_correction": self.bias_correction}
 
     def _begin(self, w, g, state, lr, wd, t):
+        xp = backends.module_of(w)
         mean, var = self._moments(self._scaled_grad(g), state)
         if self.bias_correction:
             mean = mean / (1.0 - self.beta1 ** t)
             var = var / (1.0 - self.beta2 ** t)
-        r = mean / (np.sqrt(var) + self.epsilon) + wd * w
+        r = mean / (xp.sqrt(var) + self.epsilon) + wd * w
         partials = np.array([sum_of_squares(w), sum_of_squares(r)], dtype=np.float64)
 
         def finish(totals):

@@ -1,7 +1,6 @@
 """RMSProp, MXNet 1.9 ``rmsprop_update`` and ``rmspropalex_update``."""
 
-import numpy as np
-
+from .. import backends
 from . import _checks
 from .base import Optimizer, register
 
@@ -55,19 +54,20 @@ class RMSProp(Optimizer):
                 "centered": self.centered, "clip_weights": self.clip_weights}
 
     def _step(self, w, g, state, lr, wd, t):
+        xp = backends.module_of(w)
         g = self._clipped(self.rescale_grad * g + wd * w)
         n = state["n"]
         n *= self.rho
-        n += (1.0 - self.rho) * np.square(g)
+        n += (1.0 - self.rho) * xp.square(g)
         if not self.centered:
-            new = w - lr * g / np.sqrt(n + self.epsilon)
+            new = w - lr * g / xp.sqrt(n + self.epsilon)
         else:
             g_avg, delta = state["g"], state["delta"]
             g_avg *= self.rho
             g_avg += (1.0 - self.rho) * g
             delta *= self.momentum
-            delta -= lr * g / np.sqrt(n - np.square(g_avg) + self.epsilon)
+            delta -= lr * g / xp.sqrt(n - xp.square(g_avg) + self.epsilon)
             new = w + delta
         if self.clip_weights is not None and self.clip_weights > 0:
-            np.clip(new, -self.clip_weights, self.clip_weights, out=new)
+            xp.clip(new, -self.clip_weights, self.clip_weights, out=new)
         return new

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from .. import backends
 from ..errors import OptimizerError
 from .base import Optimizer
 
@@ -43,8 +44,8 @@ class Updater:
         self.optimizer.update(key, weight, grad, state)
 
     def get_states(self):
-        """A copy of the states: ``{key: {name: numpy array}}``."""
-        return {key: {name: arr.copy() for name, arr in state.items()}
+        """A copy of the states: ``{key: {name: array}}`` (GPU states stay on their GPU)."""
+        return {key: {name: _copy(arr) for name, arr in state.items()}
                 for key, state in self.states.items()}
 
     def set_states(self, states):
@@ -58,8 +59,16 @@ class Updater:
         for key, state in states.items():
             if not isinstance(state, dict) or set(state) != expected:
                 raise OptimizerError(f"state of key {key!r} must have arrays {sorted(expected)}")
-            copied[key] = {name: np.array(arr, copy=True) for name, arr in state.items()}
+            copied[key] = {name: _copy(arr) for name, arr in state.items()}
         self.states = copied
+
+
+def _copy(array):
+    """A copy that stays where ``array`` lives (host or GPU)."""
+    if backends.is_device(array):
+        with backends.on(array):
+            return array.copy()
+    return np.array(array, copy=True)
 
 
 def get_updater(optimizer):

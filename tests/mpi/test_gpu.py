@@ -1,7 +1,17 @@
-"""cupy arrays through a ``dist_sync_device`` store: what a GPU machine must pass.
+"""GPU values through ``dist_sync_device`` stores: what a GPU machine must pass.
 
-Skipped where cupy is missing or sees no GPU. Each rank uses GPU
-``rank % device_count``. Values are checked on the host after the call.
+Each test runs three ways:
+
+* ``cupy``: real cupy on a real GPU (skipped where cupy is missing or sees
+  no GPU, as in CI); the MPI library's CUDA-awareness is detected.
+* ``stand-in-staged`` and ``stand-in-direct``: ``tests/fakecupy.py``, a CPU
+  stand-in that keeps cupy's rules (no implicit host conversion, no mixing of
+  host and device arrays, operands on the current device) with
+  ``MPIKV_CUDA_AWARE=0`` (staged through host buffers) and ``=1`` (the
+  "device" pointer goes straight to MPI). They check mpikv's device code
+  paths on machines without a GPU; they say nothing about CUDA itself.
+
+Each rank uses GPU ``rank % device_count``. Values are checked on the host.
 Run: ``scripts/mpirun.sh -n 2 python -m pytest tests/mpi/test_gpu.py --with-mpi``.
 """
 
@@ -11,23 +21,31 @@ import pytest
 import mpikv
 from mpikv import backends, cuda, optimizer
 
+from .. import fakecupy
 from .conftest import TEST_TIMEOUT
 
-pytestmark = [pytest.mark.mpi,
-              pytest.mark.skipif(not backends.cupy_available(),
-                                 reason="cupy not installed / no GPU")]
+pytestmark = pytest.mark.mpi
+
+WAYS = ["cupy", "stand-in-staged", "stand-in-direct"]
 
 
-@pytest.fixture
-def cp(comm):
-    import cupy
+@pytest.fixture(params=WAYS)
+def cp(request, comm, monkeypatch):
+    if request.param == "cupy":
+        if not backends.cupy_available():
+            pytest.skip("cupy not installed / no GPU")
+        import cupy
+    else:
+        cupy = fakecupy.install(monkeypatch)
+        monkeypatch.setenv(cuda.ENV, "1" if request.param.endswith("direct") else "0")
+        monkeypatch.setattr(cuda, "FALLBACK", cuda.Fallback())
     device = cupy.cuda.Device(comm.rank % cupy.cuda.runtime.getDeviceCount())
     with device:
         yield cupy
 
 
 @pytest.fixture
-def gkv():
+def gkv(cp):
     return mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT)
 
 

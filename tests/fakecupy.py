@@ -1,0 +1,421 @@
+"""A CPU stand-in for the part of cupy mpikv uses, so device code paths run without a GPU.
+
+It is a test double, not an emulator: arrays live in host memory, kernels are
+numpy calls, streams only count synchronisations. What it keeps from cupy is
+what catches bugs on a machine without a GPU:
+
+* device arrays are not numpy arrays: ``numpy.asarray(d)`` raises, numpy
+  arrays cannot be mixed into device arithmetic, and data crosses only
+  through ``get``/``set``/``asarray``/``asnumpy`` (always copies);
+* ``flags`` has no ``writeable``; ``get(out=)`` and ``set`` want matching
+  shape, dtype and contiguous memory;
+* every array belongs to a device, an operation needs its operands on the
+  current device, and ``copy()`` copies to the current device;
+* ``__cuda_array_interface__`` exposes the memory, so mpi4py passes it to
+  MPI as a "device pointer" (host memory here, so any MPI moves it).
+
+:func:`install` puts it into ``sys.modules`` as ``cupy`` and ``cupyx``;
+``STAND_IN = True`` lets a benchmark refuse to report its figures.
+"""
+
+import sys
+import threading
+import types
+
+import numpy as np
+
+STAND_IN = True
+_state = threading.local()
+_counts = {"synchronize": 0}
+_device_count = [2]
+
+
+def _current_id():
+    return getattr(_state, "device", 0)
+
+
+# -- cuda ----------------------------------------------------------------
+class Stream:
+    """Counts synchronisations; work is synchronous anyway."""
+
+    def __init__(self, non_blocking=False):
+        self.non_blocking = non_blocking
+        self.synchronized = 0
+
+    def synchronize(self):
+        self.synchronized += 1
+        _counts["synchronize"] += 1
+
+    def __enter__(self):
+        stack = _streams()
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _streams().pop()
+
+
+def _streams():
+    if not hasattr(_state, "streams"):
+        _state.streams = []
+    return _state.streams
+
+
+_null_streams = {}
+
+
+def get_current_stream():
+    stack = _streams()
+    if stack:
+        return stack[-1]
+    return _null_streams.setdefault((threading.get_ident(), _current_id()), Stream())
+
+
+class Device:
+    def __init__(self, device=None):
+        self.id = _current_id() if device is None else int(device)
+        if not 0 <= self.id < _device_count[0]:
+            raise RuntimeError(f"cudaErrorInvalidDevice: device {self.id}")
+        self._saved = []
+
+    def __enter__(self):
+        self._saved.append(_current_id())
+        _state.device = self.id
+        return self
+
+    def __exit__(self, *exc):
+        _state.device = self._saved.pop()
+
+    def use(self):
+        _state.device = self.id
+
+    def synchronize(self):
+        _counts["synchronize"] += 1
+
+    def __eq__(self, other):
+        return isinstance(other, Device) and other.id == self.id
+
+    def __hash__(self):
+        return hash(self.id)
+
+    def __repr__(self):
+        return f"<CUDA Device {self.id}>"
+
+
+def _get_device_count():
+    return _device_count[0]
+
+
+# -- arrays --------------------------------------------------------------
+class _Flags:
+    def __init__(self, a):
+        self.c_contiguous = bool(a.flags.c_contiguous)
+        self.f_contiguous = bool(a.flags.f_contiguous)
+        self.owndata = bool(a.flags.owndata)
+
+
+class _Pointer:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+def _check_device(arrays):
+    here = _current_id()
+    for a in arrays:
+        if a._dev != here:
+            raise ValueError(f"Array device must be same as the current device: "
+                             f"array device = {a._dev} while current = {here}")
+
+
+def _unwrap(obj, found):
+    if isinstance(obj, ndarray):
+        found.append(obj)
+        return obj._a
+    if isinstance(obj, np.ndarray):
+        raise TypeError(f"Unsupported type {type(obj)}")
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unwrap(o, found) for o in obj)
+    return obj
+
+
+def _wrap(result, device=None):
+    if isinstance(result, np.ndarray):
+        return ndarray._of(result, _current_id() if device is None else device)
+    if isinstance(result, np.generic):
+        return ndarray._of(np.asarray(result), _current_id() if device is None else device)
+    if isinstance(result, tuple):
+        return tuple(_wrap(r, device) for r in result)
+    return result
+
+
+def _call(fn, args, kwargs):
+    found = []
+    args = _unwrap(args, found)
+    out = kwargs.get("out")
+    kwargs = {k: _unwrap(v, found) for k, v in kwargs.items()}
+    _check_device(found)
+    result = fn(*args, **kwargs)
+    if isinstance(out, ndarray):
+        return out
+    return _wrap(result)
+
+
+class ndarray:  # noqa: N801 - cupy's name
+    """A device array: a numpy array it never hands out, plus the device it is on."""
+
+    __array_priority__ = 100
+
+    @classmethod
+    def _of(cls, a, device, base=None):
+        self = object.__new__(cls)
+        self._a = a
+        self._dev = device
+        self.base = base  # the array this one views, as in cupy (None: owns its memory)
+        return self
+
+    def __init__(self, shape, dtype=float):
+        self._a = np.empty(shape, dtype)
+        self._dev = _current_id()
+        self.base = None
+
+    def _view(self, a):
+        return ndarray._of(a, self._dev, self if self.base is None else self.base)
+
+    # what numpy may not do with it
+    def __array__(self, *args, **kwargs):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. "
+                        "Please use `.get()` to construct a NumPy array explicitly.")
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        try:
+            return _call(getattr(ufunc, method), inputs, kwargs)
+        except TypeError:
+            return NotImplemented
+
+    def __array_function__(self, func, types_, args, kwargs):
+        return _call(func, args, kwargs)
+
+    # attributes
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+    size = property(lambda self: self._a.size)
+    ndim = property(lambda self: self._a.ndim)
+    nbytes = property(lambda self: self._a.nbytes)
+    itemsize = property(lambda self: self._a.itemsize)
+    strides = property(lambda self: self._a.strides)
+    flags = property(lambda self: _Flags(self._a))
+    device = property(lambda self: Device(self._dev))
+    data = property(lambda self: _Pointer(self._a.ctypes.data))
+    T = property(lambda self: self._view(self._a.T))
+
+    @property
+    def __cuda_array_interface__(self):
+        a = self._a
+        strides = None if a.flags.c_contiguous else a.strides
+        return {"shape": a.shape, "typestr": a.dtype.str, "data": (a.ctypes.data, False),
+                "version": 3, "strides": strides, "stream": None}
+
+    # host <-> device
+    def get(self, stream=None, order="C", out=None):
+        if out is None:
+            return self._a.copy()
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"Only numpy.ndarray can be obtained from cupy.ndarray, not {type(out)}")
+        if out.shape != self.shape or out.dtype != self.dtype:
+            raise ValueError(f"Shape or dtype mismatch: {out.shape}/{out.dtype} vs "
+                             f"{self.shape}/{self.dtype}")
+        if not out.flags.c_contiguous or not self._a.flags.c_contiguous:
+            raise RuntimeError("Cannot get to or from a non-contiguous array")
+        np.copyto(out, self._a)
+        return out
+
+    def set(self, arr, stream=None):
+        if not isinstance(arr, np.ndarray):
+            raise TypeError(f"Only numpy.ndarray can be set to cupy.ndarray, not {type(arr)}")
+        if arr.size != self.size:
+            raise ValueError("Shape mismatch")
+        if arr.dtype != self.dtype:
+            raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
+        if not self._a.flags.c_contiguous:
+            raise RuntimeError("Cannot set to non-contiguous array")
+        np.copyto(self._a, arr.reshape(self.shape))
+
+    # views and copies (no device check: cupy copies across devices here)
+    def copy(self, order="C"):
+        return ndarray._of(self._a.copy(order), _current_id())
+
+    def __getitem__(self, index):
+        found = []
+        index = _unwrap(index, found)
+        got = self._a[index]
+        if isinstance(got, np.ndarray) and np.shares_memory(got, self._a):
+            return self._view(got)
+        return _wrap(got, self._dev)
+
+    def __setitem__(self, index, value):
+        found = [self]
+        index = _unwrap(index, found)
+        value = _unwrap(value, found)
+        _check_device(found)
+        self._a[index] = value
+
+    def reshape(self, *shape, order="C"):
+        return self._view(self._a.reshape(*shape, order=order))
+
+    def ravel(self, order="C"):
+        return self._view(self._a.ravel(order))
+
+    def view(self, dtype=None):
+        return self._view(self._a.view(dtype))
+
+    def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
+        _check_device([self])
+        b = self._a.astype(dtype, copy=copy)
+        return self if b is self._a else ndarray._of(b, self._dev)
+
+    def fill(self, value):
+        _check_device([self])
+        self._a.fill(value)
+
+    def item(self):
+        return self._a.item()
+
+    def tolist(self):
+        return self._a.tolist()
+
+    def __len__(self):
+        return len(self._a)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __float__(self):
+        return float(self._a)
+
+    def __int__(self):
+        return int(self._a)
+
+    def __bool__(self):
+        return bool(self._a)
+
+    def __repr__(self):
+        return f"fakecupy.array({self._a!r}, device={self._dev})"
+
+    def __getattr__(self, name):  # sum, max, min, mean, dot, ... as kernels
+        method = getattr(self._a, name)
+        if not callable(method):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: _call(getattr(np.ndarray, name), (self,) + args, kwargs)
+
+
+def _binary(name):
+    def op(self, other):
+        try:
+            return _call(getattr(np.ndarray, name), (self, other), {})
+        except TypeError:
+            return NotImplemented
+    op.__name__ = name
+    return op
+
+
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or",
+              "xor", "lt", "le", "gt", "ge", "eq", "ne"):
+    for _form in ("__%s__", "__r%s__", "__i%s__"):
+        _dunder = _form % _name
+        if hasattr(np.ndarray, _dunder):
+            setattr(ndarray, _dunder, _binary(_dunder))
+for _name in ("__neg__", "__pos__", "__abs__", "__invert__"):
+    setattr(ndarray, _name, lambda self, _n=_name: _call(getattr(np.ndarray, _n), (self,), {}))
+ndarray.__hash__ = None
+
+
+# -- module functions ----------------------------------------------------
+def asarray(obj, dtype=None, order=None):
+    if isinstance(obj, ndarray):
+        if obj._dev != _current_id():
+            return obj.copy().astype(dtype or obj.dtype, copy=False)
+        return obj if dtype is None or np.dtype(dtype) == obj.dtype else obj.astype(dtype)
+    if hasattr(obj, "__cuda_array_interface__"):
+        raise TypeError("the stand-in wraps only its own arrays")
+    return ndarray._of(np.array(obj, dtype=dtype, order=order or "K", copy=True), _current_id())
+
+
+def array(obj, dtype=None, copy=True, order="K"):
+    if isinstance(obj, ndarray):
+        return obj.astype(dtype or obj.dtype, copy=copy) if obj._dev == _current_id() \
+            else asarray(obj, dtype)
+    return asarray(obj, dtype)
+
+
+def asnumpy(a, stream=None, out=None):
+    return a.get(out=out) if isinstance(a, ndarray) else np.asarray(a)
+
+
+def copyto(dst, src, casting="same_kind", where=None):
+    if not isinstance(dst, ndarray):
+        raise TypeError(f"dst must be a cupy array, not {type(dst)}")
+    _call(np.copyto, (dst, src), {"casting": casting})
+
+
+def from_dlpack(obj):
+    raise TypeError("the stand-in takes no DLPack producers")
+
+
+def get_array_module(*args):
+    return sys.modules["cupy"] if any(isinstance(a, ndarray) for a in args) else np
+
+
+def _creator(name):
+    fn = getattr(np, name)
+
+    def make(*args, **kwargs):
+        return _wrap(fn(*args, **kwargs))
+    make.__name__ = name
+    return make
+
+
+def _module_getattr(name):
+    thing = getattr(np, name)
+    if callable(thing) and not isinstance(thing, type):
+        return lambda *args, **kwargs: _call(thing, args, kwargs)
+    return thing
+
+
+def build(device_count=2):
+    """Fresh ``cupy`` and ``cupyx`` module objects backed by this file."""
+    _device_count[0] = device_count
+    cp = types.ModuleType("cupy")
+    cp.STAND_IN = STAND_IN
+    cp.__version__ = "0+stand-in"
+    cp.ndarray = ndarray
+    for name in ("asarray", "array", "asnumpy", "copyto", "from_dlpack", "get_array_module"):
+        setattr(cp, name, globals()[name])
+    for name in ("empty", "zeros", "ones", "full", "arange", "linspace"):
+        setattr(cp, name, _creator(name))
+    for name in ("empty_like", "zeros_like", "ones_like", "full_like"):
+        setattr(cp, name, lambda a, *args, _n=name, **kw: _call(getattr(np, _n), (a,) + args, kw))
+    cp.__getattr__ = _module_getattr
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.Device = Device
+    cuda.Stream = Stream
+    cuda.get_current_stream = get_current_stream
+    cuda.runtime = types.SimpleNamespace(getDeviceCount=_get_device_count)
+    cp.cuda = cuda
+    cupyx = types.ModuleType("cupyx")
+    cupyx.empty_pinned = lambda shape, dtype=float: np.empty(shape, dtype)
+    return {"cupy": cp, "cupy.cuda": cuda, "cupyx": cupyx}
+
+
+def install(monkeypatch, device_count=2):
+    """Makes ``import cupy`` give the stand-in for the test using ``monkeypatch``."""
+    modules = build(device_count)
+    for name, mod in modules.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    _state.device = 0
+    _counts["synchronize"] = 0
+    return modules["cupy"]
+
+
+def synchronizations():
+    """Stream and device synchronisations since :func:`install`."""
+    return _counts["synchronize"]
