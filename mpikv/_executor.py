@@ -64,6 +64,11 @@ class Executor:
         self._thread = None
         _live.add(self)
 
+    @property
+    def busy(self):
+        """Whether submitted calls are still running (a new call would go to the worker)."""
+        return bool(self._pending)
+
     def run(self, fn, what):
         """Runs ``fn`` now, after everything submitted before it."""
         if self._pending:

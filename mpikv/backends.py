@@ -406,6 +406,57 @@ def synchronize(array):
             cp.cuda.get_current_stream().synchronize()
 
 
+# -- handing GPU work to another thread ------------------------------------
+class _WorkerGPU:
+    """The worker's side of :func:`handover`: the caller's GPU, and a final wait."""
+
+    __slots__ = ("_cp", "_device")
+
+    def __init__(self, cp, device_id):
+        self._cp = cp
+        self._device = cp.cuda.Device(device_id)
+
+    def __enter__(self):
+        self._device.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            # The caller may touch the outputs, on any stream, once the handle is done.
+            self._cp.cuda.get_current_stream().synchronize()
+        finally:
+            self._device.__exit__(*exc)
+
+
+def handover(arrays, on_gpu=False):
+    """Prepares GPU work made in this thread to run in a worker thread.
+
+    cupy's current device and stream are per thread, and MPI knows no
+    streams. So, in the calling thread, this waits for the current stream
+    of every GPU holding one of ``arrays`` (their writers have finished), and
+    returns a context for the worker that makes the caller's current GPU
+    current there and, on exit, waits for the worker's stream.
+
+    Args:
+        arrays: the call's native arrays (values and outputs).
+        on_gpu: whether the store keeps values on a GPU (work happens there
+            even when every array is on the host).
+
+    Returns:
+        The worker's context, or None when there is no GPU work.
+    """
+    cp = sys.modules.get("cupy")
+    if cp is None:  # no cupy loaded: no GPU array can exist
+        return None
+    devices = {a.device.id for a in arrays if isinstance(a, cp.ndarray)}
+    if not devices and not on_gpu:
+        return None
+    for device in devices:
+        with cp.cuda.Device(device):
+            cp.cuda.get_current_stream().synchronize()
+    return _WorkerGPU(cp, cp.cuda.Device().id)
+
+
 # -- staging -------------------------------------------------------------
 class Stager:
     """Pinned host buffers that carry device buffers through a host-only MPI.
@@ -612,4 +663,4 @@ def _synchronize_any(dev_buf, stager):
 
 __all__ = ["KINDS", "array_module", "native_kind", "is_device", "as_native", "xp",
            "cupy_available", "module_of", "on", "empty", "zeros", "sum_into", "copyto", "synchronize",
-           "Stager", "device_collective", "INSTALL_HINT", "NONBLOCKING_ON_DEVICE"]
+           "handover", "Stager", "device_collective", "INSTALL_HINT", "NONBLOCKING_ON_DEVICE"]

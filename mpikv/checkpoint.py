@@ -7,13 +7,18 @@ the element ranges it owns now, so a save from N ranks loads on M ranks.
 Every local failure (a missing file, a bad checksum, a full disk) is first
 shared with all ranks, so every rank raises the same
 :class:`~mpikv.errors.StateFileError` and nothing is applied.
+
+GPU values and states are copied to the host to be written (an owner holds
+host copies of what it owns while it writes its part) and copied back to
+the GPU of the value they belong to when loaded. The files are the same
+either way: a save from GPUs loads on the host, and the other way round.
 """
 
 import copy
 
 import numpy as np
 
-from . import __version__, statefile
+from . import __version__, backends, statefile
 from .engine import Entry
 from .errors import MPIKVError, OptimizerError, StateFileError
 from .optimizer import COUNT, from_config
@@ -49,6 +54,23 @@ def _exchange(transport, what, fn):
     return [o["result"] for o in outcomes]
 
 
+def _on_host(array):
+    """``array`` itself if it is on the host, else a host copy."""
+    if isinstance(array, np.ndarray):
+        return array
+    with backends.on(array):
+        return array.get()
+
+
+def _new_keys_on_gpu(store, meta):
+    """Where keys a load creates go: with the store's values, or, in an empty
+    device store, on the current GPU if the save came from GPUs and one is here."""
+    if store.on_gpu:
+        return True
+    return bool(store.device and not store.entries and meta.get("on_gpu") is True
+                and backends.cupy_available())
+
+
 def _key_list(entries):
     return [[key, list(e.array.shape), str(e.array.dtype)]
             for key, e in sorted(entries.items(), key=lambda kv: sort_key(kv[0]))]
@@ -76,7 +98,7 @@ def save(store, fname, kind, with_values, dump_optimizer):
             shape = entry.array.shape
             if with_values:
                 entries.append((key, VALUE, shard.start, shard.stop, shape,
-                                entry.flat[shard.start:shard.stop]))
+                                _on_host(entry.flat[shard.start:shard.stop])))
             state = store.states.get((key, shard.start))
             if state is None:
                 continue
@@ -86,7 +108,7 @@ def save(store, fname, kind, with_values, dump_optimizer):
                         entries.append((key, _STATE + COUNT, 0, 1, (1,), arr.reshape(-1)))
                 else:
                     entries.append((key, _STATE + name, shard.start, shard.stop, shape,
-                                    arr.reshape(-1)))
+                                    _on_host(arr.reshape(-1))))
         return statefile.write_part(fname, generation, t.rank, entries) if entries else None
 
     records = _exchange(t, what, write)
@@ -100,6 +122,7 @@ def save(store, fname, kind, with_values, dump_optimizer):
                                              key=lambda kv: sort_key(kv[0]))],
         "optimizer_name": None if opt is None else opt.name,
         "optimizer": opt.get_config() if (opt is not None and dump_optimizer) else None,
+        "on_gpu": bool(store.on_gpu),
     }
 
     def commit():
@@ -224,9 +247,12 @@ def _saved_keys(meta, fname):
 def _apply(store, plan, got, meta, saved, new, with_values):
     """Installs what every rank read successfully (no failure is possible here)."""
     t = store.transport
+    kind = "cupy" if _new_keys_on_gpu(store, meta) else "numpy"
     for key in sorted(new, key=sort_key):
         shape, dtype = saved[key]
-        store.entries[key] = Entry(np.zeros(plan[key].size, dtype), 0, shape, plan[key])
+        arena = backends.zeros(kind, plan[key].size, dtype)
+        store.entries[key] = Entry(arena, 0, shape, plan[key])
+        store.on_gpu = store.on_gpu or kind == "cupy"
         if store.key_type is None:
             store.key_type = type(key)
     # Existing keys keep their placement (only new keys were added), so cached
@@ -242,7 +268,8 @@ def _apply(store, plan, got, meta, saved, new, with_values):
     for key, shard in plan.owned_by(t.rank):
         entry = store.entries[key]
         if with_values and key in saved:
-            entry.flat[shard.start:shard.stop] = got[(key, VALUE, shard.start, shard.stop)]
+            backends.copyto(entry.flat[shard.start:shard.stop],
+                            got[(key, VALUE, shard.start, shard.stop)])
         if opt is None:
             continue
         names = {n[len(_STATE):]: (a, b) for (k, n, a, b) in got if k == key
@@ -254,12 +281,14 @@ def _apply(store, plan, got, meta, saved, new, with_values):
         else:
             view_shape = (shard.stop - shard.start,)
         state = {}
+        xp = backends.module_of(entry.arena)
         for name in opt.state_names:
-            if name == COUNT:
+            if name == COUNT:  # on the host, as Optimizer.create_state keeps it
                 state[name] = np.array(got[(key, _STATE + COUNT, 0, 1)], dtype=np.int64)
             else:
-                state[name] = np.array(got[(key, _STATE + name, shard.start, shard.stop)]
-                                       ).reshape(view_shape)
+                with backends.on(entry.arena):  # a copy, on the value's GPU
+                    state[name] = xp.array(got[(key, _STATE + name, shard.start, shard.stop)]
+                                           ).reshape(view_shape)
         states[(key, shard.start)] = state
     store.states = states
     store.counts = {k: int(c) for k, c in meta.get("counts", [])}

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from . import checkpoint, config, errors
+from . import backends, checkpoint, config, errors
 from ._logging import get_logger
 from .agreement import explain, fingerprint, keys_blob, record
 from .calls import Call, CallReader
@@ -176,9 +176,12 @@ class KVStore:
                             push=True, pull=True)
 
     def wait(self, handle=None):
-        """Waits for one handle, or (``None``) for every call made so far."""
+        """Waits for a handle, a list of handles, or (``None``) every call made so far."""
         if handle is None:
             self._executor.drain()
+        elif isinstance(handle, (list, tuple)):
+            for h in handle:
+                h.wait()
         else:
             handle.wait()
 
@@ -262,7 +265,6 @@ class KVStore:
                     settings={"fname": str(fname), "dump_optimizer": bool(dump_optimizer)})
         if self._engine.optimizer is None:
             call.fail(errors.OptimizerError, None, "no optimizer is set (use set_optimizer)")
-        self._no_gpu_saves(call)
         self._agree(call)
         self._executor.drain()
         checkpoint.save(self._engine, str(fname), "optimizer_states", False, dump_optimizer)
@@ -285,7 +287,6 @@ class KVStore:
         (a job killed while saving leaves the previous save whole).
         """
         call = Call("save_checkpoint", settings={"fname": str(fname)})
-        self._no_gpu_saves(call)
         self._agree(call)
         self._executor.drain()
         checkpoint.save(self._engine, str(fname), "checkpoint", True, True)
@@ -301,11 +302,6 @@ class KVStore:
         self._agree(call)
         self._executor.drain()
         checkpoint.load(self._engine, str(fname), "checkpoint", True)
-
-    def _no_gpu_saves(self, call):
-        if self._engine.on_gpu:
-            call.fail(errors.StateFileError, None, "stores holding GPU values cannot be "
-                      "saved yet")
 
     def optimizer_state_nbytes(self):
         """Bytes of optimizer state this rank holds (only for what it owns)."""
@@ -400,8 +396,12 @@ class KVStore:
         return self._read("pull", key, outs=out, need_outs=True,
                           settings={"priority": priority})
 
-    def _job(self, call, push, pull):
-        """The data movement of an agreed call, as a function of no arguments."""
+    def _job(self, call, push, pull, background):
+        """The data movement of an agreed call, as a function of no arguments.
+
+        ``background``: it may run on the worker thread, which then needs the
+        caller's GPU and streams handed over (:func:`mpikv.backends.handover`).
+        """
         engine, op, items = self._engine, call.op, call.items
         order = _bucket_order(call)
 
@@ -413,15 +413,24 @@ class KVStore:
             # stored values: nothing to pull.
             if pull and not (zero_copy and engine.updater_kind is None):
                 engine.pull(op, items, order, done)
-        return job
+        gpu = backends.handover(_arrays(items), engine.on_gpu) if background else None
+        if gpu is None:
+            return job
+
+        def job_on_gpu():
+            with gpu:
+                job()
+        return job_on_gpu
 
     def _run(self, call, push=False, pull=False):
         self._agree(call, call.blob)
-        self._executor.run(self._job(call, push, pull), (call.op, call.keys))
+        job = self._job(call, push, pull, self._executor.busy)
+        self._executor.run(job, (call.op, call.keys))
 
     def _submit(self, call, push=False, pull=False):
         self._agree(call, call.blob)
-        return self._executor.submit(self._job(call, push, pull), (call.op, call.keys))
+        job = self._job(call, push, pull, self._executor.threaded)
+        return self._executor.submit(job, (call.op, call.keys))
 
     def _push_settings(self, priority):
         e = self._engine
@@ -466,6 +475,10 @@ class _ZeroCopyCall:
         call.zero_copy = True
         call._keys = t.keys
         return call
+
+
+def _arrays(items):
+    return [a for item in items for arrays in (item.values, item.outs) for a in arrays]
 
 
 def _bucket_order(call):

@@ -27,6 +27,7 @@ import numpy as np
 STAND_IN = True
 _state = threading.local()
 _counts = {"synchronize": 0}
+_allocated = {}  # device id -> bytes of new device arrays
 _device_count = [2]
 
 
@@ -171,12 +172,15 @@ class ndarray:  # noqa: N801 - cupy's name
         self._a = a
         self._dev = device
         self.base = base  # the array this one views, as in cupy (None: owns its memory)
+        if base is None:
+            _allocated[device] = _allocated.get(device, 0) + a.nbytes
         return self
 
     def __init__(self, shape, dtype=float):
         self._a = np.empty(shape, dtype)
         self._dev = _current_id()
         self.base = None
+        _allocated[self._dev] = _allocated.get(self._dev, 0) + self._a.nbytes
 
     def _view(self, a):
         return ndarray._of(a, self._dev, self if self.base is None else self.base)
@@ -302,6 +306,8 @@ class ndarray:  # noqa: N801 - cupy's name
         return f"fakecupy.array({self._a!r}, device={self._dev})"
 
     def __getattr__(self, name):  # sum, max, min, mean, dot, ... as kernels
+        if name.startswith("_"):  # no numpy protocols (__dlpack__, buffers) leak through
+            raise AttributeError(name)
         method = getattr(self._a, name)
         if not callable(method):
             raise AttributeError(name)
@@ -413,9 +419,15 @@ def install(monkeypatch, device_count=2):
         monkeypatch.setitem(sys.modules, name, mod)
     _state.device = 0
     _counts["synchronize"] = 0
+    _allocated.clear()
     return modules["cupy"]
 
 
 def synchronizations():
     """Stream and device synchronisations since :func:`install`."""
     return _counts["synchronize"]
+
+
+def allocated():
+    """``{device id: bytes}`` of device arrays created since :func:`install`."""
+    return dict(_allocated)

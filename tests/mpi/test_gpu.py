@@ -141,3 +141,124 @@ def test_decision_is_reported(comm):
     facts = cuda.describe()
     assert facts["device_path"] in ("direct", "staged")
     assert isinstance(facts["cuda_aware_mpi_source"], str)
+
+
+def test_async_calls_on_this_ranks_gpu(cp, comm, gkv):
+    # The worker thread must run on the caller's GPU (cupy's current device is
+    # per thread) and hand results back only once its stream is done.
+    n, r = comm.size, comm.rank
+    keys = ["a", "b"]
+    gkv.init(keys, [cp.zeros(6, cp.float32), cp.zeros((2, 2), cp.float64)])
+    grads = [cp.full(6, r + 1, cp.float32), cp.full((2, 2), 2 * (r + 1), cp.float64)]
+    outs = [cp.empty(6, cp.float32), cp.empty((2, 2), cp.float64)]
+    before = fakecupy.allocated() if getattr(cp, "STAND_IN", False) else None
+    handles = [gkv.pushpull_async(keys, grads, out=outs), gkv.pull_async("a", out=grads[0])]
+    gkv.wait(handles)
+    if before is not None:  # nothing was put on another rank's GPU
+        grew = {d for d, b in fakecupy.allocated().items() if b != before.get(d, 0)}
+        assert grew <= {cp.cuda.Device().id}, grew
+    assert outs[0].get().tolist() == [_tri(n)] * 6
+    assert outs[1].get().tolist() == [[2 * _tri(n)] * 2] * 2
+    assert grads[0].get().tolist() == [_tri(n)] * 6
+    assert grads[0].device.id == cp.cuda.Device().id
+
+
+def test_optimizers_on_device_match_host(cp, comm):
+    # The same steps on a host store and a device store give the same weights.
+    n, r = comm.size, comm.rank
+    rng = np.random.default_rng(7)
+    shapes = {"w": (4, 5), "big": (1003,), "b": (3,)}
+    init = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    steps = [{k: rng.standard_normal(s).astype(np.float32) * (r + 1) for k, s in shapes.items()}
+             for _ in range(3)]
+    for opt in ("sgd", "nag", "adam", "adamw", "rmsprop", "lamb"):
+        kwargs = {"momentum": 0.9} if opt in ("sgd", "nag") else {}
+        got = {}
+        for where in ("host", "device"):
+            kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=100)
+            put = (lambda a: cp.asarray(a)) if where == "device" else (lambda a: a.copy())
+            keys = sorted(shapes)
+            kv.init(keys, [put(init[k]) for k in keys])
+            kv.set_optimizer(optimizer.create(opt, learning_rate=0.05, wd=0.01, **kwargs))
+            for grads in steps:
+                kv.push(keys, [put(grads[k]) for k in keys])
+            outs = [put(np.empty(shapes[k], np.float32)) for k in keys]
+            kv.pull(keys, out=outs)
+            got[where] = [o.get() if where == "device" else o for o in outs]
+        for host, dev in zip(got["host"], got["device"]):
+            np.testing.assert_allclose(dev, host, rtol=2e-5, atol=1e-6, err_msg=opt)
+
+
+def test_checkpoint_round_trip_of_gpu_values(cp, comm, tmp_path_factory):
+    n, r = comm.size, comm.rank
+    path = comm.bcast(str(tmp_path_factory.mktemp("ckpt") / "gpu.ckpt") if r == 0 else None)
+    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=10)
+    kv.init(["w", "v"], [cp.ones(25, cp.float32), cp.zeros((2, 3), cp.float64)])
+    kv.set_optimizer(optimizer.Adam(learning_rate=0.1))
+    kv.push(["w", "v"], [cp.full(25, r + 1.0, cp.float32), cp.ones((2, 3), cp.float64)])
+    kv.save_checkpoint(path)
+    kv.push(["w", "v"], [cp.ones(25, cp.float32), cp.ones((2, 3), cp.float64)])
+    want = [cp.empty(25, cp.float32), cp.empty((2, 3), cp.float64)]
+    kv.pull(["w", "v"], out=want)
+
+    fresh = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=10)
+    fresh.load_checkpoint(path)  # keys come from the file, onto this rank's GPU
+    fresh.push(["w", "v"], [cp.ones(25, cp.float32), cp.ones((2, 3), cp.float64)])
+    got = [cp.empty(25, cp.float32), cp.empty((2, 3), cp.float64)]
+    fresh.pull(["w", "v"], out=got)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.get(), w.get())
+    assert fresh.optimizer_state_nbytes() == kv.optimizer_state_nbytes()
+
+    host = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=10)
+    host.load_checkpoint(path)  # the same file, on the host
+    host.push(["w", "v"], [np.ones(25, np.float32), np.ones((2, 3), np.float64)])
+    out = [np.empty(25, np.float32), np.empty((2, 3), np.float64)]
+    host.pull(["w", "v"], out=out)
+    for o, w in zip(out, want):
+        np.testing.assert_allclose(o, w.get(), rtol=1e-6)
+
+
+class _RefusingComm:
+    """A communicator whose data collectives raise an MPI error on device buffers,
+    as a library built CUDA-aware but unable to use the GPU at run time does."""
+
+    COLLECTIVES = ("Allreduce", "Reduce", "Bcast", "Allgatherv", "Reduce_scatter")
+
+    def __init__(self, comm, cp):
+        self._comm, self._cp = comm, cp
+
+    def _device(self, arg):
+        if isinstance(arg, list) and arg:
+            arg = arg[0]
+        return isinstance(arg, self._cp.ndarray)
+
+    def __getattr__(self, name):
+        attr = getattr(self._comm, name)
+        if name not in self.COLLECTIVES:
+            return attr
+
+        def call(*args, **kwargs):
+            if any(self._device(a) for a in args):
+                from mpi4py import MPI
+                raise MPI.Exception(MPI.ERR_BUFFER)
+            return attr(*args, **kwargs)
+        return call
+
+
+def test_refused_device_buffers_fall_back_to_staging(cp, comm, caplog):
+    # A library believed CUDA-aware that refuses device buffers (an MPI error,
+    # on every rank alike) costs one warning, not the job: calls are staged.
+    if not getattr(cp, "STAND_IN", False) or cuda.detect().aware is not True:
+        pytest.skip("needs the stand-in with MPIKV_CUDA_AWARE=1")
+    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT)
+    kv._transport.comm = _RefusingComm(kv._transport.comm, cp)
+    kv.init("w", cp.zeros(4, cp.float32))
+    value = cp.full(4, comm.rank + 1, cp.float32)
+    kv.pushpull("w", value)
+    kv.pushpull("w", value)
+    assert value.get().tolist() == [comm.size * _tri(comm.size)] * 4
+    facts = cuda.describe()
+    assert facts["device_path"] == "staged" and facts["device_fallback"] is True
+    assert "MPI_ERR_BUFFER" in facts["device_fallback_reason"]
+    assert "MPI failed on a device buffer" in caplog.text
