@@ -6,12 +6,16 @@ fallback are checked here with a stand-in device module.
 
 import importlib.util
 import logging
+import sys
+import threading
 
 import numpy as np
 import pytest
 
 from mpikv import backends, cuda
 from mpikv.errors import ValueTypeError
+
+from .. import fakecupy
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 HAVE_GPU = backends.cupy_available()
@@ -32,8 +36,8 @@ class Backend:
     def __init__(self, name):
         self.name = name
         self.kind = {"numpy": "numpy", "torch": "torch-cpu", "cupy": "cupy",
-                     "torch-cuda": "torch-cuda"}[name]
-        self.native = "cupy" if name in ("cupy", "torch-cuda") else "numpy"
+                     "stand-in": "cupy", "torch-cuda": "torch-cuda"}[name]
+        self.native = "cupy" if name in ("cupy", "stand-in", "torch-cuda") else "numpy"
 
     def make(self, data):
         data = np.array(data)
@@ -56,13 +60,16 @@ class Backend:
         return value.get()
 
 
-@pytest.fixture(params=["numpy", "torch", "cupy", "torch-cuda"])
-def backend(request):
+@pytest.fixture(params=["numpy", "torch", "cupy", "stand-in", "torch-cuda"])
+def backend(request, monkeypatch):
+    """"stand-in" is tests/fakecupy.py: cupy's rules on the CPU, no CUDA."""
     name = request.param
     if name == "torch" and not HAVE_TORCH:
         pytest.skip(NO_TORCH)
     if name == "cupy" and not HAVE_GPU:
         pytest.skip(NO_GPU)
+    if name == "stand-in":
+        fakecupy.install(monkeypatch)
     if name == "torch-cuda" and not _torch_cuda():
         pytest.skip("torch with CUDA and cupy with a GPU needed")
     return Backend(name)
@@ -283,11 +290,20 @@ def test_copyto_host():
         backends.copyto(np.zeros(3, np.int32), np.ones(3, np.float64))
 
 
-@pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU)
+@pytest.fixture(params=["cupy", "stand-in"])
+def cp(request, monkeypatch):
+    """Real cupy on a GPU, or the CPU stand-in (tests/fakecupy.py)."""
+    if request.param == "stand-in":
+        return fakecupy.install(monkeypatch)
+    if not HAVE_GPU:
+        pytest.skip(NO_GPU)
+    import cupy
+    return cupy
+
+
 @pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_copyto_across(direction, contiguous):
-    import cupy as cp
+def test_copyto_across(cp, direction, contiguous):
     src = np.arange(6, dtype=np.float32).reshape(2, 3)
     dst = np.zeros((2, 3), np.float32) if contiguous else np.zeros((2, 6), np.float32)[:, ::2]
     if direction in ("h2d", "d2d"):
@@ -299,9 +315,7 @@ def test_copyto_across(direction, contiguous):
     assert got.tolist() == [[0, 1, 2], [3, 4, 5]]
 
 
-@pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU)
-def test_sum_into_mixed_host_and_device():
-    import cupy as cp
+def test_sum_into_mixed_host_and_device(cp):
     out = cp.empty(2, cp.float32)
     backends.sum_into(out, [np.ones(2, np.float32), cp.full(2, 2, cp.float32)])
     assert out.get().tolist() == [3, 3]
@@ -314,9 +328,7 @@ def test_synchronize_host_is_noop():
     assert backends.synchronize(np.zeros(2)) is None
 
 
-@pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU)
-def test_synchronize_device():
-    import cupy as cp
+def test_synchronize_device(cp):
     a = cp.arange(10) * 2
     backends.synchronize(a)
     assert int(a.sum()) == 90
@@ -612,3 +624,35 @@ def test_default_errors_come_from_loaded_mpi4py(monkeypatch):
     mpi = pytest.importorskip("mpi4py.MPI")
     monkeypatch.setitem(sys.modules, "mpi4py.MPI", mpi)
     assert backends._mpi_errors() == (mpi.Exception,)
+
+
+# -- handing GPU work to the worker thread (against the CPU stand-in of cupy) ---------
+def test_handover_without_gpu_work(monkeypatch):
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    assert backends.handover([np.ones(2)], on_gpu=True) is None  # no cupy: no GPU array
+    fakecupy.install(monkeypatch)
+    assert backends.handover([np.ones(2)]) is None
+    assert backends.handover([np.ones(2)], on_gpu=True) is not None
+
+
+def test_handover_waits_for_the_caller_then_the_worker(monkeypatch):
+    cp = fakecupy.install(monkeypatch)
+    with cp.cuda.Device(1):
+        value = cp.ones(3)
+        caller = cp.cuda.get_current_stream()
+        gpu = backends.handover([value, np.zeros(3)])
+    assert caller.synchronized == 1  # the caller's writers are done before queueing
+    seen = {}
+
+    def worker():
+        with gpu:
+            seen["device"] = cp.cuda.Device().id
+            seen["stream"] = cp.cuda.get_current_stream()
+            seen["sum"] = (value + 1).get().tolist()  # runs on GPU 1, where value lives
+        seen["after"] = cp.cuda.Device().id
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen["device"] == 1 and seen["after"] == 0 and seen["sum"] == [2, 2, 2]
+    assert seen["stream"].synchronized == 1  # the worker's stream, before the handle is done
