@@ -308,7 +308,7 @@ def sum_into(out, arrays):
     """
     mod = np if isinstance(out, np.ndarray) else xp(CUPY)
     if out.dtype == np.float16 and len(arrays) > 1:
-        wide = mod.empty(out.size, np.float32) if mod is np else _empty_likeon(mod, out, np.float32)
+        wide = mod.empty(out.size, np.float32) if mod is np else _empty_like_on(mod, out, np.float32)
         sum_into(wide, arrays)
         copyto(out, wide, casting="unsafe")
         return
@@ -337,7 +337,32 @@ def sum_into(out, arrays):
             mod.cuda.get_current_stream().synchronize()
 
 
-def _empty_likeon(mod, like, dtype):
+def concatenate_into(out, arrays):
+    """Writes the flattened ``arrays`` one after another into ``out`` in one call.
+
+    One C call (numpy) or one kernel (cupy) for a whole bucket instead of a
+    copy per key. Done only when every array is where ``out`` is (the host,
+    or ``out``'s GPU) and has its dtype.
+
+    Returns:
+        Whether it was done; if not, nothing was written.
+    """
+    if type(out) is np.ndarray:
+        if not all(type(a) is np.ndarray and a.dtype == out.dtype for a in arrays):
+            return False
+        np.concatenate(arrays, axis=None, out=out)
+        return True
+    cp = sys.modules.get("cupy")
+    device = out.device.id
+    if cp is None or not all(isinstance(a, cp.ndarray) and a.dtype == out.dtype
+                             and a.device.id == device for a in arrays):
+        return False
+    with out.device:
+        cp.concatenate(arrays, axis=None, out=out)
+    return True
+
+
+def _empty_like_on(mod, like, dtype):
     with like.device:
         return mod.empty(like.size, dtype)
 
@@ -662,5 +687,5 @@ def _synchronize_any(dev_buf, stager):
 
 
 __all__ = ["KINDS", "array_module", "native_kind", "is_device", "as_native", "xp",
-           "cupy_available", "module_of", "on", "empty", "zeros", "sum_into", "copyto", "synchronize",
+           "cupy_available", "module_of", "on", "empty", "concatenate_into", "zeros", "sum_into", "copyto", "synchronize",
            "handover", "Stager", "device_collective", "INSTALL_HINT", "NONBLOCKING_ON_DEVICE"]

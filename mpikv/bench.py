@@ -7,6 +7,7 @@
     scripts/mpirun.sh -n 2 python -m mpikv.bench chunks           # Allreduce piece sizes
     scripts/mpirun.sh -n 2 python -m mpikv.bench memory --workload bert_base --mode adam
     scripts/mpirun.sh -n 2 python -m mpikv.bench overlap          # async: hiding communication
+    scripts/mpirun.sh -n 2 python -m mpikv.bench gpu              # cupy buffers (needs a GPU)
 
 Workloads: ``resnet50`` and ``bert_base`` (real parameter shapes, float32),
 ``big64`` (one 64 MiB key), ``small1000`` (1000 keys of 4 KiB). Modes:
@@ -366,6 +367,129 @@ def bench_chunks(iterations, comm):
              "GB/s": n * 4 / timer.median(name) / 1e9} for p, (name, _, _) in zip(pieces, cases)]
 
 
+def bench_gpu(workload, iterations, comm):
+    """Device-to-device sums of a workload's bytes in cupy buffers: store vs raw ways.
+
+    Raw ways, on the same buffers: mpi4py's in-place ``Allreduce`` of one
+    device buffer (only if MPI is taken to be CUDA-aware), the same through a
+    pinned host buffer, and NCCL's ``allReduce`` through ``cupy.cuda.nccl``
+    when it is there and the ranks have distinct GPUs (NCCL refuses two ranks
+    on one GPU). Every case ends with a wait for the GPU.
+    """
+    from mpi4py import MPI
+
+    import mpikv
+    from mpikv import backends, cuda
+
+    cp = backends.xp("cupy")
+    device = cp.cuda.Device(comm.rank % cp.cuda.runtime.getDeviceCount())
+    device.use()
+    stream = cp.cuda.get_current_stream()
+    shp = shapes(workload)
+    keys = list(range(len(shp)))
+    total = sum(int(np.prod(s)) for s in shp)
+    nbytes = total * 4
+    rng = np.random.default_rng(comm.rank)
+    grads = [cp.asarray(rng.standard_normal(s).astype(np.float32)) for s in shp]
+    outs = [cp.zeros(s, cp.float32) for s in shp]
+    flat = cp.concatenate([g.reshape(-1) for g in grads])
+    raw = flat.copy()
+    pinned = backends.Stager().acquire(np.float32, total)
+    decision = cuda.detect()
+
+    def timed(fn):
+        def run():
+            fn()
+            stream.synchronize()  # GPU work that is still queued is not done
+        return run
+
+    def refill_raw():
+        raw[...] = flat
+
+    def raw_direct():
+        stream.synchronize()
+        comm.Allreduce(MPI.IN_PLACE, raw)
+
+    def raw_staged():
+        raw.get(out=pinned)
+        comm.Allreduce(MPI.IN_PLACE, pinned)
+        raw.set(pinned, stream=stream)
+
+    cases = [("raw mpi4py Allreduce, staged via pinned host", refill_raw, timed(raw_staged))]
+    if decision.aware:
+        cases.insert(0, ("raw mpi4py Allreduce, device buffer", refill_raw, timed(raw_direct)))
+    nccl_note = _nccl_case(cp, comm, raw, total, stream, cases, refill_raw, timed)
+
+    kv = mpikv.create("dist_sync_device")
+    kv.init(keys, [cp.zeros(s, cp.float32) for s in shp])
+    inplace = [g.copy() for g in grads]
+    zero = kv.gradient_buffers(keys)
+
+    def refill_inplace():
+        for b, g in zip(inplace, grads):
+            b[...] = g
+
+    def refill_zero():
+        for z, g in zip(zero, grads):
+            z[...] = g
+    cases += [("mpikv pushpull(out=...)", None, timed(lambda: kv.pushpull(keys, grads, out=outs))),
+              ("mpikv pushpull in place", refill_inplace, timed(lambda: kv.pushpull(keys, inplace))),
+              ("mpikv pushpull, zero-copy", refill_zero, timed(lambda: kv.pushpull(keys, zero)))]
+    timer = _Timer(comm)
+    timer.run(cases, iterations)
+    rows = [{"case": name, "ms": timer.median(name) * 1e3,
+             "GB/s": nbytes / timer.median(name) / 1e9} for name, _, _ in cases]
+    base = min(r["ms"] for r in rows if r["case"].startswith("raw mpi4py"))
+    for r in rows:
+        r["vs raw mpi4py"] = base / r["ms"]
+    return {"workload": workload, "ranks": comm.size, "MiB": nbytes / 2**20,
+            "iterations": iterations, "rows": rows, "library": _library(),
+            "device": _gpu_name(cp, device), "cupy": cp.__version__,
+            "stand_in": bool(getattr(cp, "STAND_IN", False)),
+            "cuda_aware": f"{decision.aware} ({decision.source})", "nccl": nccl_note,
+            "distinct_gpus": len(set(comm.allgather(device.id))) == comm.size}
+
+
+def _gpu_name(cp, device):
+    try:
+        name = cp.cuda.runtime.getDeviceProperties(device.id)["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # the stand-in, or a runtime without the call
+        return f"GPU {device.id}"
+
+
+def _nccl_case(cp, comm, buf, count, stream, cases, refill, timed):
+    """Adds NCCL's allReduce to ``cases`` when it can run; returns what was done."""
+    try:
+        from cupy.cuda import nccl
+    except Exception as exc:  # noqa: BLE001 - cupy without NCCL
+        return f"not available ({type(exc).__name__})"
+    ids = comm.allgather(cp.cuda.Device().id)
+    if len(set(ids)) < comm.size:
+        return "skipped: ranks share a GPU (NCCL needs one GPU per rank)"
+    uid = comm.bcast(nccl.get_unique_id() if comm.rank == 0 else None)
+    nc = nccl.NcclCommunicator(comm.size, uid, comm.rank)
+
+    def run():
+        nc.allReduce(buf.data.ptr, buf.data.ptr, count, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                     stream.ptr)
+    cases.append(("NCCL allReduce (cupy.cuda.nccl)", refill, timed(run)))
+    return f"NCCL {nccl.get_version()}"
+
+
+def _show_gpu(out, comm):
+    for res in out:
+        if res["stand_in"]:
+            print("NOTE: cupy is the CPU stand-in of the tests: these are not GPU figures")
+        print(f"\n{res['workload']} ({res['MiB']:.1f} MiB) on {res['ranks']} ranks, "
+              f"{res['device']} (distinct GPUs per rank: {res['distinct_gpus']}), cupy "
+              f"{res['cupy']}, {res['library']}; CUDA-aware: {res['cuda_aware']}; "
+              f"NCCL: {res['nccl']}; {res['iterations']} iterations")
+        print(f"  {'case':48s} {'ms':>9s} {'GB/s':>7s} {'vs raw mpi4py':>14s}")
+        for r in res["rows"]:
+            print(f"  {r['case']:48s} {r['ms']:9.2f} {r['GB/s']:7.2f} {r['vs raw mpi4py']:14.2f}")
+
+
 def _print_workload(res):
     print(f"\n{res['workload']} ({res['tensors']} tensors, {res['MiB']:.1f} MiB), mode "
           f"{res['mode']}, {res['ranks']} ranks, {res['iterations']} iterations; "
@@ -434,6 +558,8 @@ COMMANDS = {
                _show_memory),
     "chunks": (lambda a, c: bench_chunks(a.iterations or 7, c), _show_chunks),
     "algorithms": (lambda a, c: bench_algorithms(a.iterations or 10, c), _show_algorithms),
+    "gpu": (lambda a, c: [bench_gpu(w, a.iterations or 20, c)
+                          for w in a.workload or ["resnet50", "big64"]], _show_gpu),
 }
 
 

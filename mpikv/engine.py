@@ -281,10 +281,8 @@ class Engine:
             backends.sum_into(buf, by_key[bucket.segments[0].key].values)
             return buf, False
         items = [by_key[seg.key] for seg in bucket.segments]
-        if (type(buf) is np.ndarray and buf.dtype == bucket.dtype
-                and all(len(i.values) == 1 and type(i.values[0]) is np.ndarray for i in items)):
-            # One C call for the whole bucket instead of one copy per key.
-            np.concatenate([i.values[0] for i in items], axis=None, out=buf)
+        if (buf.dtype == bucket.dtype and all(len(i.values) == 1 for i in items)
+                and backends.concatenate_into(buf, [i.values[0] for i in items])):
             return buf, False
         for seg, item in zip(bucket.segments, items):
             backends.sum_into(buf[seg.offset:seg.offset + seg.size], item.values)

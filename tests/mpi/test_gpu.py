@@ -165,7 +165,7 @@ def test_async_calls_on_this_ranks_gpu(cp, comm, gkv):
 
 def test_optimizers_on_device_match_host(cp, comm):
     # The same steps on a host store and a device store give the same weights.
-    n, r = comm.size, comm.rank
+    r = comm.rank
     rng = np.random.default_rng(7)
     shapes = {"w": (4, 5), "big": (1003,), "b": (3,)}
     init = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
@@ -190,7 +190,7 @@ def test_optimizers_on_device_match_host(cp, comm):
 
 
 def test_checkpoint_round_trip_of_gpu_values(cp, comm, tmp_path_factory):
-    n, r = comm.size, comm.rank
+    r = comm.rank
     path = comm.bcast(str(tmp_path_factory.mktemp("ckpt") / "gpu.ckpt") if r == 0 else None)
     kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=10)
     kv.init(["w", "v"], [cp.ones(25, cp.float32), cp.zeros((2, 3), cp.float64)])
@@ -262,3 +262,15 @@ def test_refused_device_buffers_fall_back_to_staging(cp, comm, caplog):
     assert facts["device_path"] == "staged" and facts["device_fallback"] is True
     assert "MPI_ERR_BUFFER" in facts["device_fallback_reason"]
     assert "MPI failed on a device buffer" in caplog.text
+
+
+def test_float16_device_list_summed_in_float32(cp, comm, gkv):
+    # Several GPUs' float16 gradients are summed in float32 on the store's GPU.
+    gkv.init("h", cp.zeros(2, cp.float16))
+    big = cp.asarray(np.array([2048, 1], np.float16))
+    ones = cp.ones(2, cp.float16)
+    out = cp.zeros(2, cp.float16)
+    gkv.pushpull("h", [big, ones, ones], out=out)
+    n = comm.size
+    want = np.array([n * 2050, 3 * n], np.float32).astype(np.float16)
+    np.testing.assert_array_equal(out.get(), want)
