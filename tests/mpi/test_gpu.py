@@ -274,3 +274,33 @@ def test_float16_device_list_summed_in_float32(cp, comm, gkv):
     n = comm.size
     want = np.array([n * 2050, 3 * n], np.float32).astype(np.float16)
     np.testing.assert_array_equal(out.get(), want)
+
+
+@pytest.mark.parametrize("store", ["local", "device", "dist_sync", "dist_sync_device"])
+def test_every_store_type_takes_gpu_values(cp, comm, store):
+    n, r = comm.size, comm.rank
+    workers = 1 if store in ("local", "device") else n
+    tri = r + 1 if workers == 1 else _tri(n)  # a local store sums only its own values
+    kv = mpikv.create(store, timeout=TEST_TIMEOUT)
+    keys = ["a", "b"]
+    kv.broadcast(keys, [cp.full(3, 7 + r, cp.float32), cp.zeros((2, 2), cp.float64)],
+                 out=[cp.empty(3, cp.float32), cp.empty((2, 2), cp.float64)])
+    first = cp.empty(3, cp.float32)
+    kv.pull("a", out=first)
+    assert first.get().tolist() == [7 if workers > 1 else 7 + r] * 3  # rank 0's, or its own
+    grads = [[cp.full(3, r + 1, cp.float32)] * 2, cp.full((2, 2), r + 1, cp.float64)]
+    outs = [cp.empty(3, cp.float32), cp.empty((2, 2), cp.float64)]
+    kv.pushpull(keys, grads, out=outs)
+    assert outs[0].get().tolist() == [2 * tri] * 3
+    assert outs[1].get().tolist() == [[tri] * 2] * 2
+    kv.set_optimizer(optimizer.SGD(learning_rate=0.5))
+    kv.push("b", cp.ones((2, 2), cp.float64))
+    kv.pull("b", out=outs[1])
+    assert outs[1].get().tolist() == [[tri - 0.5 * workers] * 2] * 2
+    bufs = kv.gradient_buffers(keys)
+    assert all(backends.is_device(b) == ("device" in store) for b in bufs)
+    for b in bufs:
+        b[...] = 2
+    kv.push(keys, bufs)
+    kv.pull("a", out=first)
+    assert first.get().tolist() == [2 * tri - 0.5 * 2 * workers] * 3
