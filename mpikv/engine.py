@@ -121,12 +121,15 @@ class Engine:
             return first.arena
         return first.arena[base:base + bucket.size]
 
-    def scratch(self, dtype, size, kind="numpy"):
-        """A reusable buffer of ``size`` elements on the host or the GPU (grown, never shrunk)."""
-        key = (np.dtype(dtype), kind)
+    def scratch(self, dtype, size, like):
+        """A reusable buffer of ``size`` elements where ``like`` lives: the host or
+        ``like``'s GPU (grown, never shrunk)."""
+        kind = _kind(like)
+        device = None if kind == "numpy" else like.device.id
+        key = (np.dtype(dtype), kind, device)
         buf = self._scratch.get(key)
         if buf is None or buf.size < size:
-            buf = self._scratch[key] = backends.empty(kind, size, dtype)
+            buf = self._scratch[key] = backends.empty(kind, size, dtype, device)
         return buf[:size]
 
     def algorithm(self, nbytes):
@@ -275,8 +278,7 @@ class Engine:
                     and getattr(value.flags, "writeable", True)):  # cupy has no such flag
                 return value.reshape(-1), True
         home = self.entries[bucket.keys[0]].arena
-        buf = self.scratch(accumulate_dtype(bucket.dtype), bucket.size,
-                           "numpy" if type(home) is np.ndarray else "cupy")
+        buf = self.scratch(accumulate_dtype(bucket.dtype), bucket.size, home)
         if bucket.split:
             backends.sum_into(buf, by_key[bucket.segments[0].key].values)
             return buf, False
@@ -432,7 +434,7 @@ class Engine:
         if stored is not None:
             t.allgatherv_(wire_view(stored), bucket.counts, bucket.displs, what)
             return
-        buf = self.scratch(bucket.dtype, bucket.size, _kind(self.entries[bucket.keys[0]].arena))
+        buf = self.scratch(bucket.dtype, bucket.size, self.entries[bucket.keys[0]].arena)
         for seg in bucket.segments:
             _copy(buf[seg.offset:seg.offset + seg.size], self.entries[seg.key].flat)
         t.allgatherv_(wire_view(buf), bucket.counts, bucket.displs, what)

@@ -304,3 +304,28 @@ def test_every_store_type_takes_gpu_values(cp, comm, store):
     kv.push(keys, bufs)
     kv.pull("a", out=first)
     assert first.get().tolist() == [2 * tri - 0.5 * 2 * workers] * 3
+
+
+def test_store_on_one_gpu_values_on_another(cp, comm):
+    # Keys initialised while GPU 1 was current live there; later calls made
+    # with GPU 0 current, on GPU 0 values, must still work on GPU 1's memory.
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    n, r = comm.size, comm.rank
+    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=10)
+    with cp.cuda.Device(1):
+        kv.init(["w", "big"], [cp.ones(4, cp.float32), cp.zeros(30, cp.float32)])
+    with cp.cuda.Device(0):
+        kv.pushpull(["w", "big"], [cp.full(4, r + 1, cp.float32), cp.ones(30, cp.float32)])
+        kv.set_optimizer(optimizer.Adam(learning_rate=0.1))
+        grads = [cp.ones(4, cp.float32), [cp.ones(30, cp.float32), cp.ones(30, cp.float32)]]
+        kv.wait(kv.push_async(["w", "big"], grads))
+        outs = [cp.empty(4, cp.float32), cp.empty(30, cp.float32)]
+        kv.pull(["w", "big"], out=outs)
+    # The store's work buffers and optimizer states are on its GPU, not the caller's.
+    assert {buf.device.id for buf in kv._engine._scratch.values()} == {1}
+    assert {a.device.id for st in kv._engine.states.values() for name, a in st.items()
+            if name != "t"} <= {1}
+    # Adam's first step moves each weight by -lr (the gradient's sign).
+    np.testing.assert_allclose(outs[0].get(), np.full(4, _tri(n) - 0.1, np.float32), rtol=1e-5)
+    np.testing.assert_allclose(outs[1].get(), np.full(30, n - 0.1, np.float32), rtol=1e-5)
