@@ -435,11 +435,12 @@ def synchronize(array):
 class _WorkerGPU:
     """The worker's side of :func:`handover`: the caller's GPU, and a final wait."""
 
-    __slots__ = ("_cp", "_device")
+    __slots__ = ("_cp", "_device", "_devices")
 
-    def __init__(self, cp, device_id):
+    def __init__(self, cp, device_id, devices):
         self._cp = cp
         self._device = cp.cuda.Device(device_id)
+        self._devices = sorted(set(devices) | {device_id})
 
     def __enter__(self):
         self._device.__enter__()
@@ -447,25 +448,31 @@ class _WorkerGPU:
 
     def __exit__(self, *exc):
         try:
-            # The caller may touch the outputs, on any stream, once the handle is done.
-            self._cp.cuda.get_current_stream().synchronize()
+            # The caller may touch the outputs and the store's memory, on any
+            # stream, once the handle is done: wait on every GPU the call touched.
+            for device in self._devices:
+                with self._cp.cuda.Device(device):
+                    self._cp.cuda.get_current_stream().synchronize()
         finally:
             self._device.__exit__(*exc)
 
 
-def handover(arrays, on_gpu=False):
+def handover(arrays, on_gpu=False, gpus=()):
     """Prepares GPU work made in this thread to run in a worker thread.
 
     cupy's current device and stream are per thread, and MPI knows no
-    streams. So, in the calling thread, this waits for the current stream
-    of every GPU holding one of ``arrays`` (their writers have finished), and
-    returns a context for the worker that makes the caller's current GPU
-    current there and, on exit, waits for the worker's stream.
+    streams. So, in the calling thread, this waits for the current stream of
+    every GPU the call touches (the call's arrays' GPUs and ``gpus``, where
+    the store keeps values): their writers, the caller's earlier calls among
+    them, have finished. It returns a context for the worker that makes the
+    caller's current GPU current there and, on exit, waits for the worker's
+    stream on each of those GPUs, so the work is done when the handle is.
 
     Args:
         arrays: the call's native arrays (values and outputs).
         on_gpu: whether the store keeps values on a GPU (work happens there
             even when every array is on the host).
+        gpus: ids of the GPUs holding the store's values.
 
     Returns:
         The worker's context, or None when there is no GPU work.
@@ -474,12 +481,13 @@ def handover(arrays, on_gpu=False):
     if cp is None:  # no cupy loaded: no GPU array can exist
         return None
     devices = {a.device.id for a in arrays if isinstance(a, cp.ndarray)}
+    devices.update(gpus)
     if not devices and not on_gpu:
         return None
-    for device in devices:
+    for device in sorted(devices):
         with cp.cuda.Device(device):
             cp.cuda.get_current_stream().synchronize()
-    return _WorkerGPU(cp, cp.cuda.Device().id)
+    return _WorkerGPU(cp, cp.cuda.Device().id, devices)
 
 
 # -- staging -------------------------------------------------------------

@@ -203,11 +203,14 @@ def load(store, fname, kind, with_values):
     local = {}
 
     def read_local():
-        local["got"], local["meta"], local["saved"], local["new"] = read()
+        local["got"], local["meta"], local["saved"], new = read()
+        local["prepared"] = _prepare(store, plan, local["got"], local["meta"], local["saved"],
+                                     new, with_values)
         return None
 
     _exchange(t, what, read_local)
-    _apply(store, plan, local["got"], local["meta"], local["saved"], local["new"], with_values)
+    _apply(store, plan, local["prepared"], local["got"], local["meta"], local["saved"],
+           with_values)
 
 
 def _saved_keys(meta, fname):
@@ -244,52 +247,68 @@ def _saved_keys(meta, fname):
     return saved
 
 
-def _apply(store, plan, got, meta, saved, new, with_values):
-    """Installs what every rank read successfully (no failure is possible here)."""
-    t = store.transport
+def _prepare(store, plan, got, meta, saved, new, with_values):
+    """Allocates what a load installs: the part that may still fail (out of GPU
+    memory, say), so it runs before the ranks agree that the load succeeded.
+
+    Returns:
+        ``(entries, optimizer, states)``: the keys the load creates, the
+        optimizer to use (the store's, else the file's, else None) and the
+        states of the shards this rank owns, where their values live.
+    """
     kind = "cupy" if _new_keys_on_gpu(store, meta) else "numpy"
+    entries = {}
     for key in sorted(new, key=sort_key):
         shape, dtype = saved[key]
-        arena = backends.zeros(kind, plan[key].size, dtype)
-        store.entries[key] = Entry(arena, 0, shape, plan[key])
-        store.on_gpu = store.on_gpu or kind == "cupy"
+        entries[key] = Entry(backends.zeros(kind, plan[key].size, dtype), 0, shape, plan[key])
+    opt = store.optimizer
+    if opt is None and meta.get("optimizer") is not None:
+        opt = from_config(meta["optimizer"])
+    states = {}
+    for key, shard in (plan.owned_by(store.transport.rank) if opt is not None else ()):
+        if not any(k == key and n.startswith(_STATE) for (k, n, _, _) in got):
+            continue
+        entry = entries.get(key) or store.entries[key]
+        whole = shard.stop - shard.start == entry.flat.size and not entry.placement.split
+        view_shape = entry.array.shape if whole else (shard.stop - shard.start,)
+        state = {}
+        for name in opt.state_names:
+            saved_part = got[(key, _STATE + name, *((0, 1) if name == COUNT
+                                                     else (shard.start, shard.stop)))]
+            if name == COUNT or isinstance(entry.arena, np.ndarray):
+                # The count stays on the host, as Optimizer.create_state keeps it.
+                state[name] = np.array(saved_part, dtype=np.int64 if name == COUNT else None)
+            else:  # on the value's GPU; copyto returns once the copy is there
+                state[name] = backends.empty("cupy", saved_part.size, saved_part.dtype,
+                                             entry.arena.device.id)
+                backends.copyto(state[name], saved_part)
+            state[name] = state[name].reshape(view_shape) if name != COUNT else state[name]
+        states[(key, shard.start)] = state
+    return entries, opt, states
+
+
+def _apply(store, plan, prepared, got, meta, saved, with_values):
+    """Installs what every rank read and allocated successfully."""
+    t = store.transport
+    entries, opt, states = prepared
+    for key, entry in entries.items():
+        store.entries[key] = entry
+        store.on_gpu = store.on_gpu or not isinstance(entry.arena, np.ndarray)
         if store.key_type is None:
             store.key_type = type(key)
+    store._moved()  # new arenas: cached views and the set of GPUs are recomputed
     # Existing keys keep their placement (only new keys were added), so cached
     # bucket plans stay valid; values loaded into buffers a push had aliased
     # must get the store's own memory first.
     store.privatize()
     store.plan = plan
-    if store.optimizer is None and meta.get("optimizer") is not None:
-        store.optimizer, store.updater, store.updater_kind = (
-            from_config(meta["optimizer"]), None, "optimizer")
-    opt = store.optimizer
-    states = {}
-    for key, shard in plan.owned_by(t.rank):
-        entry = store.entries[key]
-        if with_values and key in saved:
-            backends.copyto(entry.flat[shard.start:shard.stop],
-                            got[(key, VALUE, shard.start, shard.stop)])
-        if opt is None:
-            continue
-        names = {n[len(_STATE):]: (a, b) for (k, n, a, b) in got if k == key
-                 and n.startswith(_STATE)}
-        if not names:
-            continue
-        if shard.stop - shard.start == entry.flat.size and not entry.placement.split:
-            view_shape = entry.array.shape
-        else:
-            view_shape = (shard.stop - shard.start,)
-        state = {}
-        xp = backends.module_of(entry.arena)
-        for name in opt.state_names:
-            if name == COUNT:  # on the host, as Optimizer.create_state keeps it
-                state[name] = np.array(got[(key, _STATE + COUNT, 0, 1)], dtype=np.int64)
-            else:
-                with backends.on(entry.arena):  # a copy, on the value's GPU
-                    state[name] = xp.array(got[(key, _STATE + name, shard.start, shard.stop)]
-                                           ).reshape(view_shape)
-        states[(key, shard.start)] = state
+    if store.optimizer is None and opt is not None:
+        store.optimizer, store.updater, store.updater_kind = opt, None, "optimizer"
+    if with_values:
+        for key, shard in plan.owned_by(t.rank):
+            if key in saved:
+                backends.copyto(store.entries[key].flat[shard.start:shard.stop],
+                                got[(key, VALUE, shard.start, shard.stop)])
     store.states = states
     store.counts = {k: int(c) for k, c in meta.get("counts", [])}
     if opt is not None and store.counts:

@@ -69,6 +69,7 @@ class Engine:
         self.transport = transport
         self.device = device  # keep GPU values on the GPU (device, dist_sync_device)
         self.on_gpu = False   # whether any stored value lives on a GPU
+        self._gpus = None     # cache of :attr:`gpus`
         self.int_keys = set()  # keys of integer dtype (no optimizer for them)
         self._in_place_ok = False
         self.plan = OwnershipPlan(transport.size, bigarray_bound)
@@ -99,8 +100,17 @@ class Engine:
 
     def _moved(self):
         """Stored values changed arenas: cached stored views must be recomputed."""
+        self._gpus = None
         for lay in self._layouts.values():
             lay.stored = None
+
+    @property
+    def gpus(self):
+        """The ids of the GPUs holding stored values (cached until values move)."""
+        if self._gpus is None:
+            self._gpus = frozenset(e.arena.device.id for e in self.entries.values()
+                                   if type(e.arena) is not np.ndarray)
+        return self._gpus
 
     def _stored_view(self, bucket):
         """The stored values of a bucket as one view, if they lie in one arena in bucket order.
@@ -124,8 +134,7 @@ class Engine:
     def scratch(self, dtype, size, like):
         """A reusable buffer of ``size`` elements where ``like`` lives: the host or
         ``like``'s GPU (grown, never shrunk)."""
-        kind = _kind(like)
-        device = None if kind == "numpy" else like.device.id
+        kind, device = _kind(like), _device(like)
         key = (np.dtype(dtype), kind, device)
         buf = self._scratch.get(key)
         if buf is None or buf.size < size:
@@ -157,6 +166,7 @@ class Engine:
                 self.entries[key] = entry
             t.bcast_(wire_view(arena), 0, (op, bucket.keys))
         self.int_keys.update(i.key for i in items if np.dtype(i.dtype).kind != "f")
+        self._gpus = None
         if items and self.key_type is None:
             self.key_type = type(items[0].key)
 
@@ -250,7 +260,8 @@ class Engine:
                    for lay in self._layouts.values()):
                 arena = copies.get(id(e.arena))
                 if arena is None:
-                    arena = copies[id(e.arena)] = e.arena.copy()
+                    with backends.on(e.arena):  # the copy stays on the values' GPU
+                        arena = copies[id(e.arena)] = e.arena.copy()
                 new = Entry(arena, e.offset, e.array.shape, e.placement)
                 new.stale = e.stale
                 self.entries[key] = new
@@ -482,7 +493,7 @@ class Engine:
             layout.shared = [self.transport.shared_arena(b.size, b.dtype)
                              if shared and not self.device else None for b in layout.buckets]
             layout.grads = [a.mine if a is not None else
-                            backends.zeros(_kind(self.entries[b.keys[0]].arena), b.size, b.dtype)
+                            _zeros_like(self.entries[b.keys[0]].arena, b.size, b.dtype)
                             for a, b in zip(layout.shared, layout.buckets)]
             layout.views = {}
             for arena, bucket in zip(layout.grads, layout.buckets):
@@ -502,7 +513,7 @@ class Engine:
             if layout.stored[index] is not None:
                 continue
             home = self.entries[bucket.keys[0]].arena
-            arena = backends.empty(_kind(home), bucket.size, bucket.dtype)
+            arena = _zeros_like(home, bucket.size, bucket.dtype)
             for key, offset in _key_offsets(bucket):
                 old = self.entries[key]
                 new = Entry(arena, offset, old.array.shape, old.placement)
@@ -521,6 +532,16 @@ def _distinct_memory(items):
 
 def _kind(array):
     return "numpy" if type(array) is np.ndarray else "cupy"
+
+
+def _device(array):
+    """The GPU id of a device array, None for a host one."""
+    return None if type(array) is np.ndarray else array.device.id
+
+
+def _zeros_like(home, size, dtype):
+    """Zeros where ``home`` lives: the host, or ``home``'s GPU."""
+    return backends.zeros(_kind(home), size, dtype, _device(home))
 
 
 def _copy(dst, src, casting="same_kind"):

@@ -12,7 +12,13 @@ what catches bugs on a machine without a GPU:
 * every array belongs to a device, an operation needs its operands on the
   current device, and ``copy()`` copies to the current device;
 * ``__cuda_array_interface__`` exposes the memory, so mpi4py passes it to
-  MPI as a "device pointer" (host memory here, so any MPI moves it).
+  MPI as a "device pointer" (host memory here, so any MPI moves it);
+* streams are per thread and per device, and every kernel or copy stays
+  *unfinished* until its stream (or its device) is synchronised.
+  An array remembers the kernel that last wrote it. MPI taking its pointer
+  before that kernel is finished, or a kernel or copy on another stream
+  reading it before then, is recorded in :func:`races`: on a GPU that read
+  could see old values.
 
 :func:`install` puts it into ``sys.modules`` as ``cupy`` and ``cupyx``;
 ``STAND_IN = True`` lets a benchmark refuse to report its figures.
@@ -37,29 +43,39 @@ def _current_id():
 
 # -- cuda ----------------------------------------------------------------
 class Stream:
-    """Counts synchronisations; work is synchronous anyway."""
+    """Work is done at once, but stays "unfinished" until a synchronisation."""
 
     def __init__(self, non_blocking=False):
         self.non_blocking = non_blocking
         self.synchronized = 0
+        self.issued = 0     # work items queued on this stream
+        self.finished = 0   # ... of which a synchronisation has waited for
+        self.device = _current_id()
+        self.thread = threading.current_thread().name
+        _all_streams.append(self)
 
     def synchronize(self):
         self.synchronized += 1
+        self.finished = self.issued
         _counts["synchronize"] += 1
 
     def __enter__(self):
-        stack = _streams()
-        stack.append(self)
+        _streams().append(self)
         return self
 
     def __exit__(self, *exc):
         _streams().pop()
 
 
+_all_streams = []
+_races = []
+
+
 def _streams():
+    # cupy keeps a current stream per device and thread.
     if not hasattr(_state, "streams"):
-        _state.streams = []
-    return _state.streams
+        _state.streams = {}
+    return _state.streams.setdefault(_current_id(), [])
 
 
 _null_streams = {}
@@ -69,7 +85,45 @@ def get_current_stream():
     stack = _streams()
     if stack:
         return stack[-1]
-    return _null_streams.setdefault((threading.get_ident(), _current_id()), Stream())
+    key = (threading.get_ident(), _current_id())
+    stream = _null_streams.get(key)
+    if stream is None:
+        stream = _null_streams[key] = Stream()
+    return stream
+
+
+def _stream_on(device):
+    """This thread's current stream on ``device`` (``get`` copies with ``array.device`` current)."""
+    saved = _current_id()
+    _state.device = device
+    try:
+        return get_current_stream()
+    finally:
+        _state.device = saved
+
+
+def _root(a):
+    return a if a.base is None else a.base
+
+
+def _wrote(a):
+    """``a`` was written by a kernel or copy on the current stream."""
+    stream = get_current_stream()
+    stream.issued += 1
+    _root(a)._writer = (stream, stream.issued)
+
+
+def _check_read(a, what):
+    """Records a race if ``a``'s last writer is unfinished and not this thread's stream."""
+    writer, seq = getattr(_root(a), "_writer", (None, 0))
+    if writer is None or writer.finished >= seq:
+        return
+    if what != "MPI" and writer is _stream_on(_root(a)._dev):
+        return  # the same stream orders this read after the write
+    _races.append(f"{what} in thread {threading.current_thread().name} of a device "
+                  f"{_root(a)._a.dtype} array of {_root(a)._a.size} elements on GPU "
+                  f"{_root(a)._dev} while its writer stream (thread {writer.thread}, GPU "
+                  f"{writer.device}) is unfinished")
 
 
 class Device:
@@ -92,6 +146,9 @@ class Device:
 
     def synchronize(self):
         _counts["synchronize"] += 1
+        for stream in _all_streams:
+            if stream.device == self.id:
+                stream.finished = stream.issued
 
     def __eq__(self, other):
         return isinstance(other, Device) and other.id == self.id
@@ -155,10 +212,21 @@ def _call(fn, args, kwargs):
     out = kwargs.get("out")
     kwargs = {k: _unwrap(v, found) for k, v in kwargs.items()}
     _check_device(found)
+    for a in found:
+        if a is not out:
+            _check_read(a, "kernel")
     result = fn(*args, **kwargs)
     if isinstance(out, ndarray):
+        _wrote(out)
         return out
-    return _wrap(result)
+    for a in found:
+        if result is a._a:  # an in-place operator: the same array
+            _wrote(a)
+            return a
+    result = _wrap(result)
+    if isinstance(result, ndarray):
+        _wrote(result)
+    return result
 
 
 class ndarray:  # noqa: N801 - cupy's name
@@ -214,6 +282,7 @@ class ndarray:  # noqa: N801 - cupy's name
 
     @property
     def __cuda_array_interface__(self):
+        _check_read(self, "MPI")
         a = self._a
         strides = None if a.flags.c_contiguous else a.strides
         return {"shape": a.shape, "typestr": a.dtype.str, "data": (a.ctypes.data, False),
@@ -221,6 +290,7 @@ class ndarray:  # noqa: N801 - cupy's name
 
     # host <-> device
     def get(self, stream=None, order="C", out=None):
+        _check_read(self, "get")
         if out is None:
             return self._a.copy()
         if not isinstance(out, np.ndarray):
@@ -236,17 +306,21 @@ class ndarray:  # noqa: N801 - cupy's name
     def set(self, arr, stream=None):
         if not isinstance(arr, np.ndarray):
             raise TypeError(f"Only numpy.ndarray can be set to cupy.ndarray, not {type(arr)}")
-        if arr.size != self.size:
-            raise ValueError("Shape mismatch")
+        if arr.shape != self.shape:
+            raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
         if arr.dtype != self.dtype:
             raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
         if not self._a.flags.c_contiguous:
             raise RuntimeError("Cannot set to non-contiguous array")
-        np.copyto(self._a, arr.reshape(self.shape))
+        np.copyto(self._a, arr)
+        _wrote(self)
 
     # views and copies (no device check: cupy copies across devices here)
     def copy(self, order="C"):
-        return ndarray._of(self._a.copy(order), _current_id())
+        _check_read(self, "copy")
+        new = ndarray._of(self._a.copy(order), _current_id())
+        _wrote(new)
+        return new
 
     def __getitem__(self, index):
         found = []
@@ -261,7 +335,10 @@ class ndarray:  # noqa: N801 - cupy's name
         index = _unwrap(index, found)
         value = _unwrap(value, found)
         _check_device(found)
+        for a in found[1:]:
+            _check_read(a, "kernel")
         self._a[index] = value
+        _wrote(self)
 
     def reshape(self, *shape, order="C"):
         return self._view(self._a.reshape(*shape, order=order))
@@ -275,11 +352,16 @@ class ndarray:  # noqa: N801 - cupy's name
     def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
         _check_device([self])
         b = self._a.astype(dtype, copy=copy)
-        return self if b is self._a else ndarray._of(b, self._dev)
+        if b is self._a:
+            return self
+        new = ndarray._of(b, self._dev)
+        _wrote(new)
+        return new
 
     def fill(self, value):
         _check_device([self])
         self._a.fill(value)
+        _wrote(self)
 
     def item(self):
         return self._a.item()
@@ -343,7 +425,9 @@ def asarray(obj, dtype=None, order=None):
         return obj if dtype is None or np.dtype(dtype) == obj.dtype else obj.astype(dtype)
     if hasattr(obj, "__cuda_array_interface__"):
         raise TypeError("the stand-in wraps only its own arrays")
-    return ndarray._of(np.array(obj, dtype=dtype, order=order or "K", copy=True), _current_id())
+    new = ndarray._of(np.array(obj, dtype=dtype, order=order or "K", copy=True), _current_id())
+    _wrote(new)
+    return new
 
 
 def array(obj, dtype=None, copy=True, order="K"):
@@ -360,7 +444,11 @@ def asnumpy(a, stream=None, out=None):
 def copyto(dst, src, casting="same_kind", where=None):
     if not isinstance(dst, ndarray):
         raise TypeError(f"dst must be a cupy array, not {type(dst)}")
-    _call(np.copyto, (dst, src), {"casting": casting})
+    _call(_copy_into, (src,), {"casting": casting, "out": dst})
+
+
+def _copy_into(src, casting, out):
+    np.copyto(out, src, casting=casting)
 
 
 def from_dlpack(obj):
@@ -375,7 +463,9 @@ def _creator(name):
     fn = getattr(np, name)
 
     def make(*args, **kwargs):
-        return _wrap(fn(*args, **kwargs))
+        new = _wrap(fn(*args, **kwargs))
+        _wrote(new)
+        return new
     make.__name__ = name
     return make
 
@@ -420,6 +510,11 @@ def install(monkeypatch, device_count=2):
     _state.device = 0
     _counts["synchronize"] = 0
     _allocated.clear()
+    _races.clear()
+    _all_streams.clear()
+    _null_streams.clear()
+    if hasattr(_state, "streams"):
+        _state.streams = {}
     return modules["cupy"]
 
 
@@ -431,3 +526,15 @@ def synchronizations():
 def allocated():
     """``{device id: bytes}`` of device arrays created since :func:`install`."""
     return dict(_allocated)
+
+
+def races():
+    """What was read while its writer stream was unfinished, since :func:`install`."""
+    return list(_races)
+
+
+def unfinished(array):
+    """Whether ``array``'s last writer is unfinished and not this thread's stream on its GPU."""
+    writer, seq = getattr(_root(array), "_writer", (None, 0))
+    return bool(writer is not None and writer.finished < seq
+                and writer is not _stream_on(_root(array)._dev))

@@ -42,6 +42,8 @@ def cp(request, comm, monkeypatch):
     device = cupy.cuda.Device(comm.rank % cupy.cuda.runtime.getDeviceCount())
     with device:
         yield cupy
+    if request.param != "cupy":  # nothing was read before the GPU had finished writing it
+        assert fakecupy.races() == []
 
 
 @pytest.fixture
@@ -161,6 +163,8 @@ def test_async_calls_on_this_ranks_gpu(cp, comm, gkv):
     assert outs[1].get().tolist() == [[2 * _tri(n)] * 2] * 2
     assert grads[0].get().tolist() == [_tri(n)] * 6
     assert grads[0].device.id == cp.cuda.Device().id
+    if before is not None:  # done means done: no output still being written
+        assert not any(fakecupy.unfinished(a) for a in outs + grads)
 
 
 def test_optimizers_on_device_match_host(cp, comm):
@@ -329,3 +333,25 @@ def test_store_on_one_gpu_values_on_another(cp, comm):
     # Adam's first step moves each weight by -lr (the gradient's sign).
     np.testing.assert_allclose(outs[0].get(), np.full(4, _tri(n) - 0.1, np.float32), rtol=1e-5)
     np.testing.assert_allclose(outs[1].get(), np.full(30, n - 0.1, np.float32), rtol=1e-5)
+
+
+def test_async_handles_wait_for_every_gpu_they_touch(cp, comm):
+    # Outputs on two GPUs, and a store on a GPU that is not the caller's: the
+    # handle is done only when every GPU's work is, and the worker starts only
+    # once the caller's earlier writes into the store's memory have finished.
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    n = comm.size
+    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT)
+    with cp.cuda.Device(1):
+        kv.init("w", cp.zeros(4, cp.float32))
+    with cp.cuda.Device(0):
+        kv.push("w", cp.ones(4, cp.float32))          # inline: writes GPU 1's memory
+        handle = kv.pushpull_async("w", cp.ones(4, cp.float32))
+        out0 = cp.empty(4, cp.float32)
+        with cp.cuda.Device(1):
+            out1 = cp.empty(4, cp.float32)
+        kv.wait([handle, kv.pull_async("w", out=[out0, out1])])
+        if getattr(cp, "STAND_IN", False):
+            assert not fakecupy.unfinished(out0) and not fakecupy.unfinished(out1)
+        assert out0.get().tolist() == out1.get().tolist() == [n] * 4
