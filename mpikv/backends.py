@@ -433,17 +433,31 @@ def synchronize(array):
 
 # -- handing GPU work to another thread ------------------------------------
 class _WorkerGPU:
-    """The worker's side of :func:`handover`: the caller's GPU, and a final wait."""
+    """The worker's side of :func:`handover`: the caller's GPU, its own stream, a final wait.
 
-    __slots__ = ("_cp", "_device", "_devices")
+    The worker issues its kernels and copies on a non-blocking stream of its
+    own, so its waits (before each MPI call, and at the end) do not wait for
+    unrelated kernels the caller queues meanwhile, as cupy's default (legacy)
+    stream would make them.
+    """
+
+    __slots__ = ("_cp", "_device", "_devices", "_stream")
+    _streams = {}  # (thread id, GPU id) -> the worker's stream there
 
     def __init__(self, cp, device_id, devices):
         self._cp = cp
         self._device = cp.cuda.Device(device_id)
         self._devices = sorted(set(devices) | {device_id})
+        self._stream = None
 
     def __enter__(self):
         self._device.__enter__()
+        key = (threading.get_ident(), self._device.id)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = self._cp.cuda.Stream(non_blocking=True)
+        self._stream = stream
+        stream.__enter__()
         return self
 
     def __exit__(self, *exc):
@@ -454,6 +468,7 @@ class _WorkerGPU:
                 with self._cp.cuda.Device(device):
                     self._cp.cuda.get_current_stream().synchronize()
         finally:
+            self._stream.__exit__(*exc)
             self._device.__exit__(*exc)
 
 

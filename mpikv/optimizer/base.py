@@ -347,17 +347,19 @@ class Optimizer:
             OptimizerError: ``state`` does not fit this optimizer or weight.
         """
         dtype = compute_dtype(weight)
-        if not getattr(weight.flags, "writeable", True):  # cupy arrays have no such flag
-            raise ValueError("weight is read-only; it is updated in place")
+        if type(weight) is np.ndarray:  # the host: no GPU to make current
+            if not weight.flags.writeable:
+                raise ValueError("weight is read-only; it is updated in place")
+            return self._begin_on(key, weight, np.asarray(grad), state, dtype, np)
         xp = backends.module_of(weight)
         with backends.on(weight):
-            grad = xp.asarray(grad)
-            if grad.shape != weight.shape:
-                raise ValueError(f"grad has shape {grad.shape}, weight {weight.shape}")
-            self._check_state(state, weight, dtype, xp)
-            return self._begin_checked(key, weight, grad, state, dtype, xp)
+            return self._begin_on(key, weight, xp.asarray(grad), state, dtype, xp)
 
-    def _begin_checked(self, key, weight, grad, state, dtype, xp):
+    def _begin_on(self, key, weight, grad, state, dtype, xp):
+        """:meth:`begin_update` where ``weight`` lives, ``xp`` its array module."""
+        if grad.shape != weight.shape:
+            raise ValueError(f"grad has shape {grad.shape}, weight {weight.shape}")
+        self._check_state(state, weight, dtype, xp)
         count = state[COUNT].reshape(-1)
         t = int(count[0]) + 1
         count[0] = t

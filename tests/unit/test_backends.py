@@ -655,4 +655,8 @@ def test_handover_waits_for_the_caller_then_the_worker(monkeypatch):
     thread.start()
     thread.join()
     assert seen["device"] == 1 and seen["after"] == 0 and seen["sum"] == [2, 2, 2]
-    assert seen["stream"].synchronized == 1  # the worker's stream, before the handle is done
+    # The worker's own stream (not the default one, whose waits would include
+    # the caller's later kernels), waited for before the handle is done.
+    assert seen["stream"].non_blocking and seen["stream"] is not caller
+    assert seen["stream"].synchronized == 1
+    assert not fakecupy.unfinished(value) and fakecupy.races() == []
