@@ -304,3 +304,31 @@ def test_crafted_manifest_with_bad_fields_is_refused(comm, mpi_tmp_path):
     out = np.zeros(3)
     kv.pull(1, out=out)
     assert (out == 1).all()
+
+
+def test_load_that_cannot_allocate_fails_everywhere(comm, mpi_tmp_path, monkeypatch):
+    # Memory for a load (new keys, states on a GPU) is allocated before the
+    # ranks agree: one rank out of memory means an error on every rank, and
+    # nothing applied, not ranks that disagree.
+    from mpikv import checkpoint
+    path = str(mpi_tmp_path / "alloc.ckpt")
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv.init(["a", "b"], [np.ones(5), np.ones((2, 3))])
+    kv.set_optimizer(optimizer.Adam(learning_rate=0.1))
+    kv.push(["a", "b"], [np.ones(5), np.ones((2, 3))])
+    kv.save_checkpoint(path)
+    fresh = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    if comm.rank == comm.size - 1:
+        def out_of_memory(*args, **kwargs):
+            raise MemoryError("simulated: out of memory")
+        monkeypatch.setattr(checkpoint.backends, "zeros", out_of_memory)
+    message = raises_everywhere(comm, errors.StateFileError, lambda: fresh.load_checkpoint(path))
+    assert "MemoryError: simulated: out of memory" in message and "nothing was applied" in message
+    monkeypatch.undo()
+    assert fresh._engine.entries == {} and fresh._engine.optimizer is None
+    fresh.load_checkpoint(path)
+    out = np.empty(5)
+    fresh.pull("a", out=out)
+    want = np.empty(5)
+    kv.pull("a", out=want)
+    np.testing.assert_array_equal(out, want)
