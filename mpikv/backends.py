@@ -710,5 +710,6 @@ def _synchronize_any(dev_buf, stager):
 
 
 __all__ = ["KINDS", "array_module", "native_kind", "is_device", "as_native", "xp",
-           "cupy_available", "module_of", "on", "empty", "concatenate_into", "zeros", "sum_into", "copyto", "synchronize",
-           "handover", "Stager", "device_collective", "INSTALL_HINT", "NONBLOCKING_ON_DEVICE"]
+           "cupy_available", "module_of", "on", "empty", "zeros", "sum_into",
+           "concatenate_into", "copyto", "synchronize", "handover", "Stager",
+           "device_collective", "INSTALL_HINT", "NONBLOCKING_ON_DEVICE"]

@@ -397,14 +397,13 @@ def bench_gpu(workload, iterations, comm):
     pinned = backends.Stager().acquire(np.float32, total)
     decision = cuda.detect()
 
-    def timed(fn):
+    def settled(fn):
+        """``fn``, then a wait for the GPU: a timed case is not done while its work is
+        queued, and a refill's copies must be done before the clock starts."""
         def run():
             fn()
-            stream.synchronize()  # GPU work that is still queued is not done
+            stream.synchronize()
         return run
-
-    def untimed(fn):  # a refill's copies must be done before the clock starts
-        return timed(fn)
 
     def refill_raw():
         raw[...] = flat
@@ -418,11 +417,11 @@ def bench_gpu(workload, iterations, comm):
         comm.Allreduce(MPI.IN_PLACE, pinned)
         raw.set(pinned, stream=stream)
 
-    refill_raw = untimed(refill_raw)
-    cases = [("raw mpi4py Allreduce, staged via pinned host", refill_raw, timed(raw_staged))]
+    refill_raw = settled(refill_raw)
+    cases = [("raw mpi4py Allreduce, staged via pinned host", refill_raw, settled(raw_staged))]
     if decision.aware:
-        cases.insert(0, ("raw mpi4py Allreduce, device buffer", refill_raw, timed(raw_direct)))
-    nccl_note = _nccl_case(cp, comm, raw, total, stream, cases, refill_raw, timed)
+        cases.insert(0, ("raw mpi4py Allreduce, device buffer", refill_raw, settled(raw_direct)))
+    nccl_note = _nccl_case(cp, comm, raw, total, stream, cases, refill_raw, settled)
 
     kv = mpikv.create("dist_sync_device")
     kv.init(keys, [cp.zeros(s, cp.float32) for s in shp])
@@ -436,11 +435,12 @@ def bench_gpu(workload, iterations, comm):
     def refill_zero():
         for z, g in zip(zero, grads):
             z[...] = g
-    cases += [("mpikv pushpull(out=...)", None, timed(lambda: kv.pushpull(keys, grads, out=outs))),
-              ("mpikv pushpull in place", untimed(refill_inplace),
-               timed(lambda: kv.pushpull(keys, inplace))),
-              ("mpikv pushpull, zero-copy", untimed(refill_zero),
-               timed(lambda: kv.pushpull(keys, zero)))]
+    cases += [("mpikv pushpull(out=...)", None,
+               settled(lambda: kv.pushpull(keys, grads, out=outs))),
+              ("mpikv pushpull in place", settled(refill_inplace),
+               settled(lambda: kv.pushpull(keys, inplace))),
+              ("mpikv pushpull, zero-copy", settled(refill_zero),
+               settled(lambda: kv.pushpull(keys, zero)))]
     timer = _Timer(comm)
     timer.run(cases, iterations)
     rows = [{"case": name, "ms": timer.median(name) * 1e3,
@@ -464,7 +464,7 @@ def _gpu_name(cp, device):
         return f"GPU {device.id}"
 
 
-def _nccl_case(cp, comm, buf, count, stream, cases, refill, timed):
+def _nccl_case(cp, comm, buf, count, stream, cases, refill, settled):
     """Adds NCCL's allReduce to ``cases`` when it can run; returns what was done."""
     try:
         from cupy.cuda import nccl
@@ -479,7 +479,7 @@ def _nccl_case(cp, comm, buf, count, stream, cases, refill, timed):
     def run():
         nc.allReduce(buf.data.ptr, buf.data.ptr, count, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
                      stream.ptr)
-    cases.append(("NCCL allReduce (cupy.cuda.nccl)", refill, timed(run)))
+    cases.append(("NCCL allReduce (cupy.cuda.nccl)", refill, settled(run)))
     return f"NCCL {nccl.get_version()}"
 
 

@@ -413,8 +413,10 @@ class KVStore:
             # stored values: nothing to pull.
             if pull and not (zero_copy and engine.updater_kind is None):
                 engine.pull(op, items, order, done)
-        gpu = (backends.handover(_arrays(items), engine.on_gpu, engine.gpus if engine.on_gpu else ())
-               if background else None)
+        gpu = None
+        if background:  # (engine.gpus scans the keys: only for stores holding GPU values)
+            gpu = backends.handover(_arrays(items), engine.on_gpu,
+                                    engine.gpus if engine.on_gpu else ())
         if gpu is None:
             return job
 

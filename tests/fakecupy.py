@@ -294,7 +294,8 @@ class ndarray:  # noqa: N801 - cupy's name
         if out is None:
             return self._a.copy()
         if not isinstance(out, np.ndarray):
-            raise TypeError(f"Only numpy.ndarray can be obtained from cupy.ndarray, not {type(out)}")
+            raise TypeError(f"Only numpy.ndarray can be obtained from cupy.ndarray, "
+                            f"not {type(out)}")
         if out.shape != self.shape or out.dtype != self.dtype:
             raise ValueError(f"Shape or dtype mismatch: {out.shape}/{out.dtype} vs "
                              f"{self.shape}/{self.dtype}")
