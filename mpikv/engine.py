@@ -11,7 +11,7 @@ import traceback
 
 import numpy as np
 
-from . import algorithms, backends
+from . import backends, reducers, tuning
 from ._arrays import accumulate_dtype, wire_view
 from .errors import DTypeError
 from .fusion import DEFAULT_BUCKET_BYTES, plan_buckets
@@ -45,10 +45,11 @@ class Entry:
 class _Layout:
     """A cached bucket plan for one key list, with the arenas it matches."""
 
-    __slots__ = ("buckets", "stored", "grads", "views", "shared")
+    __slots__ = ("buckets", "stored", "grads", "views", "shared", "chosen")
 
     def __init__(self, buckets, stored):
         self.buckets = buckets
+        self.chosen = {}       # (bucket index, in place, on a GPU) -> its reducer
         self.stored = stored   # per bucket: a view of the stored arena, or None
         self.grads = None      # per bucket: the zero-copy gradient arena, or None
         self.views = None      # key -> its view into ``grads``
@@ -61,12 +62,19 @@ class Engine:
     Args:
         transport: a :class:`mpikv.transport.base.Transport`.
         bigarray_bound: arrays with this many elements or more are split.
-        bucket_bytes: the largest fused bucket.
+        bucket_bytes: the largest fused bucket, and the largest piece one
+            collective moves.
+        direct_bytes: keys of at least this many bytes are not fused: they
+            move straight from the caller's array.
+        table: the :class:`mpikv.tuning.Table` that picks each bucket's strategy.
     """
 
     def __init__(self, transport, bigarray_bound, bucket_bytes=DEFAULT_BUCKET_BYTES,
-                 device=False):
+                 device=False, direct_bytes=None, table=None):
         self.transport = transport
+        self.direct_bytes = direct_bytes
+        self.chooser = reducers.Chooser(transport, table or tuning.forced("allreduce", "default"),
+                                        bucket_bytes)
         self.device = device  # keep GPU values on the GPU (device, dist_sync_device)
         self.on_gpu = False   # whether any stored value lives on a GPU
         self._gpus = None     # cache of :attr:`gpus`
@@ -92,7 +100,8 @@ class Engine:
         found = self._layouts.get(sig)
         if found is None:
             items = [(k, self.entries[k].array.dtype, self.entries[k].placement) for k in keys]
-            buckets = plan_buckets(items, self.transport.size, self.bucket_bytes)
+            buckets = plan_buckets(items, self.transport.size, self.bucket_bytes,
+                                   self.direct_bytes)
             found = self._layouts[sig] = _Layout(buckets, None)
         if found.stored is None:  # after stored values moved (see _moved)
             found.stored = [self._stored_view(b) for b in found.buckets]
@@ -141,8 +150,16 @@ class Engine:
             buf = self._scratch[key] = backends.empty(kind, size, dtype, device)
         return buf[:size]
 
-    def algorithm(self, nbytes):
-        return algorithms.choose(getattr(self.transport, "library", ""), nbytes)
+    def reducer(self, layout, index, in_place, buf):
+        """The strategy that sums bucket ``index`` of ``layout`` (chosen once per layout)."""
+        device = type(buf) is not np.ndarray
+        key = (index, in_place, device)
+        found = layout.chosen.get(key)
+        if found is None:
+            bucket = layout.buckets[index]
+            found = layout.chosen[key] = self.chooser.get(
+                bucket.size * buf.itemsize, in_place, device)
+        return found
 
     # -- init ------------------------------------------------------------
     def init(self, op, items):
@@ -152,7 +169,7 @@ class Engine:
                                  i.dtype.itemsize) for i in items])
         by_key = {i.key: i for i in items}
         buckets = plan_buckets([(i.key, i.dtype, placed[i.key]) for i in items],
-                               t.size, self.bucket_bytes)
+                               t.size, self.bucket_bytes, self.direct_bytes)
         for bucket in buckets:
             on_gpu = self.device and any(backends.is_device(by_key[k].values[0])
                                          for k in bucket.keys)
@@ -215,26 +232,106 @@ class Engine:
                 t.allreduce_shared_(arena, what)
                 self._alias(layout, index, bucket)
                 continue
-            buf, direct = ((layout.grads[index], False) if zero_copy
-                           else self._gather(layout, index, bucket, by_key))
+            in_caller = False
+            if zero_copy:
+                src, dst = None, layout.grads[index]
+            elif self.updater_kind is None:
+                src, dst, in_caller = self._source(layout, index, bucket, by_key)
+            else:
+                src, dst = self._owner_source(layout, index, bucket, by_key)
+            in_place = src is None
+            reducer = self.reducer(layout, index, in_place, dst)
             if self.updater_kind is None:
-                self._sum_everywhere(buf, bucket, what)
-                if layout.grads is not None and buf is layout.grads[index]:
+                reducer.allreduce(dst, src, what)
+                if layout.grads is not None and dst is layout.grads[index]:
                     self._alias(layout, index, bucket)
-                else:
-                    self._store(layout.stored[index], buf, bucket)
-                    if direct:
+                elif dst is not layout.stored[index]:
+                    self._store(layout.stored[index], dst, bucket)
+                    if in_caller:
                         summed_in_place.add(bucket.keys[0])
+                else:
+                    for key in bucket.keys:
+                        self.entries[key].stale = False
                 continue
-            self._sum_to_owners(buf, bucket, what)
+            reducer.reduce_to_owners(dst, src, bucket, what)
             for seg in bucket.segments:
                 if seg.owner == t.rank:
-                    self._update(seg, buf, bucket, pending)
+                    self._update(seg, dst, bucket, pending)
             for key in bucket.keys:
                 self.entries[key].stale = t.size > 1
         if opt is not None and opt.num_partials and any(b.split for b in layout.buckets):
             self._finish_updates(op, layout, pending)  # collective: owners or not
         return summed_in_place
+
+    def _single(self, bucket, by_key):
+        """The caller's one array of a one-key bucket, flat, if MPI can read it as is."""
+        if len(bucket.keys) != 1:
+            return None
+        item = by_key[bucket.keys[0]]
+        if len(item.values) != 1:
+            return None
+        value = item.values[0]
+        if (value.dtype != bucket.dtype or value.dtype != accumulate_dtype(value.dtype)
+                or not value.flags.c_contiguous):
+            return None
+        return value.reshape(-1)
+
+    def _source(self, layout, index, bucket, by_key):
+        """``(src, dst, in the caller's array)`` of a push with the default updater
+        (``src=None``: in place).
+
+        A key alone in its bucket is summed straight from the caller's array:
+        in place in it when it is also the output (``pushpull(key, value)``),
+        else out of place into the stored value. Fused keys are copied into
+        the stored value (or a scratch buffer) and summed there in place.
+        """
+        stored = layout.stored[index]
+        if layout.grads is not None and all(
+                len(by_key[key].values) == 1 and by_key[key].values[0] is layout.views[key]
+                for key, _ in _key_offsets(bucket)):
+            return None, layout.grads[index], False
+        single = self._single(bucket, by_key)
+        if single is not None:
+            item = by_key[bucket.keys[0]]
+            if (self._in_place_ok and len(item.outs) == 1 and item.outs[0] is item.values[0]
+                    and getattr(single.flags, "writeable", True)):  # cupy has no such flag
+                return None, single, True
+            if (stored is not None and stored.dtype == single.dtype
+                    and _same_place(stored, single) and not _overlaps(stored, single)):
+                return single, stored, False
+            home = self.entries[bucket.keys[0]].arena
+            return single, self.scratch(bucket.dtype, bucket.size, home), False
+        if (stored is not None and stored.dtype == accumulate_dtype(bucket.dtype)
+                and not any(_overlaps(stored, v) for k in bucket.keys for v in by_key[k].values)):
+            self._fill(stored, bucket, by_key)
+            return None, stored, False
+        buf, _ = self._gather(layout, index, bucket, by_key)
+        return None, buf, False
+
+    def _owner_source(self, layout, index, bucket, by_key):
+        """``(src, dst)`` of a push to the owners: ``dst`` gets the summed gradients."""
+        if layout.grads is not None and all(
+                len(by_key[key].values) == 1 and by_key[key].values[0] is layout.views[key]
+                for key, _ in _key_offsets(bucket)):
+            return None, layout.grads[index]
+        single = self._single(bucket, by_key)
+        home = self.entries[bucket.keys[0]].arena
+        if single is not None and _same_place(single, home):
+            return single, self.scratch(bucket.dtype, bucket.size, home)
+        buf, _ = self._gather(layout, index, bucket, by_key)
+        return None, buf
+
+    def _fill(self, buf, bucket, by_key):
+        """Writes each key's sum over devices into its place in ``buf``."""
+        if bucket.split:
+            backends.sum_into(buf, by_key[bucket.segments[0].key].values)
+            return
+        items = [by_key[seg.key] for seg in bucket.segments]
+        if (buf.dtype == bucket.dtype and all(len(i.values) == 1 for i in items)
+                and backends.concatenate_into(buf, [i.values[0] for i in items])):
+            return
+        for seg, item in zip(bucket.segments, items):
+            backends.sum_into(buf[seg.offset:seg.offset + seg.size], item.values)
 
     def _alias(self, layout, index, bucket):
         """After a zero-copy push with the default updater the buffers hold the sum:
@@ -269,79 +366,16 @@ class Engine:
             self._moved()
 
     def _gather(self, layout, index, bucket, by_key):
-        """The bucket's input, and whether it is the caller's own array.
-
-        That is the zero-copy gradient arena, the caller's array itself (a
-        one-key pushpull into its value), or a scratch buffer filled with each
-        key's sum over devices.
-        """
+        """The bucket's input in one buffer: the zero-copy gradient arena, or a
+        scratch buffer filled with each key's sum over devices."""
         if layout.grads is not None and all(
                 len(by_key[key].values) == 1 and by_key[key].values[0] is layout.views[key]
                 for key, _ in _key_offsets(bucket)):
             return layout.grads[index], False
-        if len(bucket.keys) == 1 and self.updater_kind is None and self._in_place_ok:
-            # pushpull(key, value) of one contiguous array: sum in the caller's array,
-            # which is where the result goes anyway (no copy in, none out).
-            item = by_key[bucket.keys[0]]
-            value = item.values[0]
-            if (len(item.values) == 1 and len(item.outs) == 1 and item.outs[0] is value
-                    and value.flags.c_contiguous and value.dtype == accumulate_dtype(value.dtype)
-                    and getattr(value.flags, "writeable", True)):  # cupy has no such flag
-                return value.reshape(-1), True
         home = self.entries[bucket.keys[0]].arena
         buf = self.scratch(accumulate_dtype(bucket.dtype), bucket.size, home)
-        if bucket.split:
-            backends.sum_into(buf, by_key[bucket.segments[0].key].values)
-            return buf, False
-        items = [by_key[seg.key] for seg in bucket.segments]
-        if (buf.dtype == bucket.dtype and all(len(i.values) == 1 for i in items)
-                and backends.concatenate_into(buf, [i.values[0] for i in items])):
-            return buf, False
-        for seg, item in zip(bucket.segments, items):
-            backends.sum_into(buf[seg.offset:seg.offset + seg.size], item.values)
+        self._fill(buf, bucket, by_key)
         return buf, False
-
-    def _allreduce(self, buf, what):
-        """In-place Allreduce in pieces of at most ``bucket_bytes``.
-
-        Open MPI's large-message Allreduce was 3-4 times slower here than the
-        same bytes in 4 MiB pieces (``python -m mpikv.bench chunks``).
-        """
-        step = max(1, self.bucket_bytes // buf.itemsize)
-        for start in range(0, buf.size, step):
-            self.transport.allreduce_(buf[start:start + step], what)
-
-    def _sum_everywhere(self, buf, bucket, what):
-        t = self.transport
-        name = self.algorithm(bucket.nbytes)
-        if name == "allreduce":
-            self._allreduce(buf, what)
-        elif bucket.split:  # one shard per owner: a block each
-            self._reduce_blocks(buf, bucket, what)
-            t.allgatherv_(buf, bucket.counts, bucket.displs, what)
-        elif name == "reduce_bcast":
-            self._reduce_blocks(buf, bucket, what)
-            for rank, (count, displ) in enumerate(zip(bucket.counts, bucket.displs)):
-                if count:
-                    t.bcast_(buf[displ:displ + count], rank, what)
-        else:
-            t.reduce_scatter_(buf, bucket.counts, bucket.displs, what)
-            t.allgatherv_(buf, bucket.counts, bucket.displs, what)
-
-    def _sum_to_owners(self, buf, bucket, what):
-        name = self.algorithm(bucket.nbytes)
-        if name == "allreduce":
-            self._allreduce(buf, what)  # every rank gets the sum; owners use their part
-        elif bucket.split or name == "reduce_bcast":
-            self._reduce_blocks(buf, bucket, what)
-        else:
-            self.transport.reduce_scatter_(buf, bucket.counts, bucket.displs, what)
-
-    def _reduce_blocks(self, buf, bucket, what):
-        """Sums each owner's block (or shard) of the bucket into that owner."""
-        for rank, (count, displ) in enumerate(zip(bucket.counts, bucket.displs)):
-            if count:
-                self.transport.reduce_(buf[displ:displ + count], rank, what)
 
     def _store(self, stored, buf, bucket):
         """Copies a summed bucket into the stored values: one copy if they are one arena."""
@@ -522,6 +556,20 @@ class Engine:
                 self.entries[key] = new
         self._moved()
         layout.stored = [self._stored_view(b) for b in layout.buckets]
+
+
+def _overlaps(a, b):
+    """Whether two arrays may share memory (host arrays only; device ones never here)."""
+    if type(a) is np.ndarray and type(b) is np.ndarray:
+        return np.may_share_memory(a, b)
+    return a is b
+
+
+def _same_place(a, b):
+    """Whether two arrays live on the host, or on the same GPU."""
+    if type(a) is np.ndarray or type(b) is np.ndarray:
+        return type(a) is type(b)
+    return type(a) is type(b) and a.device.id == b.device.id
 
 
 def _distinct_memory(items):

@@ -80,7 +80,7 @@ def _fused(dtype, members, num_ranks):
     return Bucket(np.dtype(dtype), offset, tuple(segments), False, tuple(counts), tuple(displs))
 
 
-def plan_buckets(items, num_ranks, bucket_bytes=DEFAULT_BUCKET_BYTES):
+def plan_buckets(items, num_ranks, bucket_bytes=DEFAULT_BUCKET_BYTES, direct_bytes=None):
     """Packs the keys of one call into buckets.
 
     Args:
@@ -88,6 +88,9 @@ def plan_buckets(items, num_ranks, bucket_bytes=DEFAULT_BUCKET_BYTES):
             order; ``dtype`` is the dtype the key is summed in and
             ``placement`` its :class:`mpikv.plan.Placement`.
         num_ranks: the number of owners.
+        direct_bytes: keys of at least this many bytes get a bucket of their
+            own (they move straight from the caller's array, not packed);
+            None: only keys larger than ``bucket_bytes``.
         bucket_bytes: the largest fused bucket; a key larger than this gets a
             bucket of its own.
 
@@ -105,6 +108,9 @@ def plan_buckets(items, num_ranks, bucket_bytes=DEFAULT_BUCKET_BYTES):
                                   tuple(counts), tuple(displs)))
             continue
         nbytes = placement.size * dtype.itemsize
+        if direct_bytes is not None and nbytes >= direct_bytes:
+            buckets.append(_fused(dtype, [(key, placement.size, placement.owner)], num_ranks))
+            continue
         members, used, index = open_.get(dtype, (None, 0, None))
         if members is None or used + nbytes > bucket_bytes:
             members, used, index = [], 0, len(buckets)

@@ -9,11 +9,10 @@ rank and changes nothing.
 
 
 import operator
-import os
 
 import numpy as np
 
-from . import backends, checkpoint, config, errors
+from . import backends, checkpoint, config, errors, tuning
 from ._logging import get_logger
 from .agreement import explain, fingerprint, keys_blob, record
 from .calls import Call, CallReader
@@ -32,7 +31,7 @@ STORE_TYPES = {
 
 
 def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_exception=None,
-           bucket_bytes=None, shared_memory=None):
+           bucket_bytes=None, shared_memory=None, reducer=None, autotune=None, direct_bytes=None):
     """Creates a store. Collective over ``comm`` for distributed types.
 
     Args:
@@ -51,6 +50,15 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
         shared_memory: put :meth:`KVStore.gradient_buffers` in node-local MPI
             shared memory and sum them straight from the peers' buffers
             (default ``MPIKV_SHARED_MEMORY`` or on).
+        reducer: the reduction strategy: "auto" (the tuning table, see
+            :mod:`mpikv.tuning`) or one of :data:`mpikv.reducers.NAMES`
+            (default ``MPIKV_REDUCER`` or "auto").
+        autotune: with no tuning cache for this MPI and layout, measure the
+            strategies for a few seconds at creation (default
+            ``MPIKV_AUTOTUNE`` or on); off: the measured default table.
+        direct_bytes: keys of at least this many bytes are summed straight
+            from the caller's arrays rather than packed into buckets (default
+            ``MPIKV_DIRECT_BYTES`` or 256 KiB).
 
     Raises:
         TypeError: ``name`` is not a string.
@@ -65,31 +73,32 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
     if kind == "local" and comm is not None:
         raise ValueError(f"a {name!r} store has no communicator; use a dist_* type with comm=")
     options = config.resolve(timeout, bigarray_bound, abort_on_exception, bucket_bytes,
-                             shared_memory)
-    store = KVStore(name.lower(), make_transport(kind, comm, options), options)
+                             shared_memory, reducer, autotune, direct_bytes)
+    transport = make_transport(kind, comm, options)
+    table = tuning.resolve(transport, options.reducer, options.autotune)
+    store = KVStore(name.lower(), transport, options, table)
     if kind == "mpi":
-        from . import algorithms
-        t = store._transport
         get_logger().info(
-            "store %s: %d ranks on %s; buckets of %d bytes moved by %s (%s); timeout %g s; "
-            "arrays of %d elements or more split; background calls %s", name, t.size,
-            algorithms.family(t.library), options.bucket_bytes,
-            algorithms.choose(t.library, options.bucket_bytes),
-            "MPIKV_ALGORITHM" if os.environ.get("MPIKV_ALGORITHM") else "measured table",
-            options.timeout, options.bigarray_bound,
-            "on a worker thread" if t.threaded else "run inline (MPI is not THREAD_MULTIPLE)")
+            "store %s: %d ranks; strategies from %s (4 MiB in place: %s, out of place: %s); "
+            "buckets of %d bytes; keys of %d bytes or more unfused; timeout %g s; "
+            "arrays of %d elements or more split; background calls %s", name, transport.size,
+            table.source, table.choose(4 << 20, True), table.choose(4 << 20, False),
+            options.bucket_bytes, options.direct_bytes, options.timeout,
+            options.bigarray_bound, "on a worker thread" if transport.threaded
+            else "run inline (MPI is not THREAD_MULTIPLE)")
     return store
 
 
 class KVStore:
     """A key-value store for data-parallel training (use :func:`create`)."""
 
-    def __init__(self, name, transport, options):
+    def __init__(self, name, transport, options, table):
         self._type = name
         self._transport = transport
         self._options = options
         self._engine = Engine(transport, options.bigarray_bound, options.bucket_bytes,
-                              device="device" in name)
+                              device="device" in name, direct_bytes=options.direct_bytes,
+                              table=table)
         self._executor = Executor(transport.threaded, self._background_error)
         self._zero_copy = {}   # (op, keys) -> _ZeroCopyCall
         self._reader = CallReader(self._lookup, lambda: self._engine.key_type)

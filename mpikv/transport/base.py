@@ -50,6 +50,29 @@ class Transport(ABC):
     def barrier(self, what):
         """Waits until every rank has arrived."""
 
+    # Out of place: ``src`` is read, ``dst`` written. The defaults copy, then run
+    # in place (a local store's collectives are identities anyway).
+    def allreduce(self, src, dst, what):
+        """``dst`` on every rank becomes the sum of ``src`` over ranks."""
+        _copy(dst, src)
+        self.allreduce_(dst, what)
+
+    def reduce(self, src, dst, root, what):
+        """``dst`` on ``root`` becomes the sum of ``src``; ``dst`` elsewhere is untouched."""
+        if self.rank == root:
+            _copy(dst, src)
+        self.reduce_(dst if self.rank == root else src, root, what)
+
+    def reduce_scatter(self, src, dst, counts, displs, what):
+        """Rank r's block ``dst[displs[r]:+counts[r]]`` becomes the sum of that block of ``src``."""
+        _copy(dst, src)
+        self.reduce_scatter_(dst, counts, displs, what)
+
+    def guard(self, what):
+        """A context manager under which a raw MPI call may block (the watchdog's)."""
+        import contextlib
+        return contextlib.nullcontext()
+
     def shared_arena(self, size, dtype):
         """A node-local shared bucket (see :mod:`mpikv.transport.shm`), or None."""
         return None
@@ -57,3 +80,8 @@ class Transport(ABC):
     def describe(self):
         """A dict of facts for ``info`` and logs."""
         return {"transport": type(self).__name__, "rank": self.rank, "size": self.size}
+
+
+def _copy(dst, src):
+    from ..backends import copyto
+    copyto(dst, src)

@@ -46,6 +46,7 @@ class MPITransport(Transport):
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.timeout = options.timeout
+        self.piece_bytes = options.bucket_bytes
         self.library = MPI.Get_library_version().replace("\x00", "").strip()
         self._watchdog = Watchdog(options.timeout, self.rank)
         self._record = bytearray(_RECORD_BYTES)
@@ -150,6 +151,32 @@ class MPITransport(Transport):
                                 buf, what)
         with self._watchdog.watch(what):
             self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+    def allreduce(self, src, dst, what):
+        if type(src) is not np.ndarray or type(dst) is not np.ndarray:
+            return super().allreduce(src, dst, what)
+        with self._watchdog.watch(what):
+            self.comm.Allreduce(src, dst, op=MPI.SUM)
+
+    def reduce(self, src, dst, root, what):
+        if type(src) is not np.ndarray or type(dst) is not np.ndarray:
+            return super().reduce(src, dst, root, what)
+        with self._watchdog.watch(what):
+            self.comm.Reduce(src, dst if self.rank == root else None, op=MPI.SUM, root=root)
+
+    def reduce_scatter(self, src, dst, counts, displs, what):
+        """Rank r's block ``dst[displs[r]:+counts[r]]`` becomes the sum of that block of ``src``."""
+        r = self.rank
+        if type(src) is not np.ndarray or type(dst) is not np.ndarray:
+            from ..backends import copyto
+            copyto(dst, src)
+            return self.reduce_scatter_(dst, counts, displs, what)
+        with self._watchdog.watch(what):
+            self.comm.Reduce_scatter(src, dst[displs[r]:displs[r] + counts[r]],
+                                     recvcounts=list(counts), op=MPI.SUM)
+
+    def guard(self, what):
+        return self._watchdog.watch(what)
 
     def reduce_(self, buf, root, what):
         if type(buf) is not np.ndarray:

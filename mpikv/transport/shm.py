@@ -79,9 +79,13 @@ class SharedArena:
         self.group.node.Barrier()
         self.win.Sync()
 
-    def allreduce(self):
-        """Sums ``mine`` over every rank of every node, in place (collective)."""
-        g, n = self.group, self.size
+    def allreduce(self, size=None, out=None):
+        """Sums ``mine[:size]`` over every rank of every node (collective).
+
+        The sum lands in ``mine`` or, if given, in ``out`` (a flat array of
+        ``size`` elements), read straight from the owners' segments.
+        """
+        g, n = self.group, self.size if size is None else size
         L, r = g.local_size, g.local_rank
         bounds = [(n * k // L, n * (k + 1) // L) for k in range(L)]
         lo, hi = bounds[r]
@@ -94,7 +98,9 @@ class SharedArena:
             g.across.Allreduce(MPI.IN_PLACE, mine, op=MPI.SUM)
         self._fence()                      # every slice is summed
         for k, (a, b) in enumerate(bounds):
-            if k != r:
+            if out is not None:
+                out[a:b] = self.segments[k][a:b]
+            elif k != r:
                 self.mine[a:b] = self.segments[k][a:b]
         self._fence()                      # nobody reads our slice any more
 

@@ -1,11 +1,13 @@
-"""Fused buckets, every collective algorithm, and zero-copy gradient buffers, with values."""
+"""Fused buckets, every reduction strategy, and zero-copy gradient buffers, with values."""
+
+import os
 
 import numpy as np
 import pytest
 
 import mpikv
 from mpikv import errors, optimizer
-from mpikv.algorithms import ALGORITHMS
+from mpikv.reducers import NAMES
 
 from .conftest import TEST_TIMEOUT, raises_everywhere
 
@@ -19,6 +21,7 @@ DTYPES = [np.float32 if i % 3 else np.float64 for i in KEYS]
 
 def _store(**kw):
     # 200-byte buckets: many buckets, and keys that fill one alone.
+    kw.setdefault("reducer", os.environ.get("MPIKV_REDUCER", "allreduce"))
     return mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=100,
                         bucket_bytes=200, **kw)
 
@@ -31,9 +34,9 @@ def _total(comm, k, step=0):
     return sum(r + 1 for r in range(comm.size)) * (k + 1 + step)
 
 
-@pytest.fixture(params=ALGORITHMS)
+@pytest.fixture(params=NAMES)
 def algorithm(request, monkeypatch):
-    monkeypatch.setenv("MPIKV_ALGORITHM", request.param)
+    monkeypatch.setenv("MPIKV_REDUCER", request.param)
     return request.param
 
 
@@ -134,12 +137,13 @@ def test_zero_copy_refuses_float16_and_unknown_keys(comm):
     assert (buf == comm.size).all()
 
 
-def test_bad_algorithm_name_is_an_error():
-    from mpikv.algorithms import choose
+def test_bad_reducer_name_is_an_error():
     with pytest.raises(ValueError, match="allreduce"):
-        choose("Open MPI", 10, environ={"MPIKV_ALGORITHM": "ring"})
-    assert choose("Open MPI", 10, environ={}) == "allreduce"
-    assert choose("MPICH 4", 10, environ={"MPIKV_ALGORITHM": "reduce_scatter"}) == "reduce_scatter"
+        mpikv.create("dist_sync", reducer="ring")
+    with pytest.raises(ValueError, match="MPIKV_REDUCER"):
+        from mpikv import config
+        config.resolve(environ={"MPIKV_REDUCER": "ring"})
+    assert config.resolve(environ={"MPIKV_ALGORITHM": "reduce_scatter"}).reducer == "reduce_scatter"
 
 
 def test_pushpull_of_one_big_key_sums_in_the_callers_array(comm):

@@ -1,0 +1,98 @@
+"""Reduction strategies: one abstract base, one module per strategy, a lazy factory.
+
+| name | push with the default updater | push to the owners (updater, optimizer) |
+| --- | --- | --- |
+| ``allreduce`` | ``Allreduce`` in pieces | the same (owners use their blocks) |
+| ``reduce_bcast`` | ``Reduce`` + ``Bcast`` per piece, roots taking turns | ``Reduce`` of each owner's block |
+| ``reduce_bcast_blocks`` | ``Reduce`` of each rank's block to it, ``Bcast`` of each | ``Reduce`` of each owner's block |
+| ``reduce_scatter`` | ``Reduce_scatter`` + ``Allgatherv`` | ``Reduce_scatter`` by owner blocks |
+| ``shared`` | node shared memory (MPI-3 window), ``Allreduce`` across nodes | the same |
+| ``hierarchical`` | ``Reduce`` in the node, ``Allreduce`` across nodes, ``Bcast`` in the node | the same |
+
+Wrappers: ``copy+NAME`` copies an out-of-place input into the destination and
+runs ``NAME`` in place; ``staged:NAME`` carries GPU buffers through pinned
+host memory when MPI is not CUDA-aware. Which strategy moves which bucket is
+decided by the tuning table (:mod:`mpikv.tuning`), once per bucket layout.
+"""
+
+import importlib
+
+from .base import Blocks, Reducer, even_blocks  # noqa: F401
+
+#: name -> "module.Class", imported on first use.
+STRATEGIES = {
+    "allreduce": "allreduce.AllreduceReducer",
+    "reduce_bcast": "reduce_bcast.ReduceBcastReducer",
+    "reduce_bcast_blocks": "reduce_bcast_blocks.ReduceBcastBlocksReducer",
+    "reduce_scatter": "reduce_scatter.ReduceScatterReducer",
+    "shared": "shared.SharedMemoryReducer",
+    "hierarchical": "hierarchical.HierarchicalReducer",
+}
+NAMES = tuple(STRATEGIES)
+COPY = "copy+"
+
+
+def strategy_class(name):
+    """The class of a strategy name (imports its module)."""
+    try:
+        path = STRATEGIES[name]
+    except KeyError:
+        raise ValueError(f"unknown reduction strategy {name!r}; use one of "
+                         f"{', '.join(NAMES)} (or copy+NAME)") from None
+    module, cls = path.rsplit(".", 1)
+    return getattr(importlib.import_module(f".{module}", __name__), cls)
+
+
+def check_name(name):
+    """Raises ValueError unless ``name`` is a strategy or ``copy+`` one."""
+    strategy_class(name[len(COPY):] if name.startswith(COPY) else name)
+
+
+def usable(name, transport):
+    """Whether ``name`` can run on ``transport`` (the same answer on every rank)."""
+    base = name[len(COPY):] if name.startswith(COPY) else name
+    return strategy_class(base).usable(transport)
+
+
+def make(name, transport, piece_bytes):
+    """A new reducer for ``name`` (``copy+NAME`` included)."""
+    if name.startswith(COPY):
+        from .copy import CopyFirstReducer
+        return CopyFirstReducer(make(name[len(COPY):], transport, piece_bytes))
+    return strategy_class(name)(transport, piece_bytes)
+
+
+class Chooser:
+    """Picks the reducer of a bucket from a tuning table; one instance per name.
+
+    Args:
+        transport: the store's transport.
+        table: a :class:`mpikv.tuning.Table`.
+        piece_bytes: the largest message of one collective.
+    """
+
+    def __init__(self, transport, table, piece_bytes):
+        self.transport = transport
+        self.table = table
+        self.piece_bytes = piece_bytes
+        self._made = {}
+        self._staging = None
+
+    def get(self, nbytes, in_place, device=False):
+        """The reducer for a bucket of ``nbytes``, summed in place or not, on a GPU or not."""
+        name = self.table.choose(nbytes, in_place)
+        key = (name, device)
+        found = self._made.get(key)
+        if found is None:
+            found = make(name, self.transport, self.piece_bytes)
+            if device:
+                from .staged import StagedReducer
+                found = StagedReducer(found, *self._stage())
+            self._made[key] = found
+        return found
+
+    def _stage(self):
+        if self._staging is None:
+            from .. import backends, cuda
+            self._staging = (cuda.detect().aware, backends.Stager())
+        return self._staging

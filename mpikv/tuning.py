@@ -1,0 +1,315 @@
+"""Which strategy moves a bucket: a table measured where the store runs.
+
+The table maps a size class (4 KiB to 256 MiB, in steps of 4x) and a mode
+(``in_place``: the input is the destination; ``out_of_place``: the input is
+the caller's array and the sum goes elsewhere) to the fastest strategy of
+:mod:`mpikv.reducers`. It comes, in this order, from:
+
+1. the ``reducer`` option (``create(reducer=)`` or ``MPIKV_REDUCER``), if not ``auto``;
+2. the cache file that ``mpikv tune`` (or an earlier probe) wrote for this MPI
+   library and version, number of ranks, ranks per node and hosts;
+3. a short probe at the store's creation (a few seconds; ``autotune=False``
+   or ``MPIKV_AUTOTUNE=0`` turns it off), written to the cache;
+4. the measured default below.
+
+Rank 0 decides and every rank uses its table, so all ranks call the same
+collectives. Deciding from timings (:func:`decide`) is pure.
+"""
+
+import hashlib
+import json
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import reducers
+from ._logging import get_logger
+
+IN_PLACE, OUT_OF_PLACE = "in_place", "out_of_place"
+MODES = (IN_PLACE, OUT_OF_PLACE)
+#: size classes in bytes: 4 KiB, 16 KiB, ..., 256 MiB.
+SIZES = tuple(4096 * 4 ** i for i in range(9))
+#: what the probe measures at a store's creation when no cache exists.
+PROBE_SIZES = (64 << 10, 1 << 20, 16 << 20)
+PROBE_BUDGET_S = 3.0
+FORMAT = 1
+
+#: The measured default: ``mpikv tune`` on the project's 2-core test machine
+#: (Open MPI 5.0.11 wheel, 2 and 4 ranks, 2026-11-23). In-place ``Allreduce``
+#: in pieces won every size class; out of place, copying first and summing in
+#: place won from 64 KiB up (out-of-place ``Allreduce`` of 97.5 MiB took 36 ms,
+#: the copy plus in-place pieces 27 ms).
+DEFAULT = {IN_PLACE: [(math.inf, "allreduce")],
+           OUT_OF_PLACE: [(32 << 10, "allreduce"), (math.inf, "copy+allreduce")]}
+
+
+def size_class(nbytes):
+    """The size class nearest ``nbytes`` on a log scale."""
+    n = max(int(nbytes), 1)
+    return min(SIZES, key=lambda s: (abs(math.log(n / s)), s))
+
+
+@dataclass
+class Table:
+    """Winning strategy per ``(mode, size class)``.
+
+    Attributes:
+        winners: ``{(mode, size): name}``; classes that were not measured use
+            the nearest measured class of the same mode.
+        source: where the table came from, for ``mpikv info`` and logs.
+        times: ``{(mode, size): {name: seconds}}`` behind the winners, if measured.
+    """
+
+    winners: dict
+    source: str
+    times: dict = field(default_factory=dict)
+
+    def choose(self, nbytes, in_place):
+        """The strategy for a bucket of ``nbytes``."""
+        mode = IN_PLACE if in_place else OUT_OF_PLACE
+        sizes = [s for (m, s) in self.winners if m == mode]
+        if not sizes:
+            return "allreduce"
+        n = max(int(nbytes), 1)
+        best = min(sizes, key=lambda s: (abs(math.log(n / s)), s))
+        return self.winners[(mode, best)]
+
+    def to_json(self):
+        return {"format": FORMAT, "source": self.source,
+                "winners": [[m, s, n] for (m, s), n in sorted(self.winners.items())],
+                "times": [[m, s, t] for (m, s), t in sorted(self.times.items())]}
+
+    @classmethod
+    def from_json(cls, data, source=None):
+        """Raises ValueError on anything malformed (a cache file is data, not trusted)."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError("not a tuning table of this version")
+        winners, times = {}, {}
+        for m, s, name in data["winners"]:
+            if m not in MODES or s not in SIZES:
+                raise ValueError(f"bad entry {[m, s, name]!r}")
+            reducers.check_name(name)
+            winners[(m, s)] = name
+        for m, s, t in data.get("times", []):
+            times[(m, s)] = {str(k): float(v) for k, v in t.items()}
+        return cls(winners, source or str(data.get("source", "?")), times)
+
+    def rows(self):
+        """``[(size, in-place winner, out-of-place winner)]`` for printing."""
+        return [(s, self.choose(s, True), self.choose(s, False)) for s in SIZES]
+
+
+def forced(name, source):
+    """A table that picks ``name`` everywhere (a ``copy+`` name only out of place)."""
+    reducers.check_name(name)
+    inplace = name[len(reducers.COPY):] if name.startswith(reducers.COPY) else name
+    return Table({**{(IN_PLACE, s): inplace for s in SIZES},
+                  **{(OUT_OF_PLACE, s): name for s in SIZES}}, source)
+
+
+def default_table():
+    """The measured default (see :data:`DEFAULT`)."""
+    winners = {}
+    for mode, steps in DEFAULT.items():
+        for s in SIZES:
+            winners[(mode, s)] = next(name for limit, name in steps if s <= limit)
+    return Table(winners, "measured default (no cache; probe off or not run)")
+
+
+def decide(times, source):
+    """The table of the fastest strategy per measured ``(mode, size)``.
+
+    Args:
+        times: ``{(mode, size): {name: seconds}}``; a missing or non-finite
+            time means the strategy did not run there.
+        source: recorded in the table.
+
+    Ties go to the strategy listed first in :data:`mpikv.reducers.NAMES`
+    (plain before ``copy+``), so a decision does not flip on equal timings.
+    """
+    order = {n: i for i, n in enumerate(reducers.NAMES)}
+
+    def rank(name):
+        copy = name.startswith(reducers.COPY)
+        base = name[len(reducers.COPY):] if copy else name
+        return (copy, order.get(base, len(order)))
+    winners = {}
+    for key, per_name in times.items():
+        ok = {n: t for n, t in per_name.items() if t is not None and math.isfinite(t)}
+        if ok:
+            winners[key] = min(ok, key=lambda n: (ok[n], rank(n)))
+    return Table(winners, source, {k: dict(v) for k, v in times.items()})
+
+
+def candidates(mode, transport):
+    """The strategies measured for ``mode`` on ``transport``."""
+    names = [n for n in reducers.NAMES if reducers.usable(n, transport)]
+    if mode == OUT_OF_PLACE:
+        names += [reducers.COPY + n for n in names]
+    return names
+
+
+def measure(transport, sizes=SIZES, reps=3, budget_s=None, progress=None):
+    """Times every usable strategy per size class and mode on ``transport``; collective.
+
+    Candidates run interleaved (each repetition runs every candidate once);
+    a candidate's time is the median over repetitions of the slowest rank.
+
+    Args:
+        sizes: size classes in bytes (float32 buffers).
+        reps: timed repetitions after one warm-up.
+        budget_s: stop after the size class that exceeds this many seconds
+            (rank 0's clock decides for everyone).
+        progress: ``progress(size)`` called on each class (rank 0 prints).
+
+    Returns:
+        ``{(mode, size): {name: seconds}}``
+    """
+    from mpi4py import MPI
+    comm = transport.comm
+    start = time.perf_counter()
+    times = {}
+    made = {}
+    rng = np.random.default_rng(transport.rank)
+    for size in sizes:
+        if progress is not None:
+            progress(size)
+        n = size // 4
+        src = rng.standard_normal(n).astype(np.float32)
+        dst = np.empty_like(src)
+        for mode in MODES:
+            names = candidates(mode, transport)
+            samples = {name: [] for name in names}
+            for rep in range(reps + 1):
+                for name in names:
+                    red = made.get(name)
+                    if red is None:
+                        red = made[name] = reducers.make(name, transport, transport_piece(transport))
+                    if mode == IN_PLACE:
+                        dst[...] = src
+                    comm.Barrier()
+                    t = time.perf_counter()
+                    red.allreduce(dst, None if mode == IN_PLACE else src, ("tune", []))
+                    dt = comm.allreduce(time.perf_counter() - t, op=MPI.MAX)
+                    if rep:
+                        samples[name].append(dt)
+            for name, ts in samples.items():
+                times.setdefault((mode, size), {})[name] = float(np.median(ts))
+        if budget_s is not None:
+            over = comm.bcast(time.perf_counter() - start > budget_s, root=0)
+            if over:
+                break
+    for red in made.values():
+        close = getattr(getattr(red, "inner", red), "close", None)
+        if close is not None:
+            close()
+    return times
+
+
+def transport_piece(transport):
+    return getattr(transport, "piece_bytes", 4 << 20)
+
+
+# -- the cache -------------------------------------------------------------
+def cache_key(transport):
+    """What a table depends on; collective (gathers host names)."""
+    comm = transport.comm
+    hosts = comm.allgather(socket.gethostname())
+    per_host = {}
+    for h in hosts:
+        per_host[h] = per_host.get(h, 0) + 1
+    from mpi4py import MPI
+    return {"library": transport.library.splitlines()[0] if transport.library else "?",
+            "mpi_version": "%d.%d" % MPI.Get_version(), "ranks": transport.size,
+            "ranks_per_node": sorted(per_host.values()), "hosts": sorted(per_host)}
+
+
+def cache_dir(environ=None):
+    """``MPIKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/mpikv``, else ``~/.cache/mpikv``."""
+    env = os.environ if environ is None else environ
+    if env.get("MPIKV_CACHE_DIR"):
+        return env["MPIKV_CACHE_DIR"]
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mpikv")
+
+
+def cache_path(key, environ=None):
+    digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=8).hexdigest()
+    return os.path.join(cache_dir(environ), f"tune-{digest}.json")
+
+
+def read_cache(path, key):
+    """The cached table for ``key``, or None (missing, other key, or unreadable)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if data.get("key") != key:
+            return None
+        return Table.from_json(data["table"], f"cache {path} ({data['table'].get('source')}, "
+                                              f"{data.get('date', '?')})")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        get_logger().warning("ignoring tuning cache %s: %s", path, exc)
+        return None
+
+
+def write_cache(path, key, table):
+    """Writes the cache file atomically (rank 0 only). Returns an error text or None."""
+    data = {"key": key, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "table": table.to_json()}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+        return None
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+_resolved = {}   # json key -> Table: one probe or cache read per process
+
+
+def resolve(transport, reducer="auto", autotune=True):
+    """The table a store uses; collective over the transport. Rank 0 decides.
+
+    Args:
+        transport: the store's transport.
+        reducer: "auto", or a strategy name to use everywhere.
+        autotune: probe when no cache file exists (else the measured default).
+    """
+    if reducer != "auto":
+        return forced(reducer, f"forced: reducer={reducer}")
+    if transport.size == 1:
+        return forced("allreduce", "one rank: nothing to tune")
+    key = cache_key(transport)
+    memo = (json.dumps(key, sort_keys=True), bool(autotune))
+    if memo in _resolved:
+        return _resolved[memo]
+    comm = transport.comm
+    path = cache_path(key)
+    table = read_cache(path, key) if transport.rank == 0 else None
+    found = comm.bcast(None if table is None else (table.to_json(), table.source), root=0)
+    if found is not None:
+        table = Table.from_json(found[0], found[1])
+    elif autotune:
+        times = measure(transport, PROBE_SIZES, reps=2, budget_s=PROBE_BUDGET_S)
+        table = decide(times, "probe at the store's creation")
+        if transport.rank == 0:
+            problem = write_cache(path, key, table)
+            if problem:
+                get_logger().warning("could not write the tuning cache %s: %s", path, problem)
+            else:
+                table.source = f"probe at the store's creation (cached in {path})"
+        # rank 0's table for everyone: timings differ a little between ranks
+        data = comm.bcast((table.to_json(), table.source), root=0)
+        table = Table.from_json(*data)
+    else:
+        table = default_table()
+    _resolved[memo] = table
+    return table
