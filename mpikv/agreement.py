@@ -40,10 +40,27 @@ def fingerprint(call, blob=None):
     are not in it: their text may differ between ranks, so they are flagged
     separately.
     """
+    memo = None
+    if blob is not None:
+        try:  # a repeated call (known keys, plain settings) costs one dict lookup
+            memo = (call.op, blob, tuple(sorted(call.settings.items())))
+            found = _FINGERPRINTS.get(memo)
+        except TypeError:  # unhashable settings (an optimizer's config)
+            memo = found = None
+        if found is not None:
+            return found
     head = json.dumps([call.op, call.settings], sort_keys=True, separators=(",", ":")).encode()
     h = hashlib.blake2b(head, digest_size=16)
     h.update(keys_blob(call) if blob is None else blob)
-    return h.digest()
+    digest = h.digest()
+    if memo is not None:
+        if len(_FINGERPRINTS) > 65536:
+            _FINGERPRINTS.clear()
+        _FINGERPRINTS[memo] = digest
+    return digest
+
+
+_FINGERPRINTS = {}
 
 
 def record(call):

@@ -137,7 +137,18 @@ class CallReader:
             Call: with ``errors`` filled in rather than raised.
         """
         sig = None
-        if type(key) is list and not new_keys:
+        if not new_keys and (type(key) is int or type(key) is str):
+            # One key, as MXNet Gluon's Trainer calls it per parameter: read as a
+            # one-key list, so the remembered check below applies to it too.
+            sig = (op, key, type(key), outs is not None, "one")
+            known = self._known.get(sig)
+            if known is not None:
+                call = known.read(None if not need_values or values is None else [values],
+                                  None if not need_outs or outs is None else [outs],
+                                  outs_default_values, settings, need_values, need_outs)
+                if call is not None:
+                    return call
+        elif type(key) is list and not new_keys:
             # A key list seen before, with one plain array per key of the right shape
             # and dtype, is read without the general checks (a training loop's case).
             # Types too: 1.0 == 1 and True == 1, but only the int is a key.
@@ -155,8 +166,9 @@ class CallReader:
                        outs_default_values)
         except errors.MPIKVError as exc:
             call.fail(type(exc), None, str(exc))
-        if sig is not None and not call.errors and call.user_keys == key:
-            self._known[sig] = _KnownList(op, key, call)
+        if sig is not None and not call.errors and call.user_keys == (
+                [key] if sig[-1] == "one" else key):
+            self._known[sig] = _KnownList(op, call.user_keys, call)
         return call
 
     def _read(self, call, key, values, outs, new_keys, need_values, need_outs,

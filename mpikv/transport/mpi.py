@@ -17,7 +17,6 @@ from ._deadline import TIMEOUT_EXIT_CODE, Watchdog, abort, format_what, install_
 from .base import Transport
 
 _AGREE_TAG = 7
-_RECORD_BYTES = 24  # 16-byte digest, 1 error flag, padding
 
 # The coordinator (rank 0) gives up first and names the missing ranks; the
 # others wait a little longer so that its message is the one printed.
@@ -49,8 +48,11 @@ class MPITransport(Transport):
         self.piece_bytes = options.bucket_bytes
         self.library = MPI.Get_library_version().replace("\x00", "").strip()
         self._watchdog = Watchdog(options.timeout, self.rank)
-        self._record = bytearray(_RECORD_BYTES)
-        self._table = bytearray(_RECORD_BYTES * self.size)
+        self._vec = np.zeros(5, np.uint64)
+        self._out = np.zeros(5, np.uint64)
+        self._seq = 0      # agreements so far: the same count on every rank
+        self._sent = []    # arrival announcements still in flight
+        self._arrived = (0, set())   # (agreement number, ranks that announced it)
         if options.abort_on_exception:
             install_exception_hook()
         self._nodes = None
@@ -79,54 +81,83 @@ class MPITransport(Transport):
 
     # -- agreement -------------------------------------------------------
     def agree(self, digest, has_error, what):
-        """Rank 0 gathers every rank's fingerprint point to point, then broadcasts the table.
+        """One small ``Allreduce`` (MAX) tells every rank at once whether all agree.
 
-        Point-to-point receives let rank 0 tell, on a timeout, exactly which
-        ranks never arrived. The happy path costs one small send per rank and
-        one small broadcast.
+        Each rank contributes its digest, the digest's complement and its error
+        flag; equal maxima of a word and of its complement mean every rank had
+        the same word. A call that waits long (a rank is late) tells every
+        other rank that it has arrived, so that on a timeout each rank can name
+        the ranks that never did.
         """
-        record = self._record
-        record[:16] = digest
-        record[16] = 1 if has_error else 0
-        table, comm, size = self._table, self.agree_comm, self.size
-        start = time.monotonic()
-        if self.rank == 0:
-            table[:_RECORD_BYTES] = record
-            view = memoryview(table)
-            pending = {r: comm.Irecv(view[r * _RECORD_BYTES:(r + 1) * _RECORD_BYTES],
-                                     source=r, tag=_AGREE_TAG)
-                       for r in range(1, size)}
-            self._poll(lambda: _drain(pending), start, self.timeout,
-                       what, lambda: sorted(pending))
-            limit = self.timeout
-        else:
-            send = comm.Isend(record, dest=0, tag=_AGREE_TAG)
-            limit = self.timeout * (1 + _GRACE) + 1.0
-        bcast = comm.Ibcast(table, root=0)
-        self._poll(bcast.Test, start, limit, what, lambda: [0] if self.rank else [])
-        if self.rank != 0:
-            send.Wait()
-        first = bytes(table[:_RECORD_BYTES])
-        if first[16]:
+        vec, out = self._vec, self._out
+        vec[:2] = np.frombuffer(digest, np.uint64)
+        np.invert(vec[:2], out=vec[2:4])
+        vec[4] = 1 if has_error else 0
+        self._seq += 1
+        if not self._seq & 255:
+            self._drain_announcements()
+        request = self.agree_comm.Iallreduce(vec, out, op=MPI.MAX)
+        if not request.Test():
+            self._wait(request, what)
+        if out[4]:
             return False
-        return table == first * size
+        return bool(out[0] == ~out[2] and out[1] == ~out[3])
 
-    def _poll(self, done, start, limit, what, missing):
-        while not done():
+    def _wait(self, request, what):
+        """Polls a late agreement; announces arrival, then names the missing on timeout."""
+        start = time.monotonic()
+        early = min(1.0, self.timeout / 4)
+        # The coordinator (rank 0) gives up first and names the missing ranks;
+        # the others wait a little longer so that its message is the one printed.
+        limit = self.timeout if self.rank == 0 else self.timeout * (1 + _GRACE) + 1.0
+        announced = False
+        while not request.Test():
             waited = time.monotonic() - start
             # Yield rather than sleep at first: time.sleep() rounds up to ~60 us,
             # which would dominate a fast call; yielding still lets oversubscribed
             # ranks have the core. Past 10 ms, the call is not fast anyway.
             if waited < 0.01:
                 os.sched_yield()
-            else:
-                time.sleep(0.0005)
+                continue
+            time.sleep(0.0005)
+            if not announced and waited > early:
+                self._announce()
+                announced = True
             if waited > limit:
-                ranks = missing()
-                who = (f"; rank(s) {', '.join(map(str, ranks))} did not arrive" if ranks else "")
+                ranks = self._missing()
+                who = f"; rank(s) {', '.join(map(str, ranks))} did not arrive" if ranks else ""
                 abort(f"mpikv: rank {self.rank}: {format_what(what)} did not start within "
                       f"{self.timeout:g} s{who}; ending the job. create(timeout=) or "
                       f"MPIKV_TIMEOUT sets the limit.", TIMEOUT_EXIT_CODE)
+
+    def _drain_announcements(self):
+        """Receives and drops announcements of agreements that completed after all
+        (they would pile up in MPI's queue of unexpected messages)."""
+        status, buf = MPI.Status(), np.zeros(1, np.int64)
+        if self._arrived[0] != self._seq:
+            self._arrived = (self._seq, set())
+        while self.agree_comm.Iprobe(source=MPI.ANY_SOURCE, tag=_AGREE_TAG, status=status):
+            self.agree_comm.Recv(buf, source=status.Get_source(), tag=_AGREE_TAG)
+            if buf[0] == self._seq:  # this agreement's: kept for _missing
+                self._arrived[1].add(status.Get_source())
+        self._sent = [(req, b) for req, b in self._sent if not req.Test()]
+
+    def _announce(self):
+        """Tells every other rank that this one is waiting in agreement number ``_seq``."""
+        self._drain_announcements()
+        for rank in range(self.size):
+            if rank != self.rank:
+                buf = np.array([self._seq], np.int64)
+                self._sent.append((self.agree_comm.Isend(buf, dest=rank, tag=_AGREE_TAG), buf))
+
+    def _missing(self):
+        """The ranks that have not announced the current agreement (a short grace first)."""
+        deadline = time.monotonic() + 0.2
+        while time.monotonic() < deadline:
+            self._drain_announcements()
+            time.sleep(0.01)
+        arrived = self._arrived[1] | {self.rank}
+        return [r for r in range(self.size) if r not in arrived]
 
     def allgather_records(self, record, what):
         with self._watchdog.watch(what):
@@ -245,10 +276,3 @@ def _drain_at_exit():
         from .._executor import drain_all
         atexit.register(drain_all)
         _drain_registered = True
-
-
-def _drain(pending):
-    """Drops finished receives from ``pending``; True when none is left."""
-    for rank in [r for r, req in pending.items() if req.Test()]:
-        del pending[rank]
-    return not pending
