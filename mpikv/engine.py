@@ -15,7 +15,7 @@ from . import backends, reducers, tuning
 from ._arrays import accumulate_dtype, wire_view
 from .errors import DTypeError
 from .fusion import DEFAULT_BUCKET_BYTES, plan_buckets
-from .plan import OwnershipPlan
+from .plan import OwnershipPlan, sort_key
 
 
 class Entry:
@@ -91,6 +91,7 @@ class Engine:
         self.counts = {}   # key -> pushes through the optimizer, the same on every rank
         self._layouts = {}
         self._scratch = {}
+        self.epoch = 0   # bumped whenever stored values move or the updater changes
 
     # -- layout ----------------------------------------------------------
 
@@ -109,6 +110,7 @@ class Engine:
 
     def _moved(self):
         """Stored values changed arenas: cached stored views must be recomputed."""
+        self.epoch += 1
         self._gpus = None
         for lay in self._layouts.values():
             lay.stored = None
@@ -351,6 +353,7 @@ class Engine:
     def privatize(self):
         """Gives stored values aliased to gradient buffers their own memory again
         (before an updater may change them in place)."""
+        self.epoch += 1
         copies = {}
         for key, e in list(self.entries.items()):
             if any(lay.grads is not None and any(e.arena is g for g in lay.grads)
@@ -535,6 +538,29 @@ class Engine:
                     e = self.entries[key]
                     layout.views[key] = arena[offset:offset + e.flat.size].reshape(e.array.shape)
         return layout.views
+
+    def one_key_route(self, key):
+        """What a repeated one-key call with the default updater needs, or None.
+
+        Returns ``(stored, in-place reducer, out-of-place reducer, what)`` for a
+        host float key summed in its own dtype; valid while :attr:`epoch` stays.
+        """
+        if self.updater_kind is not None or self.on_gpu:
+            return None
+        layout = self.layout([key])
+        stored = layout.stored[0]
+        if (len(layout.buckets) != 1 or stored is None or type(stored) is not np.ndarray
+                or accumulate_dtype(stored.dtype) != stored.dtype
+                or (layout.grads is not None and stored is layout.grads[0])):
+            return None
+        return (stored, self.reducer(layout, 0, True, stored),
+                self.reducer(layout, 0, False, stored), [key])
+
+    def uses_shared_memory(self, keys):
+        """Whether a key list's zero-copy buffers are in node shared memory."""
+        layout = self._layouts.get(tuple(sorted(keys, key=sort_key)))
+        return bool(layout is not None and layout.shared and any(
+            a is not None for a in layout.shared))
 
     def zero_copy_views(self, keys):
         """key -> zero-copy buffer of a key list that has them, else None."""

@@ -101,6 +101,7 @@ class KVStore:
                               table=table)
         self._executor = Executor(transport.threaded, self._background_error)
         self._zero_copy = {}   # (op, keys) -> _ZeroCopyCall
+        self._one_key = {}     # (op, key, out None, out is value) -> OneKeyCall
         self._reader = CallReader(self._lookup, lambda: self._engine.key_type)
 
     # -- properties ------------------------------------------------------
@@ -118,6 +119,15 @@ class KVStore:
     def num_workers(self):
         """The number of workers (ranks of the communicator)."""
         return self._transport.size
+
+    @property
+    def tuning_table(self):
+        """The :class:`mpikv.tuning.Table` that picks each bucket's reduction strategy."""
+        return self._engine.chooser.table
+
+    def uses_shared_memory(self, keys):
+        """Whether the zero-copy buffers of this key list live in node shared memory."""
+        return self._engine.uses_shared_memory(list(keys))
 
     @property
     def plan(self):
@@ -146,7 +156,9 @@ class KVStore:
             priority: an int, or one int per key: buckets holding keys of
                 higher priority move first. Must be the same on every rank.
         """
-        self._run(self._push_call("push", key, value, priority), push=True)
+        if not self._one_key_call("push", key, value, None, priority):
+            self._run(self._push_call("push", key, value, priority), push=True,
+                      remember=(key, None))
 
     def push_async(self, key, value, priority=0):
         """:meth:`push` in the background; returns a :class:`Handle`.
@@ -166,7 +178,8 @@ class KVStore:
             ignore_sparse: accepted for MXNet compatibility.
         """
         del ignore_sparse
-        self._run(self._pull_call(key, out, priority), pull=True)
+        if not self._one_key_call("pull", key, None, out, priority):
+            self._run(self._pull_call(key, out, priority), pull=True, remember=(key, out))
 
     def pull_async(self, key, out=None, priority=0):
         """:meth:`pull` in the background; ``out`` is filled when :meth:`wait` returns."""
@@ -177,7 +190,10 @@ class KVStore:
 
         With ``out=None`` the result is written into ``value``.
         """
-        self._run(self._push_call("pushpull", key, value, priority, out), push=True, pull=True)
+        if not self._one_key_call("pushpull", key, value, value if out is None else out,
+                                  priority):
+            self._run(self._push_call("pushpull", key, value, priority, out), push=True,
+                      pull=True, remember=(key, out))
 
     def pushpull_async(self, key, value, out=None, priority=0):
         """:meth:`pushpull` in the background; returns a :class:`Handle`."""
@@ -434,10 +450,48 @@ class KVStore:
                 job()
         return job_on_gpu
 
-    def _run(self, call, push=False, pull=False):
+    def _run(self, call, push=False, pull=False, remember=None):
         self._agree(call, call.blob)
         job = self._job(call, push, pull, self._executor.busy)
         self._executor.run(job, (call.op, call.keys))
+        if remember is not None and type(remember[0]) in (int, str):
+            self._remember_one_key(call, *remember)
+
+    def _one_key_call(self, op, key, value, out, priority):
+        """Runs a repeated one-key call on its remembered route; False if it has none.
+
+        The agreement is the general path's (same fingerprint), so ranks that
+        take different paths still agree, or all raise the same error.
+        """
+        if type(key) is not int and type(key) is not str or type(priority) is not int:
+            return False
+        fast = self._one_key.get((op, key, out is None, out is value))
+        if fast is None or self._executor.busy or not fast.accepts(value, out):
+            return False
+        if not self._transport.agree(fast.digest(priority), False, fast.what):
+            call = (self._pull_call(key, out, priority) if op == "pull" else
+                    self._push_call(op, key, value, priority, None if out is value else out))
+            self._disagree(call)
+        fast.run(value, out)
+        return True
+
+    def _remember_one_key(self, call, key, out):
+        """Keeps the route of a one-key call that succeeded, for its repeats."""
+        e = self._engine
+        if e.optimizer is not None or call.errors or len(call.items) != 1:
+            return
+        item = call.items[0]
+        value = item.values[0] if item.values else None
+        target = item.outs[0] if item.outs else None
+        if value is not None and (len(item.values) != 1 or type(value) is not np.ndarray):
+            return
+        if target is not None and (len(item.outs) != 1 or type(target) is not np.ndarray):
+            return
+        route = e.one_key_route(item.key)
+        if route is not None:
+            from ._onekey import OneKeyCall
+            self._one_key[(call.op, key, target is None, target is value)] = OneKeyCall(
+                e, call, route)
 
     def _submit(self, call, push=False, pull=False):
         self._agree(call, call.blob)
@@ -457,6 +511,11 @@ class KVStore:
         what = (call.op, call.keys)
         if self._transport.agree(fingerprint(call, blob), bool(call.errors), what):
             return
+        self._disagree(call)
+
+    def _disagree(self, call):
+        """After a failed agreement: every rank's record, one message, raised everywhere."""
+        what = (call.op, call.keys)
         verdict = explain(self._transport.allgather_records(record(call), what))
         if verdict is None:  # fingerprints differed in a way explain() does not name
             verdict = (errors.MismatchError, f"{call.op}: ranks made different calls")

@@ -75,12 +75,23 @@ class Watchdog:
     def __init__(self, timeout, rank):
         self.timeout = timeout
         self.rank = rank
-        self._armed = {}   # thread id -> (deadline, what): the comm thread and the caller
+        # thread id -> [start, what, late(, announced)]: the comm thread and the caller
+        self._armed = {}
+        # The caller's agreement, armed by plain writes (it is the hot path):
+        # [start, what, late] or None.
+        self.agreement = None
         self._thread = None
 
-    def watch(self, what):
-        """A context manager that arms the deadline for one call."""
-        return _Watch(self, what)
+    def watch(self, what, late=None):
+        """A context manager that arms the deadline for one call.
+
+        Args:
+            what: ``(operation, keys)``, for the message.
+            late: for an agreement, an object with ``early`` (seconds),
+                ``limit`` (seconds), ``announce()`` (called once after
+                ``early``) and ``missing()`` (the ranks to name on timeout).
+        """
+        return _Watch(self, what, late)
 
     def _start(self):
         if self._thread is None and self.timeout != float("inf"):
@@ -92,25 +103,42 @@ class Watchdog:
         while True:
             time.sleep(period)
             now = time.monotonic()
-            late = [a for a in list(self._armed.values()) if now > a[0]]
-            if late:
-                armed = late[0]
-                abort(f"mpikv: rank {self.rank}: {format_what(armed[1])} did not complete within "
-                      f"{self.timeout:g} s (a rank is stuck or gone); ending the job. "
-                      f"create(timeout=) or MPIKV_TIMEOUT sets the limit.", TIMEOUT_EXIT_CODE)
+            entries = list(self._armed.items())
+            agreement = self.agreement
+            if agreement is not None:
+                entries.append(("agreement", agreement))
+            for ident, armed in entries:
+                start, what, late = armed[:3]
+                if late is None:
+                    if now > start + self.timeout:
+                        abort(f"mpikv: rank {self.rank}: {format_what(what)} did not complete "
+                              f"within {self.timeout:g} s (a rank is stuck or gone); ending the "
+                              f"job. create(timeout=) or MPIKV_TIMEOUT sets the limit.",
+                              TIMEOUT_EXIT_CODE)
+                    continue
+                if self._current(ident) is not armed:
+                    continue   # finished meanwhile
+                if now > start + late.early and len(armed) == 3:
+                    armed.append(True)   # announced once
+                    late.announce()
+                if now > start + late.limit and self._current(ident) is armed:
+                    late.expire(what)
+
+    def _current(self, ident):
+        return self.agreement if ident == "agreement" else self._armed.get(ident)
 
 
 class _Watch:
-    __slots__ = ("dog", "what")
+    __slots__ = ("dog", "what", "late")
 
-    def __init__(self, dog, what):
-        self.dog, self.what = dog, what
+    def __init__(self, dog, what, late=None):
+        self.dog, self.what, self.late = dog, what, late
 
     def __enter__(self):
         dog = self.dog
         if dog.timeout != float("inf"):
             dog._start()
-            dog._armed[threading.get_ident()] = (time.monotonic() + dog.timeout, self.what)
+            dog._armed[threading.get_ident()] = [time.monotonic(), self.what, self.late]
 
     def __exit__(self, *exc):
         self.dog._armed.pop(threading.get_ident(), None)
