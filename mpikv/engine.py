@@ -304,7 +304,8 @@ class Engine:
             home = self.entries[bucket.keys[0]].arena
             return single, self.scratch(bucket.dtype, bucket.size, home), False
         if (stored is not None and stored.dtype == accumulate_dtype(bucket.dtype)
-                and not any(_overlaps(stored, v) for k in bucket.keys for v in by_key[k].values)):
+                and not any(_overlaps(stored, v) for k in bucket.keys for v in by_key[k].values
+                            if v.base is not None)):  # an array that owns its memory cannot
             self._fill(stored, bucket, by_key)
             return None, stored, False
         buf, _ = self._gather(layout, index, bucket, by_key)
@@ -467,13 +468,18 @@ class Engine:
                         self._pull_one(key, what)
                 for key in stale:
                     self.entries[key].stale = False
+            entries, copyto, ndarray = self.entries, np.copyto, np.ndarray
             for key in bucket.keys:
                 if key in done:
                     continue
-                e = self.entries[key]
+                array = entries[key].array
                 for out in by_key[key].outs:
-                    if out is not e.array:  # a zero-copy buffer that is the stored value
-                        _copy(out, e.array)
+                    if out is array:  # a zero-copy buffer that is the stored value
+                        continue
+                    if type(out) is ndarray and type(array) is ndarray:
+                        copyto(out, array)
+                    else:
+                        _copy(out, array)
 
     def _gather_bucket(self, stored, bucket, what):
         """One Allgatherv of the owners' blocks: in place when the stored values are
