@@ -289,30 +289,17 @@ def _prepare(store, plan, got, meta, saved, new, with_values):
 
 def _apply(store, plan, prepared, got, meta, saved, with_values):
     """Installs what every rank read and allocated successfully."""
-    t = store.transport
     entries, opt, states = prepared
-    for key, entry in entries.items():
-        store.entries[key] = entry
-        store.on_gpu = store.on_gpu or not isinstance(entry.arena, np.ndarray)
-        if store.key_type is None:
-            store.key_type = type(key)
-    store._moved()  # new arenas: cached views and the set of GPUs are recomputed
+    # The new keys are the store's like keys made by init (integer keys included).
+    store.add_loaded_entries(entries)
     # Existing keys keep their placement (only new keys were added), so cached
     # bucket plans stay valid; values loaded into buffers a push had aliased
     # must get the store's own memory first.
     store.privatize()
-    store.plan = plan
-    if store.optimizer is None and opt is not None:
-        store.optimizer, store.updater, store.updater_kind = opt, None, "optimizer"
+    store.replace_plan(plan)
+    store.load_optimizer(opt, states, {k: int(c) for k, c in meta.get("counts", [])})
     if with_values:
-        for key, shard in plan.owned_by(t.rank):
-            if key in saved:
-                backends.copyto(store.entries[key].flat[shard.start:shard.stop],
-                                got[(key, VALUE, shard.start, shard.stop)])
-    store.states = states
-    store.counts = {k: int(c) for k, c in meta.get("counts", [])}
-    if opt is not None and store.counts:
-        opt.num_update = max(opt.num_update, max(store.counts.values()))
-    if with_values:
-        for entry in store.entries.values():
-            entry.stale = t.size > 1
+        store.load_values([(key, shard.start, shard.stop,
+                            got[(key, VALUE, shard.start, shard.stop)])
+                           for key, shard in plan.owned_by(store.transport.rank)
+                           if key in saved])

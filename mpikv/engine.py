@@ -8,6 +8,7 @@ with one collective, and copies in and out of the store are single memcpys.
 """
 
 import traceback
+from types import MappingProxyType
 
 import numpy as np
 
@@ -76,22 +77,142 @@ class Engine:
         self.chooser = reducers.Chooser(transport, table or tuning.forced("allreduce", "default"),
                                         bucket_bytes)
         self.device = device  # keep GPU values on the GPU (device, dist_sync_device)
-        self.on_gpu = False   # whether any stored value lives on a GPU
-        self._gpus = None     # cache of :attr:`gpus`
-        self.int_keys = set()  # keys of integer dtype (no optimizer for them)
-        self._in_place_ok = False
-        self.plan = OwnershipPlan(transport.size, bigarray_bound)
         self.bucket_bytes = bucket_bytes
-        self.entries = {}
-        self.key_type = None
-        self.updater = None
-        self.updater_kind = None    # None (assign), "function" or "optimizer"
-        self.optimizer = None
-        self.states = {}   # (key, shard start) -> optimizer state, for owned shards only
-        self.counts = {}   # key -> pushes through the optimizer, the same on every rank
+        # The state below is the engine's own: others read it through the
+        # properties and lookups, and change it only through the methods.
+        self._on_gpu = False   # whether any stored value lives on a GPU
+        self._gpus = None     # cache of :attr:`gpus`
+        self._int_keys = set()  # keys of integer dtype (no optimizer for them)
+        self._in_place_ok = False
+        self._plan = OwnershipPlan(transport.size, bigarray_bound)
+        self._entries = {}
+        self._entries_view = MappingProxyType(self._entries)  # never replaced, only changed
+        self._key_type = None
+        self._updater = None
+        self._updater_kind = None    # None (assign), "function" or "optimizer"
+        self._optimizer = None
+        self._states = {}   # (key, shard start) -> optimizer state, for owned shards only
+        self._counts = {}   # key -> pushes through the optimizer, the same on every rank
         self._layouts = {}
         self._scratch = {}
         self.epoch = 0   # bumped whenever stored values move or the updater changes
+
+    # -- state, read -----------------------------------------------------
+    @property
+    def entries(self):
+        """key -> :class:`Entry`, read only (see :meth:`add_loaded_entries`)."""
+        return self._entries_view
+
+    @property
+    def plan(self):
+        """The :class:`mpikv.plan.OwnershipPlan` (see :meth:`replace_plan`)."""
+        return self._plan
+
+    @property
+    def key_type(self):
+        """The type of the store's keys (int or str), None while it has none."""
+        return self._key_type
+
+    @property
+    def on_gpu(self):
+        """Whether any stored value lives on a GPU."""
+        return self._on_gpu
+
+    @property
+    def optimizer(self):
+        """The :class:`mpikv.optimizer.Optimizer` run on the owners, or None."""
+        return self._optimizer
+
+    @property
+    def updater_kind(self):
+        """None (the sum is assigned), "function" (:meth:`set_updater`) or "optimizer"."""
+        return self._updater_kind
+
+    @property
+    def states(self):
+        """(key, shard start) -> optimizer state of the shards this rank owns, read only."""
+        return MappingProxyType(self._states)
+
+    @property
+    def counts(self):
+        """key -> pushes through the optimizer, the same on every rank.
+
+        The live map: only :meth:`push` and :meth:`load_optimizer` change it.
+        """
+        return self._counts
+
+    def lookup(self, key):
+        """``(shape, dtype)`` of a stored key, or None if the store has no such key."""
+        entry = self._entries.get(key)
+        return None if entry is None else (entry.array.shape, entry.array.dtype)
+
+    def int_keys_in(self, keys):
+        """The keys of ``keys`` (in their order) that hold integers: no optimizer for them."""
+        int_keys = self._int_keys
+        return [k for k in keys if k in int_keys] if int_keys else []
+
+    def optimizer_state_nbytes(self):
+        """Bytes of optimizer state this rank holds (only for what it owns)."""
+        return sum(a.nbytes for state in self._states.values() for a in state.values())
+
+    # -- state, changed --------------------------------------------------
+    def set_updater(self, updater):
+        """Runs ``updater(key, input, stored)`` on the owners from now on (None: assign);
+        drops the optimizer and its states."""
+        self.privatize()  # the updater may change stored values in place
+        self._optimizer, self._states = None, {}
+        self._updater = updater
+        self._updater_kind = None if updater is None else "function"
+
+    def set_optimizer(self, optimizer):
+        """Runs ``optimizer`` on the owners from now on, with fresh states."""
+        self.privatize()
+        self._optimizer, self._states = optimizer, {}
+        self._updater, self._updater_kind = None, "optimizer"
+
+    def add_loaded_entries(self, entries):
+        """Installs the keys a load created (key -> :class:`Entry`, placed by the plan
+        that :meth:`replace_plan` installs next), as :meth:`init` would."""
+        if not entries:
+            return
+        for key, entry in entries.items():
+            self._entries[key] = entry
+            self._on_gpu = self._on_gpu or not isinstance(entry.arena, np.ndarray)
+        self._note_keys((key, entry.array.dtype) for key, entry in entries.items())
+        self._moved()  # new arenas: cached views and the set of GPUs are recomputed
+
+    def replace_plan(self, plan):
+        """Installs a load's plan: the old one with the placements of the keys it created."""
+        self._plan = plan
+
+    def load_values(self, pieces):
+        """Copies loaded values in, ``(key, start, stop, array)`` each, and marks every
+        value stale until the next pull (other ranks loaded the other parts)."""
+        for key, start, stop, array in pieces:
+            backends.copyto(self._entries[key].flat[start:stop], array)
+        stale = self.transport.size > 1
+        for entry in self._entries.values():
+            entry.stale = stale
+
+    def load_optimizer(self, optimizer, states, counts):
+        """Installs what a load read: ``optimizer`` if none is set, the states of the
+        shards this rank owns and every key's push count."""
+        if self._optimizer is None and optimizer is not None:
+            self.privatize()
+            self._optimizer, self._updater, self._updater_kind = optimizer, None, "optimizer"
+        self._states = states
+        self._counts = counts
+        opt = self._optimizer
+        if opt is not None and counts:
+            opt.num_update = max(opt.num_update, max(counts.values()))
+
+    def _note_keys(self, keys_and_dtypes):
+        """Records new keys' integer dtypes and the store's key type."""
+        for key, dtype in keys_and_dtypes:
+            if np.dtype(dtype).kind != "f":
+                self._int_keys.add(key)
+            if self._key_type is None:
+                self._key_type = type(key)
 
     # -- layout ----------------------------------------------------------
 
@@ -100,7 +221,7 @@ class Engine:
         sig = tuple(keys)
         found = self._layouts.get(sig)
         if found is None:
-            items = [(k, self.entries[k].array.dtype, self.entries[k].placement) for k in keys]
+            items = [(k, self._entries[k].array.dtype, self._entries[k].placement) for k in keys]
             buckets = plan_buckets(items, self.transport.size, self.bucket_bytes,
                                    self.direct_bytes)
             found = self._layouts[sig] = _Layout(buckets, None)
@@ -119,7 +240,7 @@ class Engine:
     def gpus(self):
         """The ids of the GPUs holding stored values (cached until values move)."""
         if self._gpus is None:
-            self._gpus = frozenset(e.arena.device.id for e in self.entries.values()
+            self._gpus = frozenset(e.arena.device.id for e in self._entries.values()
                                    if type(e.arena) is not np.ndarray)
         return self._gpus
 
@@ -129,13 +250,13 @@ class Engine:
         A bucket that fills its arena is the arena itself (the same object), so
         identity tells an aliased zero-copy bucket at once.
         """
-        first = self.entries[bucket.segments[0].key]
+        first = self._entries[bucket.segments[0].key]
         if bucket.split:
             base = first.offset
         else:
             base = first.offset - bucket.segments[0].offset
             for seg in bucket.segments:
-                e = self.entries[seg.key]
+                e = self._entries[seg.key]
                 if e.arena is not first.arena or e.offset != base + seg.offset:
                     return None
         if base == 0 and bucket.size == first.arena.size:
@@ -167,7 +288,7 @@ class Engine:
     def init(self, op, items):
         """Creates keys from rank 0's values: one arena and one ``Bcast`` per bucket."""
         t = self.transport
-        placed = self.plan.add([(i.key, int(np.prod(i.shape, dtype=np.int64)),
+        placed = self._plan.add([(i.key, int(np.prod(i.shape, dtype=np.int64)),
                                  i.dtype.itemsize) for i in items])
         by_key = {i.key: i for i in items}
         buckets = plan_buckets([(i.key, i.dtype, placed[i.key]) for i in items],
@@ -176,18 +297,16 @@ class Engine:
             on_gpu = self.device and any(backends.is_device(by_key[k].values[0])
                                          for k in bucket.keys)
             arena = backends.empty("cupy" if on_gpu else "numpy", bucket.size, bucket.dtype)
-            self.on_gpu = self.on_gpu or on_gpu
+            self._on_gpu = self._on_gpu or on_gpu
             for key, offset in _key_offsets(bucket):
                 item = by_key[key]
                 entry = Entry(arena, offset, item.shape, placed[key])
                 if t.rank == 0:
                     _copy(entry.array, item.values[0])
-                self.entries[key] = entry
+                self._entries[key] = entry
             t.bcast_(wire_view(arena), 0, (op, bucket.keys))
-        self.int_keys.update(i.key for i in items if np.dtype(i.dtype).kind != "f")
+        self._note_keys((i.key, i.dtype) for i in items)
         self._gpus = None
-        if items and self.key_type is None:
-            self.key_type = type(items[0].key)
 
     # -- push ------------------------------------------------------------
     def push(self, op, items, order=None, zero_copy=False):
@@ -343,10 +462,10 @@ class Engine:
         if layout.stored[index] is grads:
             return  # aliased already; nothing makes an aliased value stale
         for key, offset in _key_offsets(bucket):
-            old = self.entries[key]
+            old = self._entries[key]
             e = Entry(grads, offset, old.array.shape, old.placement)
             e.array = layout.views[key]
-            self.entries[key] = e
+            self._entries[key] = e
         self._moved()
         layout.stored = [self._stored_view(b) for b in layout.buckets]
         layout.stored[index] = grads
@@ -356,7 +475,7 @@ class Engine:
         (before an updater may change them in place)."""
         self.epoch += 1
         copies = {}
-        for key, e in list(self.entries.items()):
+        for key, e in list(self._entries.items()):
             if any(lay.grads is not None and any(e.arena is g for g in lay.grads)
                    for lay in self._layouts.values()):
                 arena = copies.get(id(e.arena))
@@ -365,7 +484,7 @@ class Engine:
                         arena = copies[id(e.arena)] = e.arena.copy()
                 new = Entry(arena, e.offset, e.array.shape, e.placement)
                 new.stale = e.stale
-                self.entries[key] = new
+                self._entries[key] = new
         if copies:
             self._moved()
 
@@ -388,14 +507,14 @@ class Engine:
                 _copy(stored, buf, "unsafe")
         else:
             for seg in bucket.segments:
-                e = self.entries[seg.key]
+                e = self._entries[seg.key]
                 _copy(e.flat, buf[seg.offset:seg.offset + seg.size], "unsafe")
         for key in bucket.keys:
-            self.entries[key].stale = False
+            self._entries[key].stale = False
 
     def _views(self, seg, buf, bucket):
         """The gradient and stored views an owner updates: whole arrays, or flat shards."""
-        e = self.entries[seg.key]
+        e = self._entries[seg.key]
         grad = buf[seg.offset:seg.offset + seg.size]
         if bucket.split:
             return grad, e.flat[seg.offset:seg.offset + seg.size]
@@ -404,12 +523,12 @@ class Engine:
     def _update(self, seg, buf, bucket, pending):
         grad, stored = self._views(seg, buf, bucket)
         key = seg.key
-        if self.optimizer is not None:
+        if self._optimizer is not None:
             run = lambda: self._optimize(key, seg, grad, stored, bucket, pending)  # noqa: E731
         else:
             if grad.dtype != stored.dtype:
                 grad = grad.astype(stored.dtype)
-            run = lambda: self.updater(key, grad, stored)  # noqa: E731
+            run = lambda: self._updater(key, grad, stored)  # noqa: E731
         if self.transport.size == 1:
             run()
             return
@@ -423,11 +542,11 @@ class Engine:
                   f"{traceback.format_exc()}", EXCEPTION_EXIT_CODE)
 
     def _optimize(self, key, seg, grad, weight, bucket, pending):
-        opt = self.optimizer
+        opt = self._optimizer
         start = seg.offset if bucket.split else 0
-        state = self.states.get((key, start))
+        state = self._states.get((key, start))
         if state is None:
-            state = self.states[(key, start)] = opt.create_state(key, weight)
+            state = self._states[(key, start)] = opt.create_state(key, weight)
         update = opt.begin_update(key, weight, grad, state)
         if update.partials is not None:
             if bucket.split:
@@ -437,7 +556,7 @@ class Engine:
 
     def _finish_updates(self, op, layout, pending):
         """Sums the partials (LAMB's norms) of split keys over their owners, then finishes."""
-        opt = self.optimizer
+        opt = self._optimizer
         keys = [b.segments[0].key for b in layout.buckets if b.split]
         width = opt.num_partials
         slot = {k: i for i, k in enumerate(keys)}
@@ -488,16 +607,16 @@ class Engine:
         if stored is not None:
             t.allgatherv_(wire_view(stored), bucket.counts, bucket.displs, what)
             return
-        buf = self.scratch(bucket.dtype, bucket.size, self.entries[bucket.keys[0]].arena)
+        buf = self.scratch(bucket.dtype, bucket.size, self._entries[bucket.keys[0]].arena)
         for seg in bucket.segments:
-            _copy(buf[seg.offset:seg.offset + seg.size], self.entries[seg.key].flat)
+            _copy(buf[seg.offset:seg.offset + seg.size], self._entries[seg.key].flat)
         t.allgatherv_(wire_view(buf), bucket.counts, bucket.displs, what)
         for seg in bucket.segments:
-            _copy(self.entries[seg.key].flat, buf[seg.offset:seg.offset + seg.size])
+            _copy(self._entries[seg.key].flat, buf[seg.offset:seg.offset + seg.size])
 
     def _pull_one(self, key, what):
         t = self.transport
-        e = self.entries[key]
+        e = self._entries[key]
         placement = e.placement
         if placement.split:
             counts, displs = placement.counts_and_displs(t.size)
@@ -536,12 +655,12 @@ class Engine:
             layout.shared = [self.transport.shared_arena(b.size, b.dtype)
                              if shared and not self.device else None for b in layout.buckets]
             layout.grads = [a.mine if a is not None else
-                            _zeros_like(self.entries[b.keys[0]].arena, b.size, b.dtype)
+                            _zeros_like(self._entries[b.keys[0]].arena, b.size, b.dtype)
                             for a, b in zip(layout.shared, layout.buckets)]
             layout.views = {}
             for arena, bucket in zip(layout.grads, layout.buckets):
                 for key, offset in _key_offsets(bucket):
-                    e = self.entries[key]
+                    e = self._entries[key]
                     layout.views[key] = arena[offset:offset + e.flat.size].reshape(e.array.shape)
         return layout.views
 
@@ -578,14 +697,14 @@ class Engine:
         for index, bucket in enumerate(layout.buckets):
             if layout.stored[index] is not None:
                 continue
-            home = self.entries[bucket.keys[0]].arena
+            home = self._entries[bucket.keys[0]].arena
             arena = _zeros_like(home, bucket.size, bucket.dtype)
             for key, offset in _key_offsets(bucket):
-                old = self.entries[key]
+                old = self._entries[key]
                 new = Entry(arena, offset, old.array.shape, old.placement)
                 _copy(new.array, old.array)
                 new.stale = old.stale
-                self.entries[key] = new
+                self._entries[key] = new
         self._moved()
         layout.stored = [self._stored_view(b) for b in layout.buckets]
 

@@ -243,11 +243,7 @@ class KVStore:
         if updater is not None and not callable(updater):
             raise TypeError(f"updater must be callable, not {type(updater).__name__}")
         self._executor.drain()
-        e = self._engine
-        e.privatize()
-        e.optimizer, e.states = None, {}
-        e.updater = updater
-        e.updater_kind = None if updater is None else "function"
+        self._engine.set_updater(updater)
 
     _set_updater = set_updater
 
@@ -330,7 +326,7 @@ class KVStore:
 
     def optimizer_state_nbytes(self):
         """Bytes of optimizer state this rank holds (only for what it owns)."""
-        return sum(a.nbytes for state in self._engine.states.values() for a in state.values())
+        return self._engine.optimizer_state_nbytes()
 
     def gradient_buffers(self, keys):
         """Zero-copy gradients: arrays that are views into the store's buckets.
@@ -354,8 +350,8 @@ class KVStore:
         key_list = [keys] if single else list(keys)
         call = self._read("gradient_buffers", key_list,
                           settings={"shared": self._options.shared_memory})
-        if any(self._engine.entries.get(i.key) is not None
-               and self._engine.entries[i.key].array.dtype == np.float16 for i in call.items):
+        if any((self._engine.lookup(i.key) or (None, None))[1] == np.float16
+               for i in call.items):
             call.fail(errors.DTypeError, None, "float16 keys are summed in float32: they have "
                       "no zero-copy buffers")
         self._agree(call)
@@ -369,15 +365,11 @@ class KVStore:
         abort(f"mpikv: rank {self.rank}: {text}", EXCEPTION_EXIT_CODE)
 
     def _install_optimizer(self, optimizer):
-        e = self._engine
-        e.privatize()
-        e.optimizer, e.states = optimizer, {}
-        e.updater, e.updater_kind = None, "optimizer"
+        self._engine.set_optimizer(optimizer)
 
     # -- internals -------------------------------------------------------
     def _lookup(self, key):
-        entry = self._engine.entries.get(key)
-        return None if entry is None else (entry.array.shape, entry.array.dtype)
+        return self._engine.lookup(key)
 
     def _read(self, op, key, values=None, outs=None, **kw):
         return self._reader.read(op, key, values, outs, **kw)
@@ -395,8 +387,8 @@ class KVStore:
                               outs_default_values=op == "pushpull", settings=settings)
             remember = out is None and type(key) is list
         e = self._engine
-        if e.optimizer is not None and e.int_keys and not call.errors:
-            bad = [k for k in call.keys if k in e.int_keys]
+        if e.optimizer is not None and not call.errors:
+            bad = e.int_keys_in(call.keys)
             if bad:
                 call.fail(errors.OptimizerError, bad[0], f"key {bad[0]!r} holds integers; "
                           f"optimizers update floating-point values only")

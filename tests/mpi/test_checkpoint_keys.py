@@ -1,0 +1,69 @@
+"""Keys a checkpoint load creates behave like keys made by ``init``, at any rank count."""
+
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+
+import mpikv
+from mpikv import errors, optimizer
+
+from .conftest import TEST_TIMEOUT, raises_everywhere
+
+pytestmark = pytest.mark.mpi
+
+INTS = np.arange(5, dtype=np.int32)
+FLOATS = np.full(6, 2.0, np.float32)
+
+
+@pytest.fixture
+def shared_dir(comm):
+    """A directory every rank names the same: made on rank 0, its path broadcast."""
+    path = comm.bcast(tempfile.mkdtemp(prefix="mpikv-ckpt-keys-") if comm.rank == 0 else None,
+                      root=0)
+    yield path
+    comm.Barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _store(bound):
+    return mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=bound)
+
+
+def _push_int_key(kv, comm):
+    return raises_everywhere(comm, errors.OptimizerError,
+                             lambda: kv.push("i", np.ones(INTS.shape, np.int32)))
+
+
+@pytest.mark.parametrize("optimizer_from", ["set_optimizer", "file"])
+@pytest.mark.parametrize("bound", [1_000_000, 4], ids=["whole", "split"])
+def test_int_key_loaded_from_a_checkpoint_is_refused_like_one_made_by_init(
+        comm, shared_dir, bound, optimizer_from):
+    path = os.path.join(shared_dir, "ckpt")
+    kv = _store(bound)
+    kv.init(["i", "w"], [INTS, FLOATS])
+    if optimizer_from == "file":
+        kv.set_optimizer(optimizer.SGD(learning_rate=0.1))
+    kv.save_checkpoint(path)
+    if optimizer_from != "file":
+        kv.set_optimizer(optimizer.SGD(learning_rate=0.1))
+    want = _push_int_key(kv, comm)  # the key was made by init
+    assert "key 'i' holds integers" in want
+
+    fresh = _store(bound)
+    fresh.load_checkpoint(path)  # creates both keys
+    if optimizer_from != "file":
+        fresh.set_optimizer(optimizer.SGD(learning_rate=0.1))
+    assert _push_int_key(fresh, comm) == want
+
+    # Nothing was applied, and the float key is still updated by the optimizer.
+    fresh.push("w", np.ones(FLOATS.shape, np.float32))
+    out = np.zeros(FLOATS.shape, np.float32)
+    fresh.pull("w", out=out)
+    np.testing.assert_allclose(out, FLOATS - np.float32(0.1) * comm.size, rtol=1e-6)
+    ints = np.zeros(INTS.shape, np.int32)
+    fresh.pull("i", out=ints)
+    np.testing.assert_array_equal(ints, INTS)
