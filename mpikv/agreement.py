@@ -41,6 +41,8 @@ def fingerprint(call, blob=None):
     separately.
     """
     memo = None
+    if blob is None and not call.items:
+        blob = b"[]"   # barrier, set_optimizer, saves and loads: no keys
     if blob is not None:
         try:  # a repeated call (known keys, plain settings) costs one dict lookup
             memo = (call.op, blob, tuple(sorted(call.settings.items())))

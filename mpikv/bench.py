@@ -1,31 +1,54 @@
 """Benchmark mpikv against raw mpi4py on the same bytes, in the same run.
 
-    scripts/mpirun.sh -n 2 python -m mpikv.bench                  # every workload and mode
-    scripts/mpirun.sh -n 2 python -m mpikv.bench --workload resnet50 --mode sgd --json
-    scripts/mpirun.sh -n 2 python -m mpikv.bench agreement        # cost of the agreement step
-    scripts/mpirun.sh -n 2 python -m mpikv.bench algorithms       # the collective table
-    scripts/mpirun.sh -n 2 python -m mpikv.bench chunks           # Allreduce piece sizes
-    scripts/mpirun.sh -n 2 python -m mpikv.bench memory --workload bert_base --mode adam
-    scripts/mpirun.sh -n 2 python -m mpikv.bench overlap          # async: hiding communication
-    scripts/mpirun.sh -n 2 python -m mpikv.bench gpu              # cupy buffers (needs a GPU)
+Subcommands (``python -m mpikv bench`` and ``python -m mpikv.bench`` are the same)::
+
+    # workloads (the default): each mpikv case interleaved with the raw ways
+    scripts/mpirun.sh -n 2 python -m mpikv bench                  # every workload and mode
+    scripts/mpirun.sh -n 2 python -m mpikv bench --workload small1000 --mode pushpull
+    scripts/mpirun.sh -n 2 python -m mpikv bench --workload resnet50 --mode sgd --json
+    # calls: per-call cost of small calls (--iterations: calls timed, default 2000)
+    scripts/mpirun.sh -n 2 python -m mpikv bench calls --iterations 2000
+    # chunks: raw in-place Allreduce of ResNet-50's bytes in pieces of various sizes
+    scripts/mpirun.sh -n 2 python -m mpikv bench chunks
+    # memory: peak RSS per rank of a training loop through the store alone
+    scripts/mpirun.sh -n 2 python -m mpikv bench memory --workload bert_base --mode adam
+    # overlap: does pushpull_async hide behind computation?
+    scripts/mpirun.sh -n 2 python -m mpikv bench overlap
+    # gpu: cupy buffers, store vs raw mpi4py vs NCCL (needs a GPU)
+    scripts/mpirun.sh -n 2 python -m mpikv bench gpu --workload resnet50
 
 Workloads: ``resnet50`` and ``bert_base`` (real parameter shapes, float32),
 ``big64`` (one 64 MiB key), ``small1000`` (1000 keys of 4 KiB). Modes:
 ``pushpull`` (default updater), ``sgd`` and ``adam`` (push + pull with the
-optimizer on the owners). Every store case runs interleaved with its raw
-baselines on the same bytes: one in-place ``Allreduce`` of one preallocated
-buffer, ``Reduce`` + ``Bcast`` of it, one blocking ``Allreduce`` per key, and
-for the optimizer modes one ``Allreduce`` followed by the same optimizer
-updating the whole model on every rank (what Horovod and DDP do). Times are
-the median over iterations of the slowest rank; GB/s is model bytes / time;
-"vs baseline" is the baseline's time over the case's (above 1: faster), the
-baseline being the fastest of the three raw sums (pushpull) or the raw
-Allreduce plus the whole-model update (sgd, adam).
+optimizer on the owners).
+
+Raw ways, all mpi4py on preallocated numpy buffers holding the same
+gradients: in-place ``Allreduce`` of one buffer; out-of-place ``Allreduce``
+of one buffer (a separate receive buffer); in-place ``Allreduce`` of one
+buffer in 4 MiB pieces (mpikv sums in pieces of that size, its default
+bucket); out-of-place ``Reduce`` to rank 0 + ``Bcast`` of the receive buffer;
+in-place ``Allreduce`` per key. In-place buffers are refilled, untimed,
+before each call (a training loop's backward pass writes fresh gradients).
+
+Cases of mode ``pushpull``: ``kv.pushpull(keys, grads, out=outs)``;
+``kv.pushpull(keys, grads)`` in place; zero-copy (``gradient_buffers``) of a
+store with ``shared_memory=False`` (MPI moves every byte) and of the default
+store ("(shared memory)" when ``kv.uses_shared_memory(keys)``); MXNet Gluon's
+per-parameter loop, ``kv.pushpull(i, grads[i], out=outs[i], priority=-i)``
+for each key. The baseline is the fastest raw way. Modes ``sgd`` and ``adam``
+add the raw ``Allreduce`` (whole, and in 4 MiB pieces) followed by the same
+optimizer updating the whole model on every rank (what Horovod and DDP do)
+against mpikv's push + pull with the optimizer on the owners (copying and
+zero-copy); their baseline is the faster of the two raw + optimizer cases.
+
+Every iteration runs every case once, in turn. Times are the median over
+iterations of the slowest rank; GB/s is model bytes / time; "vs baseline" is
+the baseline's time over the case's (above 1: faster than raw). Every result
+line ends with the run's settings: ranks, MPI library, iterations.
 """
 
 import argparse
 import json
-import os
 import resource
 import sys
 import time
@@ -33,8 +56,12 @@ from importlib import resources
 
 import numpy as np
 
+from .fusion import DEFAULT_BUCKET_BYTES
+
 WORKLOADS = ("resnet50", "bert_base", "big64", "small1000")
 MODES = ("pushpull", "sgd", "adam")
+#: The raw "in pieces" way sums pieces of mpikv's default bucket size (4 MiB).
+PIECE_BYTES = DEFAULT_BUCKET_BYTES
 
 
 def shapes(workload):
@@ -49,6 +76,19 @@ def shapes(workload):
 
 def _peak_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _library():
+    """The MPI library, short: its version line up to the first comma."""
+    from mpi4py import MPI
+    first = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
+    return " ".join(first.split(",")[0].split())
+
+
+def _settings(res, iterations=None):
+    """The settings every result line carries: ``[2 ranks, Open MPI v5.0.1, 10 iterations]``."""
+    its = res["iterations"] if iterations is None else iterations
+    return f"[{res['ranks']} ranks, {res['library']}, {its} iterations]"
 
 
 class _Timer:
@@ -81,6 +121,48 @@ def _max():
     return MPI.MAX
 
 
+def _refill(dst, src):
+    """A ``prepare`` that copies ``src`` into ``dst`` (arrays, or lists of arrays)."""
+    if isinstance(dst, list):
+        def run():
+            for d, s in zip(dst, src):
+                d[...] = s
+    else:
+        def run():
+            dst[...] = src
+    return run
+
+
+def _in_pieces(comm, buf, piece_bytes=PIECE_BYTES):
+    """In-place ``Allreduce`` of a 1-d buffer, one piece of ``piece_bytes`` at a time."""
+    from mpi4py import MPI
+    step = max(1, piece_bytes // buf.itemsize)
+    for i in range(0, buf.size, step):
+        comm.Allreduce(MPI.IN_PLACE, buf[i:i + step])
+
+
+def _raw_ways(comm, flat, grads):
+    """The raw ways to sum ``grads`` (also laid out in the 1-d ``flat``): a list of cases."""
+    from mpi4py import MPI
+    raw = flat.copy()              # summed in place: refilled from flat before each call
+    recv = np.empty_like(flat)     # out of place: flat is the send buffer, never written
+    key_bufs = [g.copy() for g in grads]
+    refill_raw = _refill(raw, flat)
+
+    def reduce_bcast():
+        comm.Reduce(flat, recv, root=0)
+        comm.Bcast(recv, root=0)
+    mib = PIECE_BYTES >> 20
+    return [("raw Allreduce in place (one buffer)", refill_raw,
+             lambda: comm.Allreduce(MPI.IN_PLACE, raw)),
+            ("raw Allreduce out of place (one buffer)", None, lambda: comm.Allreduce(flat, recv)),
+            (f"raw Allreduce in place, {mib} MiB pieces", refill_raw,
+             lambda: _in_pieces(comm, raw)),
+            ("raw Reduce+Bcast out of place (one buffer)", None, reduce_bcast),
+            ("raw Allreduce in place per key", _refill(key_bufs, grads),
+             lambda: [comm.Allreduce(MPI.IN_PLACE, b) for b in key_bufs])]
+
+
 def bench_workload(workload, mode, iterations, comm):
     """Returns a result dict for one workload and mode."""
     from mpi4py import MPI
@@ -91,14 +173,13 @@ def bench_workload(workload, mode, iterations, comm):
     shp = shapes(workload)
     keys = list(range(len(shp)))
     sizes = [int(np.prod(s)) for s in shp]
-    total = sum(sizes)
-    nbytes = total * 4
+    nbytes = sum(sizes) * 4
     rng = np.random.default_rng(comm.rank)
     grads = [rng.standard_normal(s).astype(np.float32) for s in shp]
     outs = [np.zeros(s, np.float32) for s in shp]
     flat = np.concatenate([g.reshape(-1) for g in grads])
-    raw = flat.copy()
-    key_bufs = [g.copy() for g in grads]
+    cases = _raw_ways(comm, flat, grads)
+    n_raw = len(cases)
 
     kv = mpikv.create("dist_sync")
     kv.init(keys, [np.zeros(s, np.float32) for s in shp])
@@ -107,71 +188,49 @@ def bench_workload(workload, mode, iterations, comm):
     if mode != "pushpull":
         kv.set_optimizer(make_opt[mode]())
     zero = kv.gradient_buffers(keys)
-    for z, g in zip(zero, grads):
-        z[...] = g
-    shm_used = any(a is not None for a in kv._engine.layout(keys).shared or [])
+    _refill(zero, grads)()
+    shm = kv.uses_shared_memory(keys)
 
-    # In-place reductions overwrite their input: refill it, untimed, before each call
-    # (a training loop's backward pass writes fresh gradients there).
-    def refill_raw():
-        raw[...] = flat
-
-    def refill_keys():
-        for b, g in zip(key_bufs, grads):
-            b[...] = g
-
-    def refill_zero():
-        for z, g in zip(zero, grads):
-            z[...] = g
-
-    def raw_allreduce():
-        comm.Allreduce(MPI.IN_PLACE, raw)
-
-    def raw_reduce_bcast():
-        if comm.rank == 0:
-            comm.Reduce(MPI.IN_PLACE, raw, root=0)
-        else:
-            comm.Reduce(raw, None, root=0)
-        comm.Bcast(raw, root=0)
-
-    def raw_per_key():
-        for b in key_bufs:
-            comm.Allreduce(MPI.IN_PLACE, b)
-
-    cases = [("raw Allreduce (one buffer)", refill_raw, raw_allreduce),
-             ("raw Reduce+Bcast (one buffer)", refill_raw, raw_reduce_bcast),
-             ("raw Allreduce per key", refill_keys, raw_per_key)]
     if mode == "pushpull":
-        def refill_inplace():
-            for b, g in zip(inplace, grads):
-                b[...] = g
         inplace = [g.copy() for g in grads]
         # The same zero-copy buffers without shared memory: MPI moves every byte.
         kv_mpi = mpikv.create("dist_sync", shared_memory=False)
         kv_mpi.init(keys, [np.zeros(s, np.float32) for s in shp])
         zero_mpi = kv_mpi.gradient_buffers(keys)
 
-        def refill_zero_mpi():
-            for z, g in zip(zero_mpi, grads):
-                z[...] = g
-        cases += [("mpikv pushpull(out=...)", None, lambda: kv.pushpull(keys, grads, out=outs)),
-                  ("mpikv pushpull in place (out=None)", refill_inplace,
+        def gluon():
+            # MXNet Gluon's Trainer: one call per parameter, the first ones first.
+            for i, k in enumerate(keys):
+                kv.pushpull(k, grads[i], out=outs[i], priority=-i)
+        cases += [("mpikv pushpull(keys, grads, out=outs)", None,
+                   lambda: kv.pushpull(keys, grads, out=outs)),
+                  ("mpikv pushpull(keys, bufs) in place (out=None)", _refill(inplace, grads),
                    lambda: kv.pushpull(keys, inplace)),
-                  ("mpikv pushpull, zero-copy (MPI)", refill_zero_mpi,
+                  ("mpikv pushpull, zero-copy (MPI)", _refill(zero_mpi, grads),
                    lambda: kv_mpi.pushpull(keys, zero_mpi)),
-                  ("mpikv pushpull, zero-copy" + (" (shared memory)" if shm_used else ""),
-                   refill_zero, lambda: kv.pushpull(keys, zero))]
+                  ("mpikv pushpull, zero-copy" + (" (shared memory)" if shm else ""),
+                   _refill(zero, grads), lambda: kv.pushpull(keys, zero)),
+                  ("mpikv Gluon loop: pushpull(i, g[i], out=o[i], priority=-i)", None, gluon)]
+        baselines = [name for name, _, _ in cases[:n_raw]]
     else:
         weights = [np.zeros(s, np.float32) for s in shp]
         whole = make_opt[mode]()
         states = [whole.create_state(k, w) for k, w in zip(keys, weights)]
+        raw = flat.copy()
 
-        def raw_then_update():
-            comm.Allreduce(MPI.IN_PLACE, raw)
+        def update_all():
             off = 0
             for k, w, st, n in zip(keys, weights, states, sizes):
                 whole.update(k, w, raw[off:off + n].reshape(w.shape), st)
                 off += n
+
+        def raw_then_update():
+            comm.Allreduce(MPI.IN_PLACE, raw)
+            update_all()
+
+        def pieces_then_update():
+            _in_pieces(comm, raw)
+            update_all()
 
         def store():
             kv.push(keys, grads)
@@ -180,101 +239,98 @@ def bench_workload(workload, mode, iterations, comm):
         def store_zero():
             kv.push(keys, zero)
             kv.pull(keys, out=outs)
-        cases += [(f"raw Allreduce + {mode} on every rank", refill_raw, raw_then_update),
-                  (f"mpikv push+pull, {mode} on owners", None, store),
-                  (f"mpikv push+pull, {mode} on owners, zero-copy", refill_zero, store_zero)]
+        mib = PIECE_BYTES >> 20
+        with_opt = [(f"raw Allreduce in place + {mode} on every rank", _refill(raw, flat),
+                     raw_then_update),
+                    (f"raw Allreduce, {mib} MiB pieces + {mode} on every rank",
+                     _refill(raw, flat), pieces_then_update)]
+        cases += with_opt + [
+            (f"mpikv push+pull, {mode} on owners", None, store),
+            (f"mpikv push+pull, {mode} on owners, zero-copy" + (" (shared memory)" if shm else ""),
+             _refill(zero, grads), store_zero)]
+        baselines = [name for name, _, _ in with_opt]
     timer = _Timer(comm)
     timer.run(cases, iterations)
     rows = [{"case": name, "ms": timer.median(name) * 1e3,
              "GB/s": nbytes / timer.median(name) / 1e9} for name, _, _ in cases]
-    # The baseline: the fastest raw way to sum (for the optimizer modes, plus the
-    # whole-model update every rank then needs).
-    plain = min(r["ms"] for r in rows[:3])
-    base = plain if mode == "pushpull" else rows[3]["ms"]
+    # The baseline: the fastest raw way to sum (for the optimizer modes, the fastest
+    # raw sum followed by the whole-model update every rank then needs).
+    base = min((r for r in rows if r["case"] in baselines), key=lambda r: r["ms"])
     for r in rows:
-        r["vs baseline"] = base / r["ms"]
+        r["vs baseline"] = base["ms"] / r["ms"]
     peaks = comm.allgather(_peak_mib())
     return {"workload": workload, "mode": mode, "ranks": comm.size, "tensors": len(shp),
             "MiB": nbytes / 2**20, "iterations": iterations, "rows": rows,
+            "baseline": base["case"], "shared_memory": shm,
             "peak_MiB_per_rank": max(peaks), "library": _library()}
 
 
-def _library():
-    from mpi4py import MPI
-    return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
+def bench_calls(iterations, comm):
+    """Per-call cost of small calls against raw mpi4py, in microseconds (slowest rank).
 
-
-def bench_agreement(repeat, comm):
-    """Rows of (case, microseconds per call) for the agreement step."""
+    (a) one 4 KiB key, ``pushpull(k, g, out=o)`` repeated, against an in-place
+    4 KiB ``Allreduce`` per call; (b) Gluon's loop over 1000 keys of 4 KiB,
+    ``pushpull(i, g_i, out=o_i, priority=-i)`` for each, against 1000 blocking
+    ``Allreduce`` calls; (c) the same 1000 keys in one copying call
+    ``pushpull(keys, grads, out=outs)`` against the 1000 ``Allreduce`` calls
+    and against one ``Allreduce`` of a 4000 KiB buffer; (d) ``kv.barrier()``
+    (agreement + ``MPI_Barrier``) against ``MPI_Barrier``. (a) and (d) time
+    ``iterations`` calls each; (b) and (c) ``max(3, iterations // 100)`` rounds.
+    """
     from mpi4py import MPI
 
     import mpikv
-    from mpikv.agreement import fingerprint
 
+    n_keys, elems = 1000, 1024               # 1000 keys of 4 KiB (float32)
+    keys = list(range(n_keys))
+    one = n_keys                             # the key of (a)
     kv = mpikv.create("dist_sync")
-    buf = np.ones(1024, np.float32)
+    kv.init(keys + [one], [np.zeros(elems, np.float32)] * (n_keys + 1))
+    rng = np.random.default_rng(comm.rank)
+    grads = [rng.standard_normal(elems).astype(np.float32) for _ in keys]
+    outs = [np.zeros(elems, np.float32) for _ in keys]
+    g1, o1, raw1 = grads[0].copy(), np.zeros(elems, np.float32), grads[0].copy()
+    key_bufs = [g.copy() for g in grads]
+    flat = np.concatenate(grads)
+    raw_flat = flat.copy()
 
-    def median_us(fn, n):
-        for _ in range(max(3, n // 10)):
-            fn()
-        times = []
-        for _ in range(n):
-            comm.Barrier()
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return max(comm.allgather(float(np.median(times)))) * 1e6
+    def gluon():
+        for i, k in enumerate(keys):
+            kv.pushpull(k, grads[i], out=outs[i], priority=-i)
 
-    rows = [("raw MPI_Barrier", median_us(comm.Barrier, repeat)),
-            ("raw Allreduce 4 KiB in place",
-             median_us(lambda: comm.Allreduce(MPI.IN_PLACE, buf), repeat)),
-            ("kv.barrier() (agreement + MPI_Barrier)", median_us(kv.barrier, repeat))]
-    for nkeys in (1, 100, 1000):
-        keys = list(range(nkeys * 10, nkeys * 10 + nkeys))
-        kv.init(keys, [np.zeros(1024, np.float32)] * nkeys)
-        grads = [np.ones(1024, np.float32)] * nkeys
+    def raw_per_key():
+        for b in key_bufs:
+            comm.Allreduce(MPI.IN_PLACE, b)
 
-        def agree_only():
-            call = kv._push_call("push", keys, grads, 0)
-            kv._transport.agree(fingerprint(call, call.blob), bool(call.errors), ("push", keys))
-
-        first = time.perf_counter()
-        agree_only()  # the first call with a key list reads every key in full
-        first = max(comm.allgather(time.perf_counter() - first)) * 1e6
-        rows.append((f"agreement of the first push of {nkeys} key(s) (read + fingerprint + "
-                     f"exchange), one call", first))
-        rows.append((f"agreement of a repeated push of {nkeys} key(s)",
-                     median_us(agree_only, max(10, repeat // nkeys))))
-    return [{"case": c, "us": us} for c, us in rows]
-
-
-def bench_algorithms(iterations, comm):
-    """The store's fused path under each algorithm, per bucket size (for the table)."""
-    import mpikv
-    from mpikv.algorithms import ALGORITHMS
-
-    results = []
-    for nbytes in (64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20):
-        # Keys of 64 KiB or 256 KiB filling one bucket: few enough that the
-        # per-key Python work does not hide the collectives.
-        per_key = min(nbytes, 256 << 10)
-        n = nbytes // per_key
-        keys = list(range(n))
-        kv = mpikv.create("dist_sync", bucket_bytes=nbytes)
-        kv.init(keys, [np.zeros(per_key // 4, np.float32)] * n)
-        bufs = kv.gradient_buffers(keys)
-        cases = []
-        for name in ALGORITHMS:
-            def run(name=name):
-                os.environ["MPIKV_ALGORITHM"] = name
-                kv.pushpull(keys, bufs)
-            cases.append((name, None, run))
-        timer = _Timer(comm)
-        timer.run(cases, iterations)
-        os.environ.pop("MPIKV_ALGORITHM", None)
-        results.append({"bucket_KiB": nbytes >> 10,
-                        **{name: nbytes / timer.median(name) / 1e9 for name in ALGORITHMS}})
-    return results
+    single = _Timer(comm)
+    single.run([("a", None, lambda: kv.pushpull(one, g1, out=o1)),
+                ("a raw", _refill(raw1, g1), lambda: comm.Allreduce(MPI.IN_PLACE, raw1)),
+                ("d", None, kv.barrier), ("d raw", None, comm.Barrier)],
+               iterations, warmup=max(10, iterations // 10))
+    rounds = max(3, iterations // 100)
+    many = _Timer(comm)
+    many.run([("b", None, gluon), ("raw per key", _refill(key_bufs, grads), raw_per_key),
+              ("c", None, lambda: kv.pushpull(keys, grads, out=outs)),
+              ("c raw", _refill(raw_flat, flat), lambda: comm.Allreduce(MPI.IN_PLACE, raw_flat))],
+             rounds)
+    us_single = {k: single.median(k) * 1e6 for k in single.samples}
+    us_many = {k: many.median(k) * 1e6 for k in many.samples}
+    per_key = us_many["raw per key"]
+    table = [
+        ("(a) pushpull(k, g, out=o), 1 key of 4 KiB, per call", us_single["a"],
+         "Allreduce in place of 4 KiB, per call", us_single["a raw"], iterations),
+        ("(b) Gluon: pushpull(i, g_i, out=o_i, priority=-i) x1000 keys of 4 KiB, per call",
+         us_many["b"] / n_keys, "Allreduce in place x1000 keys, per call", per_key / n_keys,
+         rounds),
+        ("(c) pushpull(keys, grads, out=outs), 1000 keys of 4 KiB, one call", us_many["c"],
+         "Allreduce in place x1000 keys, all 1000", per_key, rounds),
+        ("(c) pushpull(keys, grads, out=outs), 1000 keys of 4 KiB, one call", us_many["c"],
+         "Allreduce in place of one 4000 KiB buffer", us_many["c raw"], rounds),
+        ("(d) kv.barrier() (agreement + MPI_Barrier), per call", us_single["d"],
+         "MPI_Barrier, per call", us_single["d raw"], iterations)]
+    rows = [{"case": c, "us": us, "raw": raw, "raw_us": raw_us, "vs raw": raw_us / us,
+             "iterations": its} for c, us, raw, raw_us, its in table]
+    return {"ranks": comm.size, "library": _library(), "iterations": iterations, "rows": rows}
 
 
 def bench_memory(workload, mode, iterations, comm):
@@ -302,7 +358,8 @@ def bench_memory(workload, mode, iterations, comm):
         kv.push(keys, grads)
         kv.pull(keys, out=params)
     peak = max(comm.allgather(_peak_mib()))
-    return {"workload": workload, "mode": mode, "ranks": comm.size, "model_MiB": nbytes / 2**20,
+    return {"workload": workload, "mode": mode, "ranks": comm.size, "library": _library(),
+            "iterations": iterations, "model_MiB": nbytes / 2**20,
             "start_MiB": base, "peak_MiB": peak, "peak_over_model": peak * 2**20 / nbytes,
             "growth_over_model": (peak - base) * 2**20 / nbytes,
             "state_MiB_per_rank": kv.optimizer_state_nbytes() / 2**20}
@@ -341,7 +398,8 @@ def bench_overlap(iterations, comm):
              ("overlapped", refill, overlapped)]
     timer = _Timer(comm)
     timer.run(cases, iterations)
-    return {name: timer.median(name) * 1e3 for name, _, _ in cases}
+    return {"ranks": comm.size, "library": _library(), "iterations": iterations,
+            "ms": {name: timer.median(name) * 1e3 for name, _, _ in cases}}
 
 
 def bench_chunks(iterations, comm):
@@ -363,8 +421,10 @@ def bench_chunks(iterations, comm):
     timer = _Timer(comm)
     cases = [case(p) for p in pieces]
     timer.run(cases, iterations)
-    return [{"piece_KiB": p >> 10, "ms": timer.median(name) * 1e3,
+    rows = [{"piece_KiB": p >> 10, "ms": timer.median(name) * 1e3,
              "GB/s": n * 4 / timer.median(name) / 1e9} for p, (name, _, _) in zip(pieces, cases)]
+    return {"ranks": comm.size, "library": _library(), "iterations": iterations,
+            "MiB": n * 4 / 2**20, "rows": rows}
 
 
 def bench_gpu(workload, iterations, comm):
@@ -493,52 +553,57 @@ def _show_gpu(out, comm):
               f"NCCL: {res['nccl']}; {res['iterations']} iterations")
         print(f"  {'case':48s} {'ms':>9s} {'GB/s':>7s} {'vs raw mpi4py':>14s}")
         for r in res["rows"]:
-            print(f"  {r['case']:48s} {r['ms']:9.2f} {r['GB/s']:7.2f} {r['vs raw mpi4py']:14.2f}")
+            print(f"  {r['case']:48s} {r['ms']:9.2f} {r['GB/s']:7.2f} {r['vs raw mpi4py']:14.2f}"
+                  f"  {_settings(res)}")
 
 
 def _print_workload(res):
     print(f"\n{res['workload']} ({res['tensors']} tensors, {res['MiB']:.1f} MiB), mode "
-          f"{res['mode']}, {res['ranks']} ranks, {res['iterations']} iterations; "
-          f"peak RSS per rank {res['peak_MiB_per_rank']:.0f} MiB")
-    print(f"  {'case':48s} {'ms':>9s} {'GB/s':>7s} {'vs baseline':>12s}")
+          f"{res['mode']}: {res['ranks']} ranks, {res['library']}, {res['iterations']} "
+          f"iterations; peak RSS per rank {res['peak_MiB_per_rank']:.0f} MiB; "
+          f"baseline: {res['baseline']}")
+    print(f"  {'case':60s} {'ms':>9s} {'GB/s':>7s} {'vs baseline':>12s}")
+    tag = f"[{res['workload']} {res['mode']}, " + _settings(res)[1:]
     for r in res["rows"]:
-        print(f"  {r['case']:48s} {r['ms']:9.2f} {r['GB/s']:7.2f} {r['vs baseline']:12.2f}")
+        mark = "*" if r["case"] == res["baseline"] else " "
+        print(f" {mark}{r['case']:60s} {r['ms']:9.2f} {r['GB/s']:7.2f} "
+              f"{r['vs baseline']:12.2f}  {tag}")
 
 
-def _show_agreement(out, comm):
-    print(f"{comm.size} ranks; median microseconds per call (slowest rank)")
-    for row in out:
-        print(f"{row['us']:10.1f}  {row['case']}")
+def _show_calls(out, comm):
+    print(f"Per-call cost of small calls: {out['ranks']} ranks, {out['library']}; "
+          f"microseconds, median over iterations of the slowest rank; vs raw = raw / mpikv "
+          f"(above 1: mpikv faster)")
+    print(f"  {'mpikv':80s} {'us':>9s}  {'raw':42s} {'us':>9s} {'vs raw':>7s}")
+    for r in out["rows"]:
+        print(f"  {r['case']:80s} {r['us']:9.1f}  {r['raw']:42s} {r['raw_us']:9.1f} "
+              f"{r['vs raw']:7.3f}  {_settings(out, r['iterations'])}")
 
 
 def _show_overlap(out, comm):
-    ideal = max(out["compute"], out["pushpull"])
-    hidden = (out["sequential"] - out["overlapped"]) / min(out["compute"], out["pushpull"])
-    print(f"{comm.size} ranks, ResNet-50 gradients and a matmul (ms, median): "
-          + ", ".join(f"{k} {v:.1f}" for k, v in out.items())
-          + f"; ideal overlap {ideal:.1f}; hidden: {hidden:.0%} of the shorter part")
+    ms = out["ms"]
+    ideal = max(ms["compute"], ms["pushpull"])
+    hidden = (ms["sequential"] - ms["overlapped"]) / min(ms["compute"], ms["pushpull"])
+    print("ResNet-50 gradients and a matmul (ms, median): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in ms.items())
+          + f"; ideal overlap {ideal:.1f}; hidden: {hidden:.0%} of the shorter part  "
+          + _settings(out))
 
 
 def _show_memory(out, comm):
     for r in out:
-        print(f"{r['workload']} {r['mode']} on {r['ranks']} ranks: model "
+        print(f"{r['workload']} {r['mode']}: model "
               f"{r['model_MiB']:.0f} MiB; peak RSS per rank {r['peak_MiB']:.0f} MiB = "
               f"{r['peak_over_model']:.2f} x model ({r['start_MiB']:.0f} MiB before "
               f"the model: growth {r['growth_over_model']:.2f} x model); optimizer "
-              f"state on this rank {r['state_MiB_per_rank']:.0f} MiB")
+              f"state on this rank {r['state_MiB_per_rank']:.0f} MiB  {_settings(r)}")
 
 
 def _show_chunks(out, comm):
-    print(f"{comm.size} ranks, {_library()}: in-place Allreduce of 97.5 MiB in pieces")
-    for row in out:
-        print(f"  {row['piece_KiB']:8d} KiB pieces: {row['ms']:8.1f} ms {row['GB/s']:6.2f} GB/s")
-
-
-def _show_algorithms(out, comm):
-    print(f"{comm.size} ranks, {_library()}: GB/s of a zero-copy pushpull of one fused bucket")
-    for row in out:
-        print(f"  {row['bucket_KiB']:8d} KiB  " + "  ".join(
-            f"{k}={v:.2f}" for k, v in row.items() if k != "bucket_KiB"))
+    print(f"In-place Allreduce of {out['MiB']:.1f} MiB (ResNet-50's bytes) in pieces")
+    for row in out["rows"]:
+        print(f"  {row['piece_KiB']:8d} KiB pieces: {row['ms']:8.1f} ms {row['GB/s']:6.2f} GB/s"
+              f"  {_settings(out)}")
 
 
 def _workloads(args, comm):
@@ -557,27 +622,27 @@ def _workloads(args, comm):
 # what -> (run(args, comm), show(result, comm) or None when printed as it runs)
 COMMANDS = {
     "workloads": (_workloads, None),
-    "agreement": (lambda a, c: bench_agreement(a.iterations or 1000, c), _show_agreement),
+    "calls": (lambda a, c: bench_calls(a.iterations or 2000, c), _show_calls),
     "overlap": (lambda a, c: bench_overlap(a.iterations or 10, c), _show_overlap),
     "memory": (lambda a, c: [bench_memory(w, m, a.iterations or 3, c)
                              for w in a.workload or ["bert_base"] for m in a.mode or ["adam"]],
                _show_memory),
     "chunks": (lambda a, c: bench_chunks(a.iterations or 7, c), _show_chunks),
-    "algorithms": (lambda a, c: bench_algorithms(a.iterations or 10, c), _show_algorithms),
     "gpu": (lambda a, c: [bench_gpu(w, a.iterations or 20, c)
                           for w in a.workload or ["resnet50", "big64"]], _show_gpu),
 }
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m mpikv.bench",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m mpikv.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", nargs="?", default="workloads", choices=list(COMMANDS))
     parser.add_argument("--workload", choices=WORKLOADS, action="append",
-                        help="repeatable; default: all")
+                        help="repeatable; default: all (memory: bert_base; gpu: resnet50, big64)")
     parser.add_argument("--mode", choices=MODES, action="append", help="repeatable; default: all")
     parser.add_argument("--iterations", type=int, default=None,
-                        help="timed iterations (default: 10, 5 for bert_base)")
+                        help="timed iterations (workloads: 10, 5 for bert_base; calls: calls "
+                             "timed, 2000; chunks: 7; memory: 3; overlap: 10; gpu: 20)")
     parser.add_argument("--json", action="store_true", help="one JSON document on rank 0")
     args = parser.parse_args(argv)
     from mpi4py import MPI

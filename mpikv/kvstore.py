@@ -143,9 +143,7 @@ class KVStore:
             value: an array per key (a list of arrays: the first is used).
         """
         call = self._read("init", key, value, new_keys=True, need_values=True)
-        self._agree(call)
-        self._executor.drain()
-        self._engine.init(call.op, call.items)
+        self._collective(call, lambda: self._engine.init(call.op, call.items))
 
     def push(self, key, value, priority=0):
         """Sums values over devices and ranks and hands the sum to the updater.
@@ -216,17 +214,14 @@ class KVStore:
         """:meth:`init` with rank 0's ``value``, then :meth:`pull` into ``out``."""
         call = self._read("broadcast", key, value, out, new_keys=True, need_values=True,
                           need_outs=True, settings={"priority": priority})
-        self._agree(call)
-        self._executor.drain()
-        self._engine.init(call.op, call.items)
-        self._engine.pull(call.op, call.items)
+        def run():
+            self._engine.init(call.op, call.items)
+            self._engine.pull(call.op, call.items)
+        self._collective(call, run)
 
     def barrier(self):
         """Waits until every rank has called ``barrier`` (``MPI_Barrier``)."""
-        call = Call("barrier")
-        self._agree(call)
-        self._executor.drain()
-        self._transport.barrier(("barrier", []))
+        self._collective(Call("barrier"), lambda: self._transport.barrier(("barrier", [])))
 
     _barrier = barrier
 
@@ -263,9 +258,7 @@ class KVStore:
         else:
             call.fail(errors.OptimizerError, None, f"set_optimizer needs an "
                       f"mpikv.optimizer.Optimizer, not {type(optimizer).__name__}")
-        self._agree(call)
-        self._executor.drain()
-        self._install_optimizer(optimizer)
+        self._collective(call, lambda: self._install_optimizer(optimizer))
 
     def is_capable(self, capability):
         """Whether the store supports ``capability`` ("optimizer" is the one MXNet asks)."""
@@ -286,9 +279,8 @@ class KVStore:
                     settings={"fname": str(fname), "dump_optimizer": bool(dump_optimizer)})
         if self._engine.optimizer is None:
             call.fail(errors.OptimizerError, None, "no optimizer is set (use set_optimizer)")
-        self._agree(call)
-        self._executor.drain()
-        checkpoint.save(self._engine, str(fname), "optimizer_states", False, dump_optimizer)
+        self._collective(call, lambda: checkpoint.save(self._engine, str(fname),
+                                                       "optimizer_states", False, dump_optimizer))
 
     def load_optimizer_states(self, fname):
         """Loads states saved by :meth:`save_optimizer_states`, on any number of ranks.
@@ -297,9 +289,8 @@ class KVStore:
         set and the file holds one (``dump_optimizer=True``), it is used.
         """
         call = Call("load_optimizer_states", settings={"fname": str(fname)})
-        self._agree(call)
-        self._executor.drain()
-        checkpoint.load(self._engine, str(fname), "optimizer_states", False)
+        self._collective(call, lambda: checkpoint.load(self._engine, str(fname),
+                                                       "optimizer_states", False))
 
     def save_checkpoint(self, fname):
         """Saves the stored values, the optimizer and its states in one file set; collective.
@@ -308,9 +299,8 @@ class KVStore:
         (a job killed while saving leaves the previous save whole).
         """
         call = Call("save_checkpoint", settings={"fname": str(fname)})
-        self._agree(call)
-        self._executor.drain()
-        checkpoint.save(self._engine, str(fname), "checkpoint", True, True)
+        self._collective(call, lambda: checkpoint.save(self._engine, str(fname),
+                                                       "checkpoint", True, True))
 
     def load_checkpoint(self, fname):
         """Restores a :meth:`save_checkpoint` save, on any number of ranks; collective.
@@ -320,9 +310,8 @@ class KVStore:
         the one set on the store, else the file's.
         """
         call = Call("load_checkpoint", settings={"fname": str(fname)})
-        self._agree(call)
-        self._executor.drain()
-        checkpoint.load(self._engine, str(fname), "checkpoint", True)
+        self._collective(call, lambda: checkpoint.load(self._engine, str(fname),
+                                                       "checkpoint", True))
 
     def optimizer_state_nbytes(self):
         """Bytes of optimizer state this rank holds (only for what it owns)."""
@@ -354,9 +343,8 @@ class KVStore:
                for i in call.items):
             call.fail(errors.DTypeError, None, "float16 keys are summed in float32: they have "
                       "no zero-copy buffers")
-        self._agree(call)
-        self._executor.drain()
-        views = self._engine.gradient_buffers(call.keys, self._options.shared_memory)
+        views = self._collective(call, lambda: self._engine.gradient_buffers(
+            call.keys, self._options.shared_memory))
         out = [views[k] for k in call.user_keys]
         return out[0] if single else out
 
@@ -442,7 +430,20 @@ class KVStore:
                 job()
         return job_on_gpu
 
+    def _collective(self, call, action):
+        """The skeleton of every collective call: the call was read (into ``call``);
+        the ranks agree on it; background calls drain; ``action()`` runs.
+
+        Returns:
+            what ``action`` returns.
+        """
+        self._agree(call, call.blob)
+        self._executor.drain()
+        return action()
+
     def _run(self, call, push=False, pull=False, remember=None):
+        """A data call (push, pull, pushpull): agreed, then run after earlier
+        background calls, on this thread."""
         self._agree(call, call.blob)
         job = self._job(call, push, pull, self._executor.busy)
         self._executor.run(job, (call.op, call.keys))
