@@ -318,3 +318,60 @@ def test_error_barrier_against_push(kv1, comm):
     call = kv1.barrier if comm.rank == 0 else (lambda: kv1.push(1, np.ones(SHAPE)))
     raises_everywhere(comm, errors.MismatchError, call)
     _usable(kv1, comm)
+
+
+def test_a_late_rank_is_waited_for_and_calls_go_on(comm):
+    """Ranks waiting past the announcement time (a quarter of the timeout) tell the
+    others they are there; the call still completes and later calls are unaffected."""
+    import time
+    kv = mpikv.create("dist_sync", timeout=4)
+    kv.init([1, 2], [np.zeros(3), np.zeros(3)])
+    for step in range(3):
+        if comm.rank == 0 and step == 1:
+            time.sleep(1.5)   # past the 1 s announcement: the others announce themselves
+        out = np.zeros(3)
+        kv.pushpull(1, np.full(3, step + 1.0), out=out)
+        assert (out == comm.size * (step + 1)).all()
+    kv.push([1, 2], [np.ones(3), np.ones(3)])
+    out = np.zeros(3)
+    kv.pull(2, out=out)
+    assert (out == comm.size).all()
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "priority", "readonly_out", "op"])
+def test_repeated_one_key_call_errors_everywhere(comm, bad):
+    """A repeated one-key call runs on its remembered route; a rank whose call differs
+    (and so takes the general path) still makes every rank raise the same error,
+    and nothing is applied."""
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv.init(1, np.zeros(4, np.float32))
+    out = np.zeros(4, np.float32)
+    for _ in range(2):   # the second call runs on the remembered route
+        kv.pushpull(1, np.ones(4, np.float32), out=out)
+    assert (out == comm.size).all()
+    value, dst, priority = np.full(4, 5, np.float32), np.zeros(4, np.float32), 0
+    last = comm.rank == comm.size - 1
+    if last and bad == "shape":
+        value = np.ones(5, np.float32)
+    if last and bad == "dtype":
+        value = np.ones(4, np.float64)
+    if last and bad == "priority":
+        priority = 3
+    if last and bad == "readonly_out":
+        dst.flags.writeable = False
+    if comm.size == 1 and bad in ("priority", "op"):
+        pytest.skip("needs two ranks to differ")
+    expected = {"shape": errors.ShapeError, "dtype": errors.DTypeError,
+                "priority": errors.MismatchError, "readonly_out": errors.ValueTypeError,
+                "op": errors.MismatchError}[bad]
+    if last and bad == "op":
+        call = lambda: kv.push(1, value, priority=priority)  # noqa: E731
+    else:
+        call = lambda: kv.pushpull(1, value, out=dst, priority=priority)  # noqa: E731
+    message = raises_everywhere(comm, expected, call)
+    assert "nothing was applied" in message
+    stored = np.zeros(4, np.float32)
+    kv.pull(1, out=stored)
+    assert (stored == comm.size).all()   # still the last good sum
+    kv.pushpull(1, np.full(4, 2, np.float32), out=out)   # and the route still works
+    assert (out == 2 * comm.size).all()
