@@ -8,6 +8,7 @@ usage: python -m mpikv COMMAND [ARGS]
 commands:
   info [--json]      versions, MPI library, ranks per host, CUDA-aware MPI, settings
   bench WHAT [...]   benchmarks against raw mpi4py (python -m mpikv bench -h)
+  tune [...]         measure every reduction strategy here, cache the table (mpikv tune -h)
 
 Run under mpiexec for a distributed view, e.g.
   scripts/mpirun.sh -n 2 python -m mpikv info"""
@@ -26,6 +27,9 @@ def main(argv=None):
     if command == "info":
         from .info import main as info_main
         return info_main(rest)
+    if command == "tune":
+        from .tune import main as tune_main
+        return tune_main(rest)
     if command == "bench":
         from .bench import main as bench_main
         return bench_main(rest)

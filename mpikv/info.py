@@ -106,6 +106,7 @@ def collect(comm=None):
     from . import __version__
     comm = MPI.COMM_WORLD if comm is None else comm
     names = comm.gather(MPI.Get_processor_name(), root=0)
+    table = tuning_in_force(comm)   # collective
     if comm.Get_rank() != 0:
         return None
     hosts = {}
@@ -131,7 +132,40 @@ def collect(comm=None):
         "cupy": _module("cupy"),
         "torch": _module("torch"),
         "settings": settings(),
+        "tuning": table,
     }
+
+
+def tuning_in_force(comm):
+    """The tuning table a store on ``comm`` would use, without probing; collective.
+
+    Returns (on every rank) a dict: ``source``, ``cache_path``, ``key`` and
+    ``rows`` (``[size, in-place strategy, out-of-place strategy]``).
+    """
+    from . import config, tuning
+    from .transport import make_transport
+    try:
+        options = config.resolve(autotune=False)
+    except ValueError as exc:
+        return {"source": f"error: {exc}", "cache_path": None, "key": None, "rows": []}
+    transport = make_transport("mpi", comm, options)
+    path = key = None
+    if options.reducer != "auto" or transport.size == 1:
+        table = tuning.resolve(transport, options.reducer, autotune=False)
+    else:
+        key = tuning.cache_key(transport)
+        path = tuning.cache_path(key)
+        found = tuning.read_cache(path, key) if transport.rank == 0 else None
+        found = comm.bcast(None if found is None else (found.to_json(), found.source), root=0)
+        if found is not None:
+            table = tuning.Table.from_json(*found)
+        else:
+            table = tuning.default_table()
+            table.source = ("no cache: a store probes at creation (MPIKV_AUTOTUNE=1, the "
+                            "default) or uses this measured default (MPIKV_AUTOTUNE=0); "
+                            "`mpikv tune` writes the cache")
+    return {"source": table.source, "cache_path": path, "key": key,
+            "rows": [list(r) for r in table.rows()]}
 
 
 def format_text(info):
@@ -157,6 +191,15 @@ def format_text(info):
         else:
             state = f"not importable ({mod['error']})"
         lines.append(f"{name + ':':<15} {state}")
+    tune = info.get("tuning")
+    if tune:
+        lines.append(f"strategies:     {tune['source']}")
+        if tune["cache_path"]:
+            lines.append(f"  cache file:   {tune['cache_path']}")
+        lines.append(f"  {'size':>9s}  {'in place':22s} out of place")
+        for size, inplace, outplace in tune["rows"]:
+            label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+            lines.append(f"  {label:>9s}  {inplace:22s} {outplace}")
     lines.append("settings:")
     if "error" in info["settings"]:
         lines.append(f"  error: {info['settings']['error']}")
