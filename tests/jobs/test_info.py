@@ -11,7 +11,7 @@ from .conftest import ROOT, run_job
 
 KEYS = {"mpikv", "python", "python_executable", "numpy", "mpi4py", "mpi_library",
         "mpi_standard", "thread_level", "size", "hosts", "cuda_aware_mpi",
-        "cuda_aware_mpi_source", "cupy", "torch", "settings"}
+        "cuda_aware_mpi_source", "cupy", "torch", "settings", "tuning"}
 OPEN_MPI = "Open MPI v5.0.11, package: Open MPI"
 
 
@@ -28,6 +28,9 @@ def test_json_on_two_ranks_is_one_object_from_rank_0():
     info = json.loads(lines[0])
     assert KEYS <= set(info)
     assert info["size"] == 2
+    # The strategy table in force, where it came from, one row per size class.
+    assert len(info["tuning"]["rows"]) == 9 and info["tuning"]["source"]
+    assert all(len(row) == 3 for row in info["tuning"]["rows"])
     assert sorted(r for ranks in info["hosts"].values() for r in ranks) == [0, 1]
     assert "Open MPI" in info["mpi_library"] and not info["mpi_library"].endswith("\x00")
     assert info["mpi_standard"].count(".") == 1
