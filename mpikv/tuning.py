@@ -39,12 +39,14 @@ PROBE_BUDGET_S = 3.0
 FORMAT = 1
 
 #: The measured default: ``mpikv tune`` on the project's 2-core test machine
-#: (Open MPI 5.0.11 wheel, 2 and 4 ranks, 2026-11-23). In-place ``Allreduce``
-#: in pieces won every size class; out of place, copying first and summing in
-#: place won from 64 KiB up (out-of-place ``Allreduce`` of 97.5 MiB took 36 ms,
-#: the copy plus in-place pieces 27 ms).
+#: (Open MPI 5.0.11 wheel, 2026-11-23, 2 and 4 ranks on one node). In place,
+#: ``Allreduce`` in 4 MiB pieces won 17 of the 18 classes (``shared`` won 256 KiB
+#: and 1 MiB at 4 ranks, by 3-12 %). Out of place, the winners were within 15 %
+#: of each other: ``Allreduce`` (out of place) up to 1 MiB, then copy-first or
+#: ``shared``; ``shared`` needs several ranks per node, so the default takes
+#: copy-first there, which runs anywhere.
 DEFAULT = {IN_PLACE: [(math.inf, "allreduce")],
-           OUT_OF_PLACE: [(32 << 10, "allreduce"), (math.inf, "copy+allreduce")]}
+           OUT_OF_PLACE: [(1 << 20, "allreduce"), (math.inf, "copy+allreduce")]}
 
 
 def size_class(nbytes):

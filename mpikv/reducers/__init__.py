@@ -81,6 +81,10 @@ class Chooser:
     def get(self, nbytes, in_place, device=False):
         """The reducer for a bucket of ``nbytes``, summed in place or not, on a GPU or not."""
         name = self.table.choose(nbytes, in_place)
+        if not usable(name, self.transport):
+            # A forced or cached name this layout cannot run (shared memory with one
+            # rank per node): the same answer on every rank, so the same fallback.
+            name = "allreduce" if in_place else COPY + "allreduce"
         key = (name, device)
         found = self._made.get(key)
         if found is None:
