@@ -346,10 +346,14 @@ class Engine:
             if arena is not None and self.updater_kind is None:
                 # Node-local shared memory: every rank's gradients in its own segment.
                 if not zero_copy:
-                    # Gathered apart first: the inputs may be (parts of) the segment.
-                    buf, _ = self._gather(layout, index, bucket, by_key)
-                    if buf is not arena.mine:
-                        _copy(arena.mine, buf)
+                    mine = arena.mine
+                    if any(_overlaps(mine, v) for k in bucket.keys for v in by_key[k].values):
+                        # Gathered apart first: the inputs are (parts of) the segment.
+                        buf, _ = self._gather(layout, index, bucket, by_key)
+                        if buf is not mine:
+                            _copy(mine, buf)
+                    else:
+                        self._fill(mine, bucket, by_key)
                 t.allreduce_shared_(arena, what)
                 self._alias(layout, index, bucket)
                 continue

@@ -145,7 +145,7 @@ def tuning_in_force(comm):
     from . import config, tuning
     from .transport import make_transport
     try:
-        options = config.resolve(autotune=False)
+        options = config.resolve()   # autotune read for the message only: info never probes
     except ValueError as exc:
         return {"source": f"error: {exc}", "cache_path": None, "key": None, "rows": []}
     transport = make_transport("mpi", comm, options)
@@ -161,8 +161,9 @@ def tuning_in_force(comm):
             table = tuning.Table.from_json(*found)
         else:
             table = tuning.default_table()
-            table.source = ("no cache: a store probes at creation (MPIKV_AUTOTUNE=1, the "
-                            "default) or uses this measured default (MPIKV_AUTOTUNE=0); "
+            table.source = ("no cache: a store would probe at creation (MPIKV_AUTOTUNE=1) "
+                            "or use the measured default below (MPIKV_AUTOTUNE=0); "
+                            f"MPIKV_AUTOTUNE={int(options.autotune)} here; "
                             "`mpikv tune` writes the cache")
     return {"source": table.source, "cache_path": path, "key": key,
             "rows": [list(r) for r in table.rows()]}
@@ -196,6 +197,11 @@ def format_text(info):
         lines.append(f"strategies:     {tune['source']}")
         if tune["cache_path"]:
             lines.append(f"  cache file:   {tune['cache_path']}")
+        key = tune.get("key")
+        if key:
+            lines.append(f"  cache key:    {key['library']}; MPI {key['mpi_version']}; "
+                         f"{key['ranks']} ranks; ranks per node {key['ranks_per_node']}; "
+                         f"hosts {', '.join(key['hosts'])}")
         lines.append(f"  {'size':>9s}  {'in place':22s} out of place")
         for size, inplace, outplace in tune["rows"]:
             label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"

@@ -91,13 +91,17 @@ class Table:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError("not a tuning table of this version")
         winners, times = {}, {}
-        for m, s, name in data["winners"]:
-            if m not in MODES or s not in SIZES:
-                raise ValueError(f"bad entry {[m, s, name]!r}")
-            reducers.check_name(name)
-            winners[(m, s)] = name
-        for m, s, t in data.get("times", []):
-            times[(m, s)] = {str(k): float(v) for k, v in t.items()}
+        try:
+            for m, s, name in data["winners"]:
+                if m not in MODES or s not in SIZES or not isinstance(name, str):
+                    raise ValueError(f"bad entry {[m, s, name]!r}")
+                reducers.check_name(name)
+                winners[(m, s)] = name
+            for m, s, t in data.get("times", []):
+                times[(m, s)] = {str(k): float(v) for k, v in t.items()}
+        except (KeyError, TypeError, AttributeError) as exc:
+            # wrong shapes (a number for a list, a missing field) are malformed too
+            raise ValueError(f"malformed tuning table: {type(exc).__name__}: {exc}") from None
         return cls(winners, source or str(data.get("source", "?")), times)
 
     def rows(self):
@@ -235,7 +239,9 @@ def cache_dir(environ=None):
     env = os.environ if environ is None else environ
     if env.get("MPIKV_CACHE_DIR"):
         return env["MPIKV_CACHE_DIR"]
-    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    # HOME from ``environ`` too, so the answer depends on the environment given
+    home = env.get("HOME") or os.path.expanduser("~")
+    base = env.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
     return os.path.join(base, "mpikv")
 
 
@@ -255,7 +261,9 @@ def read_cache(path, key):
                                               f"{data.get('date', '?')})")
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        # AttributeError: valid JSON that is not an object (a list, null) has no .get;
+        # rank 0 must not raise here while the other ranks wait in its bcast
         get_logger().warning("ignoring tuning cache %s: %s", path, exc)
         return None
 
@@ -263,14 +271,19 @@ def read_cache(path, key):
 def write_cache(path, key, table):
     """Writes the cache file atomically (rank 0 only). Returns an error text or None."""
     data = {"key": key, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "table": table.to_json()}
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1)
         os.replace(tmp, path)
         return None
-    except OSError as exc:
+    except (OSError, TypeError, ValueError) as exc:
+        # a half-written temp file would otherwise stay next to the cache
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
         return f"{type(exc).__name__}: {exc}"
 
 
