@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+from mpikv import tuning
 from mpikv.info import cuda_aware
 
 from .conftest import ROOT, run_job
@@ -41,6 +42,49 @@ def test_json_on_two_ranks_is_one_object_from_rank_0():
     assert settings["timeout"] == {"value": 30.0, "source": "MPIKV_TIMEOUT"}
     assert settings["bigarray_bound"]["source"] == "default"
     assert settings["log_level"]["value"] == "WARNING"
+
+
+def _info_json(n, env):
+    rc, out, _ = run_job(n, "-m", "mpikv", "info", "--json", env=env)
+    assert rc == 0, out
+    return json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+
+
+def test_the_table_in_force_comes_from_the_cache_or_the_default(tmp_path):
+    env = {"MPIKV_CACHE_DIR": str(tmp_path), "MPIKV_AUTOTUNE": "0"}
+    tune = _info_json(2, env)["tuning"]
+    assert tune["source"].startswith(
+        "no cache: a store would probe at creation (MPIKV_AUTOTUNE=1) or use the measured default")
+    assert "MPIKV_AUTOTUNE=0 here" in tune["source"]
+    assert os.path.dirname(tune["cache_path"]) == str(tmp_path)
+    assert tune["key"]["ranks"] == 2 and tune["key"]["ranks_per_node"] == [2]
+    assert tune["rows"] == [list(r) for r in tuning.default_table().rows()]
+    assert os.listdir(tmp_path) == []                     # info never probes nor writes
+    # A cache for that key (as `mpikv tune` would write it) is what info then shows.
+    table = tuning.Table({("in_place", 4096): "reduce_scatter",
+                          ("out_of_place", 4096): "copy+reduce_bcast"}, "hand-made")
+    assert tuning.write_cache(tune["cache_path"], tune["key"], table) is None
+    again = _info_json(2, env)["tuning"]
+    assert again["source"].startswith(f"cache {tune['cache_path']} (hand-made, ")
+    assert again["rows"] == [list(r) for r in table.rows()]
+    assert again["rows"][-1] == [256 << 20, "reduce_scatter", "copy+reduce_bcast"]
+    rc, out, _ = run_job(2, "-m", "mpikv", "info", env=env)
+    assert rc == 0, out
+    assert f"strategies:     cache {tune['cache_path']}" in out
+    assert f"  cache file:   {tune['cache_path']}" in out and "  cache key:    " in out
+    assert "      4 KiB  reduce_scatter         copy+reduce_bcast" in out
+
+
+def test_a_forced_reducer_or_one_rank_needs_no_table(tmp_path):
+    env = {"MPIKV_CACHE_DIR": str(tmp_path), "MPIKV_REDUCER": "copy+reduce_bcast"}
+    tune = _info_json(2, env)["tuning"]
+    assert tune["source"] == "forced: reducer=copy+reduce_bcast" and tune["cache_path"] is None
+    assert {(r[1], r[2]) for r in tune["rows"]} == {("reduce_bcast", "copy+reduce_bcast")}
+    proc = _module("info", "--json", env={"MPIKV_CACHE_DIR": str(tmp_path)})   # no mpiexec
+    assert proc.returncode == 0, proc.stderr
+    tune = json.loads(proc.stdout)["tuning"]
+    assert tune["source"] == "one rank: nothing to tune" and tune["key"] is None
+    assert {(r[1], r[2]) for r in tune["rows"]} == {("allreduce", "allreduce")}
 
 
 def test_text_on_two_ranks_names_the_rank_count():

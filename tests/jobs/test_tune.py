@@ -3,10 +3,12 @@ uses the measured default."""
 
 import json
 import os
+import subprocess
+import sys
 
 from mpikv import tuning
 
-from .conftest import run_job
+from .conftest import ROOT, run_job
 
 SCRIPT = "tests/jobs/scripts/tuned_store.py"
 
@@ -30,9 +32,14 @@ def test_tune_writes_the_cache_that_stores_then_read(tmp_path):
     assert data["key"]["ranks"] == 2
     table = tuning.Table.from_json(data["table"])
     assert {s for (_, s) in table.winners} == {4096, 16384, 65536}
+    # The printout: one row per (size, mode) naming the cached winner, a runner-up.
     for (mode, size), name in table.winners.items():
-        assert f"{name}" in out           # the printout names each winner
-    assert "written to" in out
+        label = f"{size >> 10} KiB"
+        line = [ln for ln in out.splitlines() if ln.split()[:3] == [*label.split(), mode]]
+        assert len(line) == 1, out
+        assert line[0].split()[3] == name and " %)" in line[0], line
+    assert f"written to {cache / files[0]}" in out
+    assert out.count("mpikv tune: 4 KiB ...") == 1       # progress from rank 0 only
     # A store on the same layout uses it (no probe), and still sums right.
     rc, out, _ = run_job(2, SCRIPT, env=_env(cache, "1"))
     assert rc == 0, out
@@ -44,7 +51,12 @@ def test_store_probes_when_no_cache_and_writes_one(tmp_path):
     rc, out, seconds = run_job(2, SCRIPT, env=_env(cache, "1"))
     assert rc == 0, out
     assert "SOURCE probe at the store's creation (cached in" in out and "OK sums 3.0" in out
-    assert len(_cache_files(cache)) == 1
+    files = _cache_files(cache)
+    assert len(files) == 1
+    data = json.loads((cache / files[0]).read_text())
+    probed = tuning.Table.from_json(data["table"])
+    assert {s for (_, s) in probed.winners} <= set(tuning.PROBE_SIZES) and probed.winners
+    assert data["key"]["ranks"] == 2
     rc, out, _ = run_job(2, SCRIPT, env=_env(cache, "1"))   # the next job reads it
     assert rc == 0 and "SOURCE cache" in out, out
 
@@ -62,3 +74,24 @@ def test_forced_reducer_wins_over_the_cache(tmp_path):
     assert rc == 0, out
     assert "SOURCE forced: reducer=reduce_scatter" in out and "OK sums 3.0" in out
     assert _cache_files(tmp_path) == []
+
+
+def test_tune_json_no_write_and_chosen_sizes(tmp_path):
+    rc, out, _ = run_job(2, "-m", "mpikv", "tune", "--sizes", "4K,64K", "--reps", "1",
+                         "--json", "--no-write", env=_env(tmp_path, "0"))
+    assert rc == 0, out
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, out                           # rank 0 only
+    doc = json.loads(lines[0])
+    assert doc["path"] is None and doc["error"] is None and doc["key"]["ranks"] == 2
+    assert [(r["size"], r["mode"]) for r in doc["rows"]] == [
+        (4096, "in_place"), (4096, "out_of_place"), (65536, "in_place"), (65536, "out_of_place")]
+    assert all(r["ms"] > 0 and r["runner_up"] for r in doc["rows"])
+    assert "16 KiB" not in out and _cache_files(tmp_path) == []
+
+
+def test_tune_refuses_bad_arguments_before_starting_mpi():
+    for args in (["--reps", "0"], ["--sizes", "3K"], ["--max-bytes", "100", "--sizes", "4K"]):
+        proc = subprocess.run([sys.executable, "-m", "mpikv", "tune", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "mpikv tune: error:" in proc.stderr, proc.stderr

@@ -123,3 +123,127 @@ def test_candidates_include_copy_forms_only_out_of_place():
     assert "allreduce" in names_in and not any(n.startswith("copy+") for n in names_in)
     assert "copy+allreduce" in names_out and "allreduce" in names_out
     assert "shared" not in names_in   # a transport without node groups cannot share memory
+
+
+def test_ties_between_a_strategy_and_its_copy_form_and_classes_without_a_finite_time():
+    times = {(OUT_OF_PLACE, 4096): {"copy+allreduce": 1.0, "allreduce": 1.0},
+             (OUT_OF_PLACE, 16384): {"copy+reduce_bcast": 1.0, "copy+allreduce": 1.0},
+             (IN_PLACE, 4096): {},
+             (IN_PLACE, 16384): {"allreduce": None, "shared": -math.inf}}
+    table = tuning.decide(times, "t")
+    assert table.winners == {(OUT_OF_PLACE, 4096): "allreduce",
+                             (OUT_OF_PLACE, 16384): "copy+allreduce"}
+    assert table.times[(IN_PLACE, 16384)] == {"allreduce": None, "shared": -math.inf}
+    # the in-place classes have no winner, so in place falls back to allreduce
+    assert table.choose(4096, True) == "allreduce"
+
+
+def test_choose_is_per_mode_and_equal_distances_take_the_smaller_class():
+    table = Table({(IN_PLACE, 4096): "reduce_bcast", (IN_PLACE, 16384): "shared"}, "t")
+    assert table.choose(8192, True) == "reduce_bcast"      # 2 x from both: the smaller
+    assert table.choose(8193, True) == "shared"
+    assert table.choose(4096, False) == "allreduce"        # no out-of-place entry
+    assert [r[0] for r in table.rows()] == list(SIZES)
+    assert table.rows()[-1] == (SIZES[-1], "shared", "allreduce")
+
+
+def test_size_class_rounds_on_a_log_scale():
+    assert tuning.size_class(0) == 4096                     # empty buckets count as 1 byte
+    assert tuning.size_class(8192) == 4096                  # the midpoint goes down
+    assert tuning.size_class(8193) == 16384
+    assert tuning.size_class(3 * MiB) == 4 * MiB
+    assert tuning.size_class(2 * MiB) == MiB
+
+
+def test_default_table_values_follow_DEFAULT():
+    default = tuning.default_table()
+    assert "measured default" in default.source
+    assert {default.choose(s, True) for s in SIZES} == {"allreduce"}
+    assert [default.choose(s, False) for s in SIZES] == (
+        ["allreduce"] * 5 + ["copy+allreduce"] * 4)        # 4 KiB..1 MiB, then 4..256 MiB
+    forced = tuning.forced("shared", "f")
+    assert {forced.choose(s, m) for s in SIZES for m in (True, False)} == {"shared"}
+    assert forced.source == "f" and len(forced.winners) == 2 * len(SIZES)
+
+
+def test_json_round_trip_of_a_whole_table_and_more_refusals():
+    table = tuning.default_table()
+    table.times = {(OUT_OF_PLACE, 4096): {"allreduce": 1e-5, "copy+allreduce": 2e-5}}
+    back = Table.from_json(json.loads(json.dumps(table.to_json())), source="given")
+    assert back.winners == table.winners and back.times == table.times
+    assert back.source == "given" and back.rows() == table.rows()
+    good = {"format": tuning.FORMAT, "winners": [["in_place", 4096, "allreduce"]]}
+    assert Table.from_json(good).winners == {(IN_PLACE, 4096): "allreduce"}
+    for bad in ({"format": tuning.FORMAT},                                  # no winners
+                {**good, "format": 0}, {**good, "winners": 5},
+                {**good, "winners": [["in_place", 4096]]},                  # short entry
+                {**good, "winners": [["in_place", 4096, 7]]},               # name not text
+                {**good, "winners": [["in_place", "4096", "allreduce"]]},
+                {**good, "winners": [["in_place", 4096, "copy+copy+allreduce"]]},
+                {**good, "times": [["in_place", 4096, 3.0]]},               # times not a dict
+                {**good, "times": [["in_place", 4096, {"allreduce": "fast"}]]}, None):
+        with pytest.raises(ValueError):
+            Table.from_json(bad)
+
+
+@pytest.mark.parametrize("content", [
+    b"[]", b"null", b'"text"', b'{"key": 1}', b"\xff\xfe not utf-8",
+    b'{"key": {"ranks": 2}, "table": []}',
+    b'{"key": {"ranks": 2}, "table": {"format": 1, "winners": 5}}',
+    b'{"key": {"ranks": 2}, "table": {"format": 1, "winners": [],'
+    b' "times": [["in_place", 4096, 3]]}}',
+])
+def test_read_cache_returns_none_for_any_corrupt_file(tmp_path, content):
+    path = tmp_path / "tune.json"
+    path.write_bytes(content)
+    assert tuning.read_cache(str(path), {"ranks": 2}) is None
+
+
+def test_read_cache_of_a_directory_or_a_missing_file_is_none(tmp_path):
+    assert tuning.read_cache(str(tmp_path), {}) is None
+    assert tuning.read_cache(str(tmp_path / "none" / "t.json"), {}) is None
+
+
+def test_write_cache_replaces_and_leaves_no_temp_file_on_failure(tmp_path):
+    path = str(tmp_path / "sub" / "t.json")                 # the folder is made
+    key = {"ranks": 2}
+    assert tuning.write_cache(path, key, tuning.forced("reduce_bcast", "first")) is None
+    assert tuning.write_cache(path, key, tuning.forced("shared", "second")) is None
+    assert tuning.read_cache(path, key).choose(MiB, True) == "shared"
+    assert os.listdir(tmp_path / "sub") == ["t.json"]
+    problem = tuning.write_cache(str(tmp_path / "x.json"), {"bad": object()}, Table({}, "t"))
+    assert problem.startswith("TypeError")                  # reported, not raised
+    assert sorted(os.listdir(tmp_path)) == ["sub"]          # neither file nor temp file
+    data = json.loads((tmp_path / "sub" / "t.json").read_text())
+    assert data["key"] == key and data["table"]["format"] == tuning.FORMAT and data["date"]
+
+
+def test_cache_dir_reads_home_from_the_given_environment():
+    assert tuning.cache_dir({"HOME": "/h"}) == os.path.join("/h", ".cache", "mpikv")
+    assert tuning.cache_dir({"HOME": "/h", "XDG_CACHE_HOME": "/x"}) == os.path.join("/x", "mpikv")
+    assert tuning.cache_dir({"MPIKV_CACHE_DIR": "", "XDG_CACHE_HOME": "/x"}) == "/x/mpikv"
+    path = tuning.cache_path({"ranks": 2}, {"MPIKV_CACHE_DIR": "/c"})
+    assert path == tuning.cache_path({"ranks": 2}, {"MPIKV_CACHE_DIR": "/c"})   # stable
+    assert os.path.basename(path).startswith("tune-") and path.endswith(".json")
+
+
+def test_tune_rows_print_the_tables_winner_and_the_runner_up():
+    from mpikv import tune
+    times = {(IN_PLACE, 4096): {"shared": 1e-3, "allreduce": 1e-3, "reduce_bcast": 1.5e-3},
+             (OUT_OF_PLACE, 4096): {"allreduce": 2e-3, "copy+allreduce": math.nan},
+             (OUT_OF_PLACE, MiB): {"allreduce": math.inf}}
+    rows = tune.rows(tuning.decide(times, "t"))
+    assert [(r["size"], r["mode"]) for r in rows] == [(4096, IN_PLACE), (4096, OUT_OF_PLACE)]
+    first, second = rows
+    assert first["winner"] == "allreduce" and first["ms"] == pytest.approx(1.0)  # the tie
+    assert first["runner_up"] == "shared" and first["slower_pct"] == pytest.approx(0.0)
+    assert second["winner"] == "allreduce" and second["runner_up"] is None       # NaN left out
+    assert second["slower_pct"] is None
+
+
+def test_tune_parse_sizes():
+    from mpikv import tune
+    assert tune.parse_sizes("4K, 1m,16777216,4KiB") == [4096, MiB, 16 * MiB]
+    for bad in ("3K", "1G", "", "x", "4K,,1M"):
+        with pytest.raises(ValueError):
+            tune.parse_sizes(bad)
