@@ -15,6 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 START_CLUSTER = ROOT / "slurm" / "start-cluster.sh"
+STOP_CLUSTER = ROOT / "slurm" / "stop-cluster.sh"
 NETNS = ROOT / "scripts" / "netns-hosts.sh"
 
 
@@ -44,16 +45,36 @@ def need_root():
         pytest.skip("system tests need root (apt-get, daemons, network namespaces)")
 
 
+def _running(pidfile, name):
+    """Whether the daemon ``name`` of ``pidfile`` is alive."""
+    try:
+        pid = Path(pidfile).read_text().strip()
+        return Path(f"/proc/{pid}/comm").read_text().strip() == name
+    except (OSError, ValueError):
+        return False
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """Starts (or checks) the local single-node cluster; returns the node name."""
+    """Starts (or checks) the local single-node cluster; yields the node name.
+
+    A cluster this session started is stopped at its end (daemons and all); one
+    that was already running is left as it was.
+    """
     need_root()
+    was_running = any(_running(f"/run/{d}/{n}.pid", n) for d, n in
+                      (("slurm", "slurmctld"), ("slurm", "slurmd"), ("munge", "munged")))
     rc, out, seconds = run(["bash", START_CLUSTER], timeout=600)
-    if rc == 3:
-        pytest.skip("SLURM packages are missing and apt-get could not install them "
-                    f"(is apt reachable?):\n{out[-2000:]}")
-    assert rc == 0, f"slurm/start-cluster.sh failed (rc={rc}, {seconds:.1f} s):\n{out}"
-    return socket.gethostname().split(".")[0]
+    try:
+        if rc == 3:
+            pytest.skip("SLURM packages are missing and apt-get could not install them "
+                        f"(is apt reachable?):\n{out[-2000:]}")
+        assert rc == 0, f"slurm/start-cluster.sh failed (rc={rc}, {seconds:.1f} s):\n{out}"
+        yield socket.gethostname().split(".")[0]
+    finally:
+        if not was_running:
+            rc, out, _ = run(["bash", STOP_CLUSTER], timeout=120)
+            assert rc == 0, f"slurm/stop-cluster.sh failed (rc={rc}):\n{out}"
 
 
 def sections(output):
