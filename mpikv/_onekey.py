@@ -23,7 +23,7 @@ class OneKeyCall:
         route: :meth:`mpikv.engine.Engine.one_key_route` of its key.
     """
 
-    __slots__ = ("engine", "op", "shape", "dtype", "stored", "in_place", "out_of_place",
+    __slots__ = ("engine", "op", "shape", "dtype", "stored", "reducer",
                  "what", "epoch", "template", "blob", "digests")
 
     def __init__(self, engine, call, route):
@@ -31,7 +31,7 @@ class OneKeyCall:
         self.engine = engine
         self.op = call.op
         self.shape, self.dtype = item.shape, item.dtype
-        self.stored, self.in_place, self.out_of_place, keys = route
+        self.stored, self.reducer, keys = route
         self.what = (call.op, keys)
         self.epoch = engine.epoch
         self.template = call
@@ -70,9 +70,9 @@ class OneKeyCall:
             return
         flat = value.reshape(-1)
         if out is value:  # pushpull(key, value): sum in the caller's array, keep a copy
-            self.in_place.allreduce(flat, None, what)
+            self.reducer.allreduce(flat, None, what)
             np.copyto(stored, flat)
             return
-        self.out_of_place.allreduce(stored, flat, what)
+        self.reducer.allreduce(stored, flat, what)
         if out is not None:
             np.copyto(out, stored.reshape(self.shape))

@@ -274,7 +274,12 @@ class Engine:
         return buf[:size]
 
     def reducer(self, layout, index, in_place, buf):
-        """The strategy that sums bucket ``index`` of ``layout`` (chosen once per layout)."""
+        """The strategy that sums bucket ``index`` of ``layout`` (chosen once per layout).
+
+        ``in_place`` picks the table's column and must be the same on every rank
+        (see :func:`_agreed_in_place`): whether this rank's own input happens to
+        be the destination must not change which collectives it calls.
+        """
         device = type(buf) is not np.ndarray
         key = (index, in_place, device)
         found = layout.chosen.get(key)
@@ -364,8 +369,7 @@ class Engine:
                 src, dst, in_caller = self._source(layout, index, bucket, by_key)
             else:
                 src, dst = self._owner_source(layout, index, bucket, by_key)
-            in_place = src is None
-            reducer = self.reducer(layout, index, in_place, dst)
+            reducer = self.reducer(layout, index, _agreed_in_place(bucket), dst)
             if self.updater_kind is None:
                 reducer.allreduce(dst, src, what)
                 if layout.grads is not None and dst is layout.grads[index]:
@@ -425,7 +429,8 @@ class Engine:
                     and _same_place(stored, single) and not _overlaps(stored, single)):
                 return single, stored, False
             home = self.entries[bucket.keys[0]].arena
-            return single, self.scratch(bucket.dtype, bucket.size, home), False
+            if _same_place(single, home):
+                return single, self.scratch(bucket.dtype, bucket.size, home), False
         if (stored is not None and stored.dtype == accumulate_dtype(bucket.dtype)
                 and not any(_overlaps(stored, v) for k in bucket.keys for v in by_key[k].values
                             if v.base is not None)):  # an array that owns its memory cannot
@@ -671,19 +676,18 @@ class Engine:
     def one_key_route(self, key):
         """What a repeated one-key call with the default updater needs, or None.
 
-        Returns ``(stored, in-place reducer, out-of-place reducer, what)`` for a
-        host float key summed in its own dtype; valid while :attr:`epoch` stays.
+        Returns ``(stored, reducer, keys)`` for a host float key summed in its
+        own dtype; valid while :attr:`epoch` stays. A key list with zero-copy
+        buffers has none: its pushes may go through shared memory.
         """
         if self.updater_kind is not None or self.on_gpu:
             return None
         layout = self.layout([key])
         stored = layout.stored[0]
         if (len(layout.buckets) != 1 or stored is None or type(stored) is not np.ndarray
-                or accumulate_dtype(stored.dtype) != stored.dtype
-                or (layout.grads is not None and stored is layout.grads[0])):
+                or accumulate_dtype(stored.dtype) != stored.dtype or layout.grads is not None):
             return None
-        return (stored, self.reducer(layout, 0, True, stored),
-                self.reducer(layout, 0, False, stored), [key])
+        return stored, self.reducer(layout, 0, _agreed_in_place(layout.buckets[0]), stored), [key]
 
     def uses_shared_memory(self, keys):
         """Whether a key list's zero-copy buffers are in node shared memory."""
@@ -711,6 +715,17 @@ class Engine:
                 self._entries[key] = new
         self._moved()
         layout.stored = [self._stored_view(b) for b in layout.buckets]
+
+
+def _agreed_in_place(bucket):
+    """The table column of a bucket, from what every rank knows alike.
+
+    A bucket of one key is summed from the caller's array where it can be (out
+    of place); fused keys are packed first (in place). A rank whose own input
+    takes the other route (an in-place ``pushpull``, a non-contiguous array)
+    runs the same strategy on its buffers, so the ranks' collectives match.
+    """
+    return len(bucket.keys) > 1
 
 
 def _overlaps(a, b):

@@ -42,7 +42,8 @@ FORMAT = 1
 #: (Open MPI 5.0.11 wheel, 2026-11-23, 2 and 4 ranks on one node). In place,
 #: ``Allreduce`` in 4 MiB pieces won 17 of the 18 classes (``shared`` won 256 KiB
 #: and 1 MiB at 4 ranks, by 3-12 %). Out of place, the winners were within 15 %
-#: of each other: ``Allreduce`` (out of place) up to 1 MiB, then copy-first or
+#: of each other: ``Allreduce`` up to 1 MiB (timed then with MPI's out-of-place
+#: call; it now copies first, see :mod:`mpikv.reducers.allreduce`), then copy-first or
 #: ``shared``; ``shared`` needs several ranks per node, so the default takes
 #: copy-first there, which runs anywhere.
 DEFAULT = {IN_PLACE: [(math.inf, "allreduce")],

@@ -23,6 +23,11 @@ start=$SECONDS
 # Tests use the measured default table (no probe at each store's creation, no cache
 # written to the home directory); the tuner has tests of its own.
 export MPIKV_AUTOTUNE=${MPIKV_AUTOTUNE:-0}
+# ... and never the tuning cache of this machine's user: a table found there
+# would change which strategies the tests run.
+cache=$(mktemp -d)
+trap 'rm -rf "$cache"' EXIT
+export MPIKV_CACHE_DIR=$cache
 
 echo "== unit, local-store and job tests"
 timeout -k 10 900 "$py" -m pytest tests/unit tests/jobs -q --color=no -p no:randomly || status=1

@@ -1,23 +1,27 @@
 """``Allreduce``: every rank sends and gets the whole sum, in pieces."""
 
+from .. import backends
 from .base import Reducer
 
 
 class AllreduceReducer(Reducer):
-    """``MPI_Allreduce`` of each piece, in place or out of place."""
+    """``MPI_Allreduce`` of each piece, always with ``MPI_IN_PLACE``.
+
+    MPI wants ``MPI_IN_PLACE`` on every rank of an ``Allreduce`` or on none, and
+    whether a rank's input is its destination depends on that rank's arrays, so
+    an out-of-place input is copied into the destination piece by piece first.
+    """
 
     name = "allreduce"
 
     def allreduce(self, dst, src, what):
         t = self.transport
         if dst.nbytes <= self.piece_bytes:  # one piece: the common small call, kept short
-            if src is None:
-                t.allreduce_(dst, what)
-            else:
-                t.allreduce(src, dst, what)
+            if src is not None:
+                backends.copyto(dst, src)
+            t.allreduce_(dst, what)
             return
         for a, b in self._pieces(dst):
-            if src is None:
-                t.allreduce_(dst[a:b], what)
-            else:
-                t.allreduce(src[a:b], dst[a:b], what)
+            if src is not None:
+                backends.copyto(dst[a:b], src[a:b])
+            t.allreduce_(dst[a:b], what)

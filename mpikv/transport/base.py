@@ -52,11 +52,6 @@ class Transport(ABC):
 
     # Out of place: ``src`` is read, ``dst`` written. The defaults copy, then run
     # in place (a local store's collectives are identities anyway).
-    def allreduce(self, src, dst, what):
-        """``dst`` on every rank becomes the sum of ``src`` over ranks."""
-        _copy(dst, src)
-        self.allreduce_(dst, what)
-
     def reduce(self, src, dst, root, what):
         """``dst`` on ``root`` becomes the sum of ``src``; ``dst`` elsewhere is untouched."""
         if self.rank == root:

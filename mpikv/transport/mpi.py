@@ -205,12 +205,6 @@ class MPITransport(Transport):
         with self._watchdog.watch(what):
             self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
-    def allreduce(self, src, dst, what):
-        if type(src) is not np.ndarray or type(dst) is not np.ndarray:
-            return super().allreduce(src, dst, what)
-        with self._watchdog.watch(what):
-            self.comm.Allreduce(src, dst, op=MPI.SUM)
-
     def reduce(self, src, dst, root, what):
         if type(src) is not np.ndarray or type(dst) is not np.ndarray:
             return super().reduce(src, dst, root, what)

@@ -314,3 +314,32 @@ def test_shared_buffers_given_crosswise_still_sum_right(comm):
     kv.push([0, 1], [bufs[1], bufs[0]])  # swapped between the keys
     kv.pull([0, 1], out=o)
     assert (o[0] == 10 * comm.size).all() and (o[1] == comm.size).all()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ranks_whose_inputs_take_different_routes_still_match(comm, name):
+    """One key, summed from the caller's array where it can be: one rank sums in
+    its own array (out=None), one into an output, one from a non-contiguous
+    array (packed first). The strategy must call the same collectives on all."""
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, reducer=name, direct_bytes=64,
+                      bucket_bytes=256)
+    n = 300
+    kv.init("w", np.zeros(n, np.float32))
+    total = sum(r + 1 for r in range(comm.size))
+    for step in range(3):   # the later steps run on the remembered one-key route
+        route = (comm.rank + step) % 3
+        if route == 0:
+            value = np.full(n, comm.rank + 1, np.float32)
+            kv.pushpull("w", value)
+            got = value
+        elif route == 1:
+            got = np.zeros(n, np.float32)
+            kv.pushpull("w", np.full(n, comm.rank + 1, np.float32), out=got)
+        else:
+            wide = np.full((n, 2), comm.rank + 1, np.float32)
+            got = np.zeros(n, np.float32)
+            kv.pushpull("w", wide[:, 0], out=got)   # not contiguous
+        assert (got == total).all(), (name, step, route)
+    out = np.zeros(n, np.float32)
+    kv.pull("w", out=out)
+    assert (out == total).all()
