@@ -352,9 +352,9 @@ class Engine:
                 # Node-local shared memory: every rank's gradients in its own segment.
                 if not zero_copy:
                     mine = arena.mine
-                    if any(_overlaps(mine, v) for k in bucket.keys for v in by_key[k].values):
+                    if _inputs_overlap(mine, bucket, by_key):
                         # Gathered apart first: the inputs are (parts of) the segment.
-                        buf, _ = self._gather(layout, index, bucket, by_key)
+                        buf = self._gather(layout, index, bucket, by_key)
                         if buf is not mine:
                             _copy(mine, buf)
                     else:
@@ -415,9 +415,7 @@ class Engine:
         the stored value (or a scratch buffer) and summed there in place.
         """
         stored = layout.stored[index]
-        if layout.grads is not None and all(
-                len(by_key[key].values) == 1 and by_key[key].values[0] is layout.views[key]
-                for key, _ in _key_offsets(bucket)):
+        if _gives_grads(layout, bucket, by_key):
             return None, layout.grads[index], False
         single = self._single(bucket, by_key)
         if single is not None:
@@ -432,24 +430,21 @@ class Engine:
             if _same_place(single, home):
                 return single, self.scratch(bucket.dtype, bucket.size, home), False
         if (stored is not None and stored.dtype == accumulate_dtype(bucket.dtype)
-                and not any(_overlaps(stored, v) for k in bucket.keys for v in by_key[k].values
-                            if v.base is not None)):  # an array that owns its memory cannot
+                and not _inputs_overlap(stored, bucket, by_key)):
             self._fill(stored, bucket, by_key)
             return None, stored, False
-        buf, _ = self._gather(layout, index, bucket, by_key)
+        buf = self._gather(layout, index, bucket, by_key)
         return None, buf, False
 
     def _owner_source(self, layout, index, bucket, by_key):
         """``(src, dst)`` of a push to the owners: ``dst`` gets the summed gradients."""
-        if layout.grads is not None and all(
-                len(by_key[key].values) == 1 and by_key[key].values[0] is layout.views[key]
-                for key, _ in _key_offsets(bucket)):
+        if _gives_grads(layout, bucket, by_key):
             return None, layout.grads[index]
         single = self._single(bucket, by_key)
         home = self.entries[bucket.keys[0]].arena
         if single is not None and _same_place(single, home):
             return single, self.scratch(bucket.dtype, bucket.size, home)
-        buf, _ = self._gather(layout, index, bucket, by_key)
+        buf = self._gather(layout, index, bucket, by_key)
         return None, buf
 
     def _fill(self, buf, bucket, by_key):
@@ -500,14 +495,12 @@ class Engine:
     def _gather(self, layout, index, bucket, by_key):
         """The bucket's input in one buffer: the zero-copy gradient arena, or a
         scratch buffer filled with each key's sum over devices."""
-        if layout.grads is not None and all(
-                len(by_key[key].values) == 1 and by_key[key].values[0] is layout.views[key]
-                for key, _ in _key_offsets(bucket)):
-            return layout.grads[index], False
+        if _gives_grads(layout, bucket, by_key):
+            return layout.grads[index]
         home = self.entries[bucket.keys[0]].arena
         buf = self.scratch(accumulate_dtype(bucket.dtype), bucket.size, home)
         self._fill(buf, bucket, by_key)
-        return buf, False
+        return buf
 
     def _store(self, stored, buf, bucket):
         """Copies a summed bucket into the stored values: one copy if they are one arena."""
@@ -715,6 +708,20 @@ class Engine:
                 self._entries[key] = new
         self._moved()
         layout.stored = [self._stored_view(b) for b in layout.buckets]
+
+
+def _gives_grads(layout, bucket, by_key):
+    """Whether the call hands over exactly the bucket's zero-copy gradient buffers."""
+    return layout.grads is not None and all(
+        len(by_key[key].values) == 1 and by_key[key].values[0] is layout.views[key]
+        for key, _ in _key_offsets(bucket))
+
+
+def _inputs_overlap(target, bucket, by_key):
+    """Whether any input of the bucket's keys may share memory with ``target``
+    (an array that owns its memory cannot: only views are checked)."""
+    return any(v.base is not None and _overlaps(target, v)
+               for k in bucket.keys for v in by_key[k].values)
 
 
 def _agreed_in_place(bucket):
