@@ -343,3 +343,36 @@ def test_ranks_whose_inputs_take_different_routes_still_match(comm, name):
     out = np.zeros(n, np.float32)
     kv.pull("w", out=out)
     assert (out == total).all()
+
+
+def test_columns_naming_different_strategies_still_match(comm, tmp_path_factory, monkeypatch):
+    """A cached table whose in-place and out-of-place columns name different
+    strategies: ranks whose one-key inputs take different routes must still
+    run the same one."""
+    from mpikv import config, tuning
+    from mpikv.transport.mpi import MPITransport
+    cache = comm.bcast(str(tmp_path_factory.mktemp("cache")) if comm.rank == 0 else None)
+    monkeypatch.setenv("MPIKV_CACHE_DIR", cache)
+    monkeypatch.setattr(tuning, "_resolved", {})
+    t = MPITransport(comm, config.resolve(timeout=TEST_TIMEOUT, autotune=False))
+    key = tuning.cache_key(t)
+    table = tuning.Table({**{(tuning.IN_PLACE, s): "reduce_bcast" for s in tuning.SIZES},
+                          **{(tuning.OUT_OF_PLACE, s): "reduce_scatter" for s in tuning.SIZES}},
+                         "hand-made")
+    if comm.rank == 0:
+        assert tuning.write_cache(tuning.cache_path(key), key, table) is None
+    comm.Barrier()
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, autotune=False, direct_bytes=64)
+    assert "hand-made" in kv.tuning_table.source or comm.size == 1
+    n = 300
+    kv.init("w", np.zeros(n, np.float32))
+    total = sum(r + 1 for r in range(comm.size))
+    for step in range(3):
+        value = np.full(n, comm.rank + 1, np.float32)
+        if (comm.rank + step) % 2:
+            kv.pushpull("w", value)            # in the caller's array
+            got = value
+        else:
+            got = np.zeros(n, np.float32)
+            kv.pushpull("w", value, out=got)   # into the store, then out
+        assert (got == total).all(), step
