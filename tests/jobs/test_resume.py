@@ -40,6 +40,30 @@ def test_resume_on_another_number_of_ranks(tmp_path, uninterrupted, before, afte
         np.testing.assert_array_equal(got[key], want, err_msg=key)
 
 
+def _kill_matching(text, timeout=10):
+    """SIGKILLs every process whose command line contains ``text``; waits for them."""
+    def matching():
+        pids = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != os.getpid():
+                try:
+                    with open(f"/proc/{entry}/cmdline", "rb") as f:
+                        if text.encode() in f.read():
+                            pids.append(int(entry))
+                except OSError:
+                    pass
+        return pids
+    deadline = time.monotonic() + timeout
+    while (pids := matching()) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.1)
+    assert not matching(), f"processes of {text!r} survived SIGKILL"
+
+
 def test_job_killed_while_saving_leaves_the_previous_checkpoint(tmp_path):
     ckpt, first = str(tmp_path / "ckpt"), str(tmp_path / "first.npz")
     cmd = [str(MPIRUN), "-n", "2", sys.executable, SCRIPT, "killsave", ckpt, first]
@@ -56,6 +80,9 @@ def test_job_killed_while_saving_leaves_the_previous_checkpoint(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+        # The ranks are not in mpiexec's process group: kill them too, by the
+        # checkpoint path only they have on their command line.
+        _kill_matching(ckpt)
     assert any(line.startswith("IN_SAVE") for line in seen), "".join(seen)
     # The second save wrote parts but never committed: the first one loads whole.
     out = str(tmp_path / "loaded.npz")
