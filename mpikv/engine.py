@@ -666,6 +666,26 @@ class Engine:
                     layout.views[key] = arena[offset:offset + e.flat.size].reshape(e.array.shape)
         return layout.views
 
+    def value_views(self, keys):
+        """key -> its stored value, laid out like the key list's buckets.
+
+        Values that are not moved into arenas laid out like the buckets first,
+        so a later pull of the same keys gathers the owners' parts in place,
+        straight into these arrays. Valid while :attr:`epoch` stays.
+        """
+        layout = self.layout(keys)
+        if any(s is None for s in layout.stored):
+            self._rehome(layout)
+        return {k: self._entries[k].array for k in keys}
+
+    def gather_grads(self, op, keys):
+        """After a push of the key list's zero-copy buffers to the owners, gives every
+        rank every owner's sums: one in-place ``Allgatherv`` per bucket."""
+        layout = self.layout(keys)
+        for index, bucket in enumerate(layout.buckets):
+            self.transport.allgatherv_(wire_view(layout.grads[index]), bucket.counts,
+                                       bucket.displs, (op, bucket.keys))
+
     def one_key_route(self, key):
         """What a repeated one-key call with the default updater needs, or None.
 

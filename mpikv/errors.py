@@ -49,8 +49,12 @@ class OptimizerError(MPIKVError):
     """An optimizer is missing or differs between ranks."""
 
 
+class GradientError(MPIKVError):
+    """A Trainer's gradients cannot be summed as they are (missing, or written late)."""
+
+
 __all__ = [
     "MPIKVError", "InputError", "UnknownKeyError", "DuplicateInitError",
     "KeyTypeError", "ValueTypeError", "ShapeError", "DTypeError",
-    "MismatchError", "StateFileError", "OptimizerError",
+    "MismatchError", "StateFileError", "OptimizerError", "GradientError",
 ]

@@ -348,6 +348,49 @@ class KVStore:
         out = [views[k] for k in call.user_keys]
         return out[0] if single else out
 
+    def value_buffers(self, keys):
+        """Zero-copy values: arrays that are the stored values of the keys.
+
+        A model can keep its parameters in them (``mpikv.torch.Trainer`` does):
+        ``pull(keys, out=bufs)`` then copies nothing, and with an optimizer set,
+        a push's updates land in the owner's buffers and the pull gathers the
+        owners' parts in place. Collective (the values may move into arenas
+        laid out like the key list's buckets, as for :meth:`gradient_buffers`).
+        Write into them only through the store; they stop being the stored
+        values if a later call moves the values (another key list's
+        ``gradient_buffers`` or ``value_buffers``).
+
+        Args:
+            keys: a key or a list of initialised keys.
+
+        Returns:
+            A list of arrays, one per key (an array for a single key).
+        """
+        single = not isinstance(keys, (list, tuple))
+        call = self._read("value_buffers", [keys] if single else list(keys))
+        views = self._collective(call, lambda: self._engine.value_views(call.keys))
+        out = [views[k] for k in call.user_keys]
+        return out[0] if single else out
+
+    def gather_gradients(self, keys):
+        """Gives every rank the whole sums after a push of zero-copy buffers to the owners.
+
+        With an updater or optimizer set, a push reduces each part of the
+        :meth:`gradient_buffers` of ``keys`` only on that part's owner. This
+        call copies every owner's sums into every rank's buffers (one
+        ``Allgatherv`` per bucket), so each rank holds the summed gradients, as
+        after an allreduce. Collective.
+
+        Raises:
+            ValueTypeError: the key list has no gradient buffers.
+        """
+        key_list = list(keys) if isinstance(keys, (list, tuple)) else [keys]
+        call = self._read("gather_gradients", key_list)
+        if not call.errors and self._engine.zero_copy_views(call.keys) is None:
+            call.fail(errors.ValueTypeError, None, "gather_gradients needs keys whose "
+                      "gradient_buffers were made (for this key list)")
+        self._collective(call, lambda: self._engine.gather_grads(call.op, call.keys))
+
     def _background_error(self, text):
         from .transport._deadline import EXCEPTION_EXIT_CODE, abort
         abort(f"mpikv: rank {self.rank}: {text}", EXCEPTION_EXIT_CODE)

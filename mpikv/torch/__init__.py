@@ -1,0 +1,15 @@
+"""Train a PyTorch model on an mpikv store: ``mpikv.torch.Trainer``.
+
+Needs torch (``pip install mpikv[torch]``)::
+
+    trainer = mpikv.torch.Trainer(model, torch.optim.AdamW, {"lr": 1e-3})
+    for x, y in loader:
+        trainer.zero_grad()
+        loss_fn(model(x), y).backward()   # buckets start moving during backward
+        trainer.step()                    # owners update their parts; weights come back
+"""
+
+from .optimizers import MXNetRule, TorchAdam, TorchSGD
+from .trainer import Trainer
+
+__all__ = ["Trainer", "TorchSGD", "TorchAdam", "MXNetRule"]

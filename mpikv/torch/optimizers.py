@@ -1,0 +1,272 @@
+"""Optimizers that the Trainer runs on the owners' parts, after the reduction.
+
+As the store's optimizer, each class only *records* the parts a push hands to
+this rank (its weight view, its summed gradient view, its state). The Trainer
+then calls :meth:`Deferred.apply` once the gradients are final (scaled,
+perhaps clipped), and pulls the weights. So the reduction can run during
+backward while the update waits for ``step``.
+
+:class:`TorchSGD` and :class:`TorchAdam` (Adam and AdamW) call torch's own
+functional updates on views of the parts, so the arithmetic is torch's;
+:class:`MXNetRule` runs an :class:`mpikv.optimizer.Optimizer`.
+"""
+
+import numpy as np
+import torch
+from torch.optim import adam as _adam
+from torch.optim import sgd as _sgd
+
+from ..errors import OptimizerError
+from ..optimizer.base import COUNT, Optimizer, PendingUpdate, register
+
+
+def as_tensor(array):
+    """A torch tensor sharing ``array``'s memory (numpy, or a GPU array via DLPack)."""
+    if isinstance(array, np.ndarray):
+        return torch.from_numpy(array)
+    return torch.from_dlpack(array)
+
+
+class Deferred(Optimizer):
+    """Base: records the owned parts at push time and updates them in :meth:`apply`.
+
+    Keys not in ``keys`` (the Trainer's own bookkeeping keys) are assigned the
+    pushed sum at once, as the store's default updater would.
+
+    Args:
+        keys: the keys whose updates wait for :meth:`apply`.
+    """
+
+    name = "deferred"
+
+    def __init__(self, keys, **kwargs):
+        super().__init__(**kwargs)
+        self._deferred_keys = frozenset(keys)
+        self._parts = []  # (key, weight, grad, state), appended on the store's worker thread
+
+    def begin_update(self, key, weight, grad, state):
+        if key not in self._deferred_keys:
+            weight[...] = grad
+            return PendingUpdate(None, key, None, None)
+        self._record(key, weight, grad, state)
+        return PendingUpdate(None, key, None, None)
+
+    def _record(self, key, weight, grad, state):
+        count = state[COUNT].reshape(-1)
+        count[0] += 1
+        self.num_update = max(self.num_update, int(count[0]))
+        self._parts.append((key, weight, grad, state))
+
+    def owned_parts(self):
+        """The ``(key, weight, grad, state)`` parts recorded since the last :meth:`apply`."""
+        return list(self._parts)
+
+    def discard(self):
+        """Forgets the recorded parts (a step that raised applies nothing)."""
+        self._parts = []
+
+    def apply(self, scale):
+        """Updates every recorded part, gradients first multiplied by ``scale``.
+
+        Args:
+            scale: a float; 1.0 leaves the gradients as they are.
+        """
+        parts, self._parts = self._parts, []
+        if not parts:
+            return
+        if scale != 1.0:
+            for _, _, grad, _ in parts:
+                grad *= scale
+        self._run(parts)
+
+    def _run(self, parts):
+        raise NotImplementedError
+
+
+class _TorchRule(Deferred):
+    """A torch optimizer's update rule with param groups.
+
+    Args:
+        keys: the trainer's keys.
+        groups: per param group, its hyperparameters (torch's names).
+        key_groups: ``[[key, group index], ...]``.
+        begin_num_update: as for every optimizer.
+
+    The hyperparameters are read from ``groups`` at each update, so a torch
+    learning-rate scheduler that changes the Trainer's ``param_groups``
+    (see :meth:`bind`) steers them.
+    """
+
+    #: the hyperparameters carried, with torch's names
+    hyper = ()
+
+    def __init__(self, groups, key_groups, begin_num_update=0, keys=None):
+        self._key_group = {k: int(g) for k, g in key_groups}
+        self._groups = [dict(g) for g in groups]
+        for g in self._groups:
+            for flag in ("fused", "differentiable", "capturable"):
+                if g.pop(flag, None):
+                    raise OptimizerError(f"{flag}=True is not supported on the owners")
+        super().__init__(keys if keys is not None else list(self._key_group),
+                         learning_rate=float(self._groups[0]["lr"]) if self._groups else 0.0,
+                         begin_num_update=begin_num_update)
+        self._live = None
+
+    def bind(self, param_groups):
+        """Reads hyperparameters from ``param_groups`` (a torch optimizer's) from now on."""
+        if len(param_groups) != len(self._groups):
+            raise OptimizerError("param_groups do not match the optimizer's groups")
+        self._live = param_groups
+
+    def _group(self, index):
+        source = self._live[index] if self._live is not None else self._groups[index]
+        return {name: _plain(source[name]) for name in self.hyper}
+
+    def get_config(self):
+        return {"name": self.name, "begin_num_update": int(self.begin_num_update),
+                "groups": [self._group(i) for i in range(len(self._groups))],
+                "key_groups": [[k, g] for k, g in self._key_group.items()]}
+
+    def create_state(self, key, weight):
+        # torch keeps its state in the parameter's dtype.
+        xp = np if isinstance(weight, np.ndarray) else __import__("cupy")
+        state = {name: xp.zeros(weight.shape, weight.dtype)
+                 for name in self.elementwise_state_names}
+        state[COUNT] = np.full(1, self.begin_num_update, dtype=np.int64)
+        return state
+
+    def _run(self, parts):
+        by_group = {}
+        for part in parts:
+            by_group.setdefault(self._key_group[part[0]], []).append(part)
+        for index, group_parts in sorted(by_group.items()):
+            self._step(self._group(index), group_parts)
+
+    def _step(self, hyper, parts):
+        raise NotImplementedError
+
+
+@register
+class TorchSGD(_TorchRule):
+    """``torch.optim.SGD``'s arithmetic (momentum, dampening, Nesterov, weight decay)."""
+
+    name = "torch_sgd"
+    hyper = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "foreach")
+
+    @property
+    def elementwise_state_names(self):
+        return ("momentum_buffer",) if any(g["momentum"] for g in self._groups) else ()
+
+    def _step(self, hyper, parts):
+        params = [as_tensor(w) for _, w, _, _ in parts]
+        grads = [as_tensor(g) for _, _, g, _ in parts]
+        momentum = hyper["momentum"]
+        # torch starts a momentum buffer as a copy of the first gradient.
+        bufs = [None if not momentum or int(s[COUNT][0]) == 1 else as_tensor(s["momentum_buffer"])
+                for _, _, _, s in parts]
+        with torch.no_grad():
+            _sgd.sgd(params, grads, bufs, foreach=hyper["foreach"],
+                     weight_decay=hyper["weight_decay"], momentum=momentum, lr=hyper["lr"],
+                     dampening=hyper["dampening"], nesterov=hyper["nesterov"],
+                     maximize=hyper["maximize"])
+            if momentum:
+                for (_, _, _, s), buf in zip(parts, bufs):
+                    state = as_tensor(s["momentum_buffer"])
+                    if buf.data_ptr() != state.data_ptr():
+                        state.copy_(buf)
+
+
+@register
+class TorchAdam(_TorchRule):
+    """``torch.optim.Adam``'s and ``AdamW``'s arithmetic (``decoupled_weight_decay``)."""
+
+    name = "torch_adam"
+    hyper = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize",
+             "decoupled_weight_decay", "foreach")
+
+    @property
+    def elementwise_state_names(self):
+        names = ("exp_avg", "exp_avg_sq")
+        return names + ("max_exp_avg_sq",) if any(g["amsgrad"] for g in self._groups) else names
+
+    def _step(self, hyper, parts):
+        params = [as_tensor(w) for _, w, _, _ in parts]
+        grads = [as_tensor(g) for _, _, g, _ in parts]
+        states = [s for _, _, _, s in parts]
+        amsgrad = hyper["amsgrad"]
+        # torch increments its step tensor before using it: hand it the count so far.
+        steps = [torch.tensor(float(int(s[COUNT][0]) - 1)) for s in states]
+        beta1, beta2 = hyper["betas"]
+        with torch.no_grad():
+            _adam.adam(params, grads, [as_tensor(s["exp_avg"]) for s in states],
+                       [as_tensor(s["exp_avg_sq"]) for s in states],
+                       [as_tensor(s["max_exp_avg_sq"]) for s in states] if amsgrad else [],
+                       steps, foreach=hyper["foreach"],
+                       decoupled_weight_decay=hyper["decoupled_weight_decay"], amsgrad=amsgrad,
+                       beta1=beta1, beta2=beta2, lr=hyper["lr"],
+                       weight_decay=hyper["weight_decay"], eps=hyper["eps"],
+                       maximize=hyper["maximize"])
+
+
+class MXNetRule(Deferred):
+    """An :class:`mpikv.optimizer.Optimizer` (MXNet's rules), deferred to :meth:`apply`.
+
+    Args:
+        inner: the optimizer; its ``num_partials`` must be 0 (not LAMB).
+        keys: the trainer's keys.
+    """
+
+    def __init__(self, inner, keys):
+        if inner.num_partials:
+            raise OptimizerError(f"{type(inner).__name__} sums partial norms across owners; "
+                                 f"the Trainer runs optimizers without them (not LAMB)")
+        self.inner = inner
+        super().__init__(keys, learning_rate=inner.lr, begin_num_update=inner.begin_num_update)
+        self.name = inner.name
+
+    def get_config(self):
+        return self.inner.get_config()
+
+    @property
+    def elementwise_state_names(self):
+        return self.inner.elementwise_state_names
+
+    def create_state(self, key, weight):
+        return self.inner.create_state(key, weight)
+
+    def _record(self, key, weight, grad, state):
+        # The inner optimizer counts when it runs.
+        self._parts.append((key, weight, grad, state))
+        self.num_update = max(self.num_update, int(state[COUNT][0]) + 1)
+
+    def _run(self, parts):
+        for key, weight, grad, state in parts:
+            self.inner.update(key, weight, grad, state)
+        self.num_update = self.inner.num_update
+
+
+#: torch optimizer class -> the rule that runs its arithmetic on the owners
+RULES = {torch.optim.SGD: TorchSGD, torch.optim.Adam: TorchAdam, torch.optim.AdamW: TorchAdam}
+
+
+def rule_for(torch_class):
+    """The rule for a torch optimizer class.
+
+    Raises:
+        OptimizerError: no rule runs that class on the owners.
+    """
+    rule = RULES.get(torch_class)
+    if rule is None:
+        names = ", ".join(f"torch.optim.{c.__name__}" for c in RULES)
+        raise OptimizerError(f"{getattr(torch_class, '__name__', torch_class)!r} cannot run "
+                             f"on the owners; supported: {names}, or an mpikv.optimizer")
+    return rule
+
+
+def _plain(value):
+    """JSON-ready hyperparameter values (tuples become lists, 0-d tensors floats)."""
+    if isinstance(value, torch.Tensor):
+        return float(value)
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,457 @@
+"""The Trainer: a torch model's gradients, optimizer and weights on an mpikv store."""
+
+import contextlib
+import json
+import os
+
+import torch
+
+from .. import errors
+from ._params import backward_buckets, named_groups
+from .optimizers import Deferred, MXNetRule, as_tensor, rule_for
+
+#: the store key of the Trainer's per-step status vector (not a parameter name:
+#: torch names have no spaces)
+STATUS_KEY = "mpikv trainer status"
+#: format tag of the Trainer's part of a checkpoint
+CHECKPOINT_FORMAT = "mpikv.torch.Trainer/1"
+
+
+class Trainer:
+    """Data-parallel training of a torch model on an mpikv store.
+
+    Every parameter's storage and gradient are views into the store's
+    buffers. During backward, each bucket of gradients starts its reduction
+    as soon as its last gradient is ready; ``step`` waits for them, lets each
+    owner update its parts with the optimizer (so optimizer state is sharded
+    over the ranks), and gathers the weights back into the parameters.
+
+    Args:
+        params: a ``torch.nn.Module``, its ``named_parameters()``, or a list of
+            param-group dicts whose ``"params"`` are either. Names are the keys;
+            parameters with ``requires_grad=False`` are skipped; tied
+            parameters count once.
+        optimizer: a ``torch.optim`` class (``SGD``, ``Adam``, ``AdamW``), an
+            :class:`mpikv.optimizer.Optimizer`, or an mpikv optimizer's name.
+        optimizer_params: keyword arguments of the optimizer class.
+        kvstore: a store, or a store type; default ``dist_sync`` when MPI has
+            more than one rank, else ``local`` (``_device`` variants for CUDA
+            parameters).
+        bucket_bytes: the most gradient bytes reduced by one asynchronous call.
+        unused_parameters: ``"zeros"`` (a parameter that got no gradient adds
+            zeros) or ``"error"`` (a :class:`mpikv.GradientError` on every rank,
+            naming the parameters and ranks).
+        lr_scheduler: a callable that takes :attr:`optimizer` and returns a
+            torch LR scheduler; it becomes :attr:`lr_scheduler` and is saved in
+            checkpoints.
+
+    Attributes:
+        kvstore: the store.
+        optimizer: a ``torch.optim.Optimizer`` whose ``param_groups`` hold the
+            hyperparameters (torch schedulers change them there); its ``step``
+            is :meth:`update`. Its ``state`` stays empty: the state lives on
+            the owners.
+        lr_scheduler: the scheduler made from ``lr_scheduler``, or None.
+        num_update: the number of updates so far.
+    """
+
+    def __init__(self, params, optimizer, optimizer_params=None, kvstore=None, *,
+                 bucket_bytes=8 << 20, unused_parameters="zeros", lr_scheduler=None):
+        if unused_parameters not in ("zeros", "error"):
+            raise ValueError(f"unused_parameters must be 'zeros' or 'error', "
+                             f"not {unused_parameters!r}")
+        named, hyper_groups = named_groups(params)
+        self._names = [n for n, _, _ in named]
+        self._params = [p for _, p, _ in named]
+        self._group_of = [g for _, _, g in named]
+        self._error_unused = unused_parameters == "error"
+        self.kvstore = _make_store(kvstore, self._params)
+        kv = self.kvstore
+        self._status = torch.zeros(kv.num_workers + 1, dtype=torch.float64).numpy()
+        kv.init(self._names + [STATUS_KEY], [p.detach() for p in self._params] + [self._status])
+        rule, groups = _make_rule(optimizer, optimizer_params or {}, hyper_groups, self._names,
+                                  self._group_of)
+        self._rule = rule
+        kv.set_optimizer(rule)
+        self.optimizer = _OwnersOptimizer(self, [
+            {"params": [p for p, g in zip(self._params, self._group_of) if g == index], **hyper}
+            for index, hyper in enumerate(groups)])
+        if hasattr(rule, "bind"):
+            rule.bind(self.optimizer.param_groups)
+        self._wire(bucket_bytes)
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        self.num_update = 0
+        self._scale = None
+        self._sync = True
+        self._start_step()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
+                       for i, p in enumerate(self._params)]
+
+    # -- setup -------------------------------------------------------------
+    def _wire(self, bucket_bytes):
+        """Makes every parameter's storage and gradient views into the store's buffers."""
+        kv, params = self.kvstore, self._params
+        sizes = [p.numel() * p.element_size() for p in params]
+        self._buckets = backward_buckets(sizes, bucket_bytes, first_bytes=min(bucket_bytes,
+                                                                              1 << 20))
+        self._bucket_of = [0] * len(params)
+        self._bucket_keys, self._grad_arrays, self._value_arrays = [], [], []
+        for b, members in enumerate(self._buckets):
+            for i in members:
+                self._bucket_of[i] = b
+            keys = [self._names[i] for i in members]
+            self._bucket_keys.append(keys)
+            self._grad_arrays.append(kv.gradient_buffers(keys))
+        # Values are placed after every gradient list exists, so none moves them again.
+        self._value_arrays = [kv.value_buffers(keys) for keys in self._bucket_keys]
+        self._grads = [None] * len(params)
+        for b, members in enumerate(self._buckets):
+            for i, grad, value in zip(members, self._grad_arrays[b], self._value_arrays[b]):
+                p = params[i]
+                with torch.no_grad():
+                    p.data = as_tensor(value)
+                    self._grads[i] = as_tensor(grad)
+                p.grad = self._grads[i]
+
+    # -- the step ------------------------------------------------------------
+    def _start_step(self):
+        n = len(self._params)
+        self._touched = [False] * n     # got a gradient since the last reduction
+        self._fired = [False] * n       # its hook ran in this (synchronised) backward
+        self._ready = [0] * len(self._buckets)
+        self._launched = [False] * len(self._buckets)
+        self._next = 0
+        self._handles = []
+        self._late = []
+        self._reduced = False
+        self._scaled = False
+
+    def _hook(self, index):
+        def hook(param):
+            self._rewire(index)
+            if not self._sync:
+                self._touched[index] = True
+                return
+            b = self._bucket_of[index]
+            if self._launched[b]:
+                self._late.append(self._names[index])
+                return
+            self._touched[index] = True
+            if not self._fired[index]:
+                self._fired[index] = True
+                self._ready[b] += 1
+            # Buckets leave in order, so every rank issues the same calls in the same order.
+            while (self._next < len(self._buckets)
+                   and self._ready[self._next] == len(self._buckets[self._next])):
+                self._launch(self._next)
+        return hook
+
+    def _rewire(self, index):
+        """Puts a gradient that is no longer the store's buffer back into it."""
+        p, buf = self._params[index], self._grads[index]
+        grad = p.grad
+        if grad is buf:
+            return True
+        if grad is not None and grad.data_ptr() == buf.data_ptr() and grad.shape == buf.shape:
+            p.grad = buf
+            return True
+        with torch.no_grad():
+            if grad is None:
+                buf.zero_()
+            else:
+                buf.copy_(grad)
+        p.grad = buf
+        return grad is not None
+
+    def _launch(self, b):
+        self._launched[b] = True
+        self._next = b + 1
+        self._handles.append(self.kvstore.push_async(self._bucket_keys[b], self._grad_arrays[b]))
+
+    def _reduce(self):
+        """Sums every gradient on its owners (what backward has not started yet starts now)."""
+        if self._reduced:
+            return
+        for i in range(len(self._params)):
+            launched = self._launched[self._bucket_of[i]]
+            if not self._rewire(i) and launched and self._params[i].grad is not None:
+                self._late.append(self._names[i])
+            if not self._touched[i] and not launched:
+                self._grads[i].zero_()  # an unused parameter adds zeros
+        for b in range(self._next, len(self._buckets)):
+            self._launch(b)
+        self.kvstore.wait(self._handles)
+        self._handles = []
+        self._agree_on_status()
+        self._reduced = True
+
+    def _agree_on_status(self):
+        """One small sum over the ranks: who wrote gradients late, who left some unused."""
+        unused = [self._names[i] for i in range(len(self._params)) if not self._touched[i]]
+        status = self._status
+        status[:] = 0
+        status[self.kvstore.rank] = len(unused)
+        status[-1] = len(self._late)
+        self.kvstore.pushpull(STATUS_KEY, status)
+        if status[-1]:
+            self._rule.discard()
+            mine = _few(self._late) or "none"
+            self._start_step()
+            raise errors.GradientError(
+                f"gradients were written after their bucket was sent (this rank: {mine}); "
+                f"run backward once per step, or inside trainer.no_sync(); nothing was applied")
+        if self._error_unused and status[:-1].any():
+            self._rule.discard()
+            ranks = [r for r in range(self.kvstore.num_workers) if status[r]]
+            self._start_step()
+            raise errors.GradientError(
+                f"parameters got no gradient on rank(s) {_few(ranks)} (this rank: "
+                f"{_few(unused) or 'none'}); nothing was applied")
+
+    def allreduce_grads(self):
+        """Averages the gradients over the ranks; every rank then holds them all.
+
+        Use it with :meth:`update` to change gradients in between (to clip
+        them, say): ``.grad`` then holds the average (or, after
+        ``update(batch_size)``... see :meth:`step`) on every rank.
+        """
+        self._reduce()
+        for keys in self._bucket_keys:
+            self.kvstore.gather_gradients(keys)
+        scale = 1.0 / self.kvstore.num_workers
+        with torch.no_grad():
+            for grad in self._grads:
+                grad.mul_(scale)
+        self._scaled = True
+
+    def update(self, batch_size=None):
+        """The owners update their parts; the weights land back in the parameters.
+
+        Args:
+            batch_size: None: gradients are averaged over the ranks (as DDP
+                does); else they are summed and divided by ``batch_size`` (as
+                Gluon's ``step(batch_size)`` does). Ignored after
+                :meth:`allreduce_grads`, which averaged them.
+        """
+        self._reduce()
+        if self._scaled:
+            scale = 1.0
+        elif batch_size is None:
+            scale = 1.0 / self.kvstore.num_workers
+        else:
+            scale = 1.0 / batch_size
+        self._scale = scale
+        self.optimizer.step()
+
+    def step(self, batch_size=None):
+        """:meth:`update` after the reduction that backward started.
+
+        After it, ``.grad`` holds the averaged gradient only on the parts this
+        rank owns; :meth:`allreduce_grads` then :meth:`update` give it everywhere.
+        """
+        self.update(batch_size)
+
+    def _apply(self):
+        """The owners' update and the gathering of the weights (``optimizer.step``)."""
+        self._reduce()
+        if isinstance(self._rule, MXNetRule) and self._rule.inner.lr_scheduler is None:
+            self._rule.inner.lr = float(self.optimizer.param_groups[0]["lr"])
+        scale = self._scale
+        if scale is None:  # optimizer.step() called directly: as update()
+            scale = 1.0 if self._scaled else 1.0 / self.kvstore.num_workers
+        self._rule.apply(scale)
+        self._scale = None
+        handles = [self.kvstore.pull_async(keys, out=values)
+                   for keys, values in zip(self._bucket_keys, self._value_arrays)]
+        self.kvstore.wait(handles)
+        self.num_update += 1
+        self._start_step()
+
+    # -- gradients -------------------------------------------------------------
+    def zero_grad(self, set_to_none=None):
+        """Zeroes every gradient in place (they stay the store's buffers).
+
+        Args:
+            set_to_none: accepted for torch's signature; gradients are never
+                set to None (a None gradient would leave the store's buffer).
+        """
+        del set_to_none
+        if self._handles:  # a backward whose step never came: let its calls finish
+            self.kvstore.wait(self._handles)
+            self._rule.discard()
+            self._start_step()
+        with torch.no_grad():
+            for i, grad in enumerate(self._grads):
+                grad.zero_()
+                if self._params[i].grad is not grad:
+                    self._params[i].grad = grad
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradients of backward passes inside this block accumulate locally;
+        the first backward after it reduces them all, as with DDP's ``no_sync``."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    # -- hyperparameters -------------------------------------------------------
+    @property
+    def learning_rate(self):
+        """The learning rate of the first param group."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    def set_learning_rate(self, lr):
+        """Sets the learning rate of every param group (as Gluon's Trainer does)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    # -- checkpoints -----------------------------------------------------------
+    def save_checkpoint(self, path):
+        """Saves weights, optimizer state, hyperparameters, scheduler and step count.
+
+        The store's checkpoint (``path`` and ``path.parts/``, one part per
+        owner) holds the weights and the state; ``path.trainer.json`` the rest.
+        It loads on any number of ranks. Call it between steps; collective.
+        """
+        self._between_steps("save_checkpoint")
+        path = str(path)
+        self.kvstore.save_checkpoint(path)
+        failure = None
+        if self.kvstore.rank == 0:
+            try:
+                _write_json(path + ".trainer.json", self._meta())
+            except OSError as e:
+                failure = f"{path}.trainer.json could not be written: {e}"
+        self._all_or_none(failure, errors.StateFileError)
+
+    def load_checkpoint(self, path):
+        """Restores a :meth:`save_checkpoint` save, on any number of ranks; collective."""
+        self._between_steps("load_checkpoint")
+        path = str(path)
+        meta, failure = None, None
+        try:
+            with open(path + ".trainer.json") as f:
+                meta = json.load(f)
+            if meta.get("format") != CHECKPOINT_FORMAT:
+                failure = f"{path}.trainer.json is not a Trainer checkpoint"
+            elif len(meta["param_groups"]) != len(self.optimizer.param_groups):
+                failure = (f"{path}.trainer.json has {len(meta['param_groups'])} param groups, "
+                           f"the Trainer {len(self.optimizer.param_groups)}")
+        except (OSError, ValueError, KeyError) as e:
+            failure = f"{path}.trainer.json cannot be read: {e}"
+        self._all_or_none(failure, errors.StateFileError)
+        self.kvstore.load_checkpoint(path)
+        for group, saved in zip(self.optimizer.param_groups, meta["param_groups"]):
+            group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+        if self.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        self.num_update = int(meta["num_update"])
+        handles = [self.kvstore.pull_async(keys, out=values)
+                   for keys, values in zip(self._bucket_keys, self._value_arrays)]
+        self.kvstore.wait(handles)
+
+    def _meta(self):
+        hyper = [{k: v for k, v in g.items() if k != "params"}
+                 for g in self.optimizer.param_groups]
+        return {"format": CHECKPOINT_FORMAT, "num_update": self.num_update,
+                "param_groups": hyper,
+                "lr_scheduler": (None if self.lr_scheduler is None
+                                 else self.lr_scheduler.state_dict())}
+
+    def _between_steps(self, op):
+        if self._handles or self._reduced:
+            self.kvstore.wait(self._handles)
+            self._rule.discard()
+            self._start_step()
+
+    def _all_or_none(self, failure, cls):
+        """Raises ``cls`` on every rank if any rank had a ``failure`` (a message)."""
+        status = self._status
+        status[:] = 0
+        status[-1] = failure is not None
+        self.kvstore.pushpull(STATUS_KEY, status)
+        if status[-1]:
+            raise cls(failure or "another rank failed (see its message); nothing was applied")
+
+    def __repr__(self):
+        return (f"<mpikv.torch.Trainer {len(self._params)} parameters, "
+                f"{len(self._buckets)} buckets, {self.kvstore!r}>")
+
+
+class _OwnersOptimizer(torch.optim.Optimizer):
+    """The Trainer's torch face: param groups for schedulers; ``step`` is the Trainer's."""
+
+    def __init__(self, trainer, param_groups):
+        self._trainer = trainer
+        super().__init__(param_groups, {})
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._trainer._apply()
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        self._trainer.zero_grad()
+
+
+def _make_store(kvstore, params):
+    import mpikv
+    if kvstore is not None and not isinstance(kvstore, str):
+        return kvstore
+    on_gpu = any(p.is_cuda for p in params)
+    if kvstore is None:
+        from mpi4py import MPI
+        kvstore = "dist_sync" if MPI.COMM_WORLD.Get_size() > 1 else "local"
+    if on_gpu and "device" not in kvstore:
+        kvstore = "device" if kvstore == "local" else "dist_sync_device"
+    return mpikv.create(kvstore)
+
+
+def _make_rule(optimizer, optimizer_params, hyper_groups, names, group_of):
+    """The store's optimizer and the full hyperparameters of each param group."""
+    from .. import optimizer as mx_optimizer
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        rule_class = rule_for(optimizer)
+        # torch's own constructor checks the arguments and fills in its defaults.
+        probe = optimizer([{"params": [torch.zeros(1, requires_grad=True)], **g}
+                           for g in hyper_groups], **optimizer_params)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in probe.param_groups]
+        rule = rule_class([{k: g[k] for k in rule_class.hyper} for g in groups],
+                          [[n, g] for n, g in zip(names, group_of)])
+        return rule, [{k: g[k] for k in rule_class.hyper} for g in groups]
+    if isinstance(optimizer, str):
+        optimizer = mx_optimizer.create(optimizer, **optimizer_params)
+    elif optimizer_params:
+        raise errors.OptimizerError("optimizer_params go with an optimizer class or name, "
+                                    "not with an optimizer object")
+    if not isinstance(optimizer, mx_optimizer.Optimizer):
+        raise errors.OptimizerError(f"optimizer must be a torch.optim class, an "
+                                    f"mpikv.optimizer.Optimizer or a name, not {optimizer!r}")
+    if len(hyper_groups) > 1 or any(hyper_groups):
+        raise errors.OptimizerError("param groups with their own hyperparameters need a "
+                                    "torch.optim class (mpikv optimizers use lr_mult/wd_mult)")
+    return MXNetRule(optimizer, names), [{"lr": optimizer.lr}]
+
+
+def _few(items, limit=3):
+    items = [str(i) for i in items]
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def _write_json(path, data):
+    """Writes JSON atomically: a temporary file, fsynced, renamed over ``path``."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+__all__ = ["Trainer", "Deferred"]
