@@ -13,6 +13,10 @@ from .optimizers import Deferred, MXNetRule, as_tensor, rule_for
 #: the store key of the Trainer's per-step status vector (not a parameter name:
 #: torch names have no spaces)
 STATUS_KEY = "mpikv trainer status"
+#: per rank in the status vector: unused count, late count, then the indices (+1)
+#: of the first few unused parameters, so every rank can name them
+_NAMED = 3
+_ROW = 2 + _NAMED
 #: format tag of the Trainer's part of a checkpoint
 CHECKPOINT_FORMAT = "mpikv.torch.Trainer/1"
 
@@ -67,7 +71,7 @@ class Trainer:
         self._error_unused = unused_parameters == "error"
         self.kvstore = _make_store(kvstore, self._params)
         kv = self.kvstore
-        self._status = torch.zeros(kv.num_workers + 1, dtype=torch.float64).numpy()
+        self._status = torch.zeros(kv.num_workers * _ROW, dtype=torch.float64).numpy()
         kv.init(self._names + [STATUS_KEY], [p.detach() for p in self._params] + [self._status])
         rule, groups = _make_rule(optimizer, optimizer_params or {}, hyper_groups, self._names,
                                   self._group_of)
@@ -187,26 +191,28 @@ class Trainer:
 
     def _agree_on_status(self):
         """One small sum over the ranks: who wrote gradients late, who left some unused."""
-        unused = [self._names[i] for i in range(len(self._params)) if not self._touched[i]]
+        unused = [i for i in range(len(self._params)) if not self._touched[i]]
         status = self._status
         status[:] = 0
-        status[self.kvstore.rank] = len(unused)
-        status[-1] = len(self._late)
+        row = status.reshape(-1, _ROW)[self.kvstore.rank]
+        row[0], row[1] = len(unused), len(self._late)
+        row[2:2 + len(unused[:_NAMED])] = [i + 1 for i in unused[:_NAMED]]
         self.kvstore.pushpull(STATUS_KEY, status)
-        if status[-1]:
+        rows = status.reshape(-1, _ROW)
+        late = [r for r in range(len(rows)) if rows[r, 1]]
+        if late:
             self._rule.discard()
-            mine = _few(self._late) or "none"
             self._start_step()
             raise errors.GradientError(
-                f"gradients were written after their bucket was sent (this rank: {mine}); "
+                f"gradients were written after their bucket was sent, on rank(s) {_few(late)}; "
                 f"run backward once per step, or inside trainer.no_sync(); nothing was applied")
-        if self._error_unused and status[:-1].any():
+        if self._error_unused and rows[:, 0].any():
             self._rule.discard()
-            ranks = [r for r in range(self.kvstore.num_workers) if status[r]]
             self._start_step()
-            raise errors.GradientError(
-                f"parameters got no gradient on rank(s) {_few(ranks)} (this rank: "
-                f"{_few(unused) or 'none'}); nothing was applied")
+            where = "; ".join(
+                f"rank {r}: {_few([self._names[int(i) - 1] for i in rows[r, 2:] if i], more=int(rows[r, 0]))}"
+                for r in range(len(rows)) if rows[r, 0])
+            raise errors.GradientError(f"parameters got no gradient ({where}); nothing was applied")
 
     def allreduce_grads(self):
         """Averages the gradients over the ranks; every rank then holds them all.
@@ -370,9 +376,9 @@ class Trainer:
         """Raises ``cls`` on every rank if any rank had a ``failure`` (a message)."""
         status = self._status
         status[:] = 0
-        status[-1] = failure is not None
+        status[self.kvstore.rank * _ROW + 1] = failure is not None
         self.kvstore.pushpull(STATUS_KEY, status)
-        if status[-1]:
+        if status.any():
             raise cls(failure or "another rank failed (see its message); nothing was applied")
 
     def __repr__(self):
@@ -438,10 +444,12 @@ def _make_rule(optimizer, optimizer_params, hyper_groups, names, group_of):
     return MXNetRule(optimizer, names), [{"lr": optimizer.lr}]
 
 
-def _few(items, limit=3):
+def _few(items, limit=_NAMED, more=None):
+    """At most ``limit`` items, and how many more of ``more`` (default: of ``items``) there are."""
     items = [str(i) for i in items]
-    more = f" and {len(items) - limit} more" if len(items) > limit else ""
-    return ", ".join(items[:limit]) + more
+    total = len(items) if more is None else more
+    rest = f" and {total - limit} more" if total > limit else ""
+    return ", ".join(items[:limit]) + rest
 
 
 def _write_json(path, data):

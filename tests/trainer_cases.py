@@ -1,0 +1,177 @@
+"""The Trainer's test table: each case trained through ``mpikv.torch.Trainer`` on
+the ranks, and the same steps in one process with the global batch.
+
+Shared by the local-store tests (tests/unit) and the collective ones
+(tests/mpi), so every case runs on 1 to 4 ranks.
+"""
+
+import numpy as np
+import torch
+
+import mpikv
+import mpikv.torch
+from mpikv import optimizer as mx_optimizer
+
+GLOBAL_BATCH = 12   # divisible by 1, 2, 3 and 4 ranks
+STEPS = 4
+
+
+class Net(torch.nn.Module):
+    """float64; with a tied pair, a frozen layer, a head some ranks skip and an unused layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        kw = {"dtype": torch.float64}
+        self.enc = torch.nn.Linear(8, 8, **kw)
+        self.frozen = torch.nn.Linear(8, 8, **kw).requires_grad_(False)
+        self.fc1 = torch.nn.Linear(8, 16, **kw)
+        self.fc2 = torch.nn.Linear(16, 4, **kw)
+        self.head = torch.nn.Linear(16, 4, **kw)
+        self.spare = torch.nn.Linear(4, 4, **kw)
+        self.dec = torch.nn.Linear(8, 8, bias=False, **kw)
+        self.dec.weight = self.enc.weight  # tied: one key
+
+    def forward(self, x, use_head):
+        h = self.dec(torch.tanh(self.enc(x))) + self.frozen(x)
+        h = torch.tanh(self.fc1(h))
+        out = self.fc2(h)
+        return out + self.head(h) if use_head else out
+
+
+#: name -> settings; missing settings take the defaults in :func:`settings`
+CASES = {
+    "sgd": {},
+    "adam-amsgrad": {"opt": torch.optim.Adam, "kw": {"lr": 0.01, "amsgrad": True,
+                                                      "weight_decay": 1e-3}},
+    "adamw": {"opt": torch.optim.AdamW, "kw": {"lr": 0.01, "weight_decay": 0.05}},
+    "mxnet-sgd": {"opt": "mx"},
+    "set-to-none": {"zero": "set_to_none"},
+    "head-on-some-ranks": {"head": "even"},
+    "no-sync": {"micro": 2},
+    "clip": {"clip": 0.05},
+    "scheduler": {"opt": torch.optim.AdamW, "kw": {"lr": 0.02}, "sched": True},
+    "split-keys": {"store": {"bigarray_bound": 10}},
+    "param-groups": {"groups": True},
+    "batch-size": {"batch_size": True},
+}
+
+
+def settings(name):
+    s = {"opt": torch.optim.SGD, "kw": {"lr": 0.1, "momentum": 0.9, "nesterov": True,
+                                        "weight_decay": 1e-3},
+         "zero": "trainer", "head": "none", "micro": 1, "clip": None, "sched": False,
+         "store": {}, "groups": False, "batch_size": False}
+    s.update(CASES[name])
+    return s
+
+
+def data(step, micro):
+    g = torch.Generator().manual_seed(1000 + 10 * step + micro)
+    return (torch.randn(GLOBAL_BATCH, 8, generator=g, dtype=torch.float64),
+            torch.randn(GLOBAL_BATCH, 4, generator=g, dtype=torch.float64))
+
+
+def uses_head(s, rank):
+    return s["head"] == "all" or (s["head"] == "even" and rank % 2 == 0)
+
+
+def _loss(s, out, y):
+    return torch.nn.functional.mse_loss(out, y, reduction="sum" if s["batch_size"] else "mean")
+
+
+def _params(s, net):
+    named = [(n, p) for n, p in net.named_parameters()]
+    if not s["groups"]:
+        return net
+    return [{"params": [(n, p) for n, p in named if n.startswith("fc")], "lr": 0.03},
+            {"params": [(n, p) for n, p in named if not n.startswith("fc")]}]
+
+
+def _mx_optimizer():
+    return mx_optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=1e-3)
+
+
+def train(name, kv_type="dist_sync", rank=0, size=1):
+    """Trains case ``name`` through a Trainer; returns ``{name: weight}`` (numpy copies)."""
+    s = settings(name)
+    net = Net()
+    store = mpikv.create(kv_type, timeout=120, **s["store"])
+    opt, kw = (_mx_optimizer(), None) if s["opt"] == "mx" else (s["opt"], s["kw"])
+    sched = (lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5)) if s["sched"] else None
+    trainer = mpikv.torch.Trainer(_params(s, net), opt, kw, store, lr_scheduler=sched)
+    per = GLOBAL_BATCH // size
+    rows = slice(rank * per, (rank + 1) * per)
+    for step in range(STEPS):
+        if s["zero"] == "trainer":
+            trainer.zero_grad()
+        else:
+            net.zero_grad(set_to_none=True)
+        for micro in range(s["micro"]):
+            x, y = data(step, micro)
+            ctx = trainer.no_sync() if micro < s["micro"] - 1 else _nothing()
+            with ctx:
+                _loss(s, net(x[rows], uses_head(s, rank)), y[rows]).backward()
+        if s["clip"]:
+            trainer.allreduce_grads()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), s["clip"])
+            trainer.update()
+        else:
+            trainer.step(GLOBAL_BATCH if s["batch_size"] else None)
+        if trainer.lr_scheduler is not None:
+            trainer.lr_scheduler.step()
+    return {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
+
+
+def reference(name, size):
+    """The same steps in one process: the loss averaged as the ranks' would be."""
+    s = settings(name)
+    net = Net()
+    named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
+    if s["opt"] == "mx":
+        updater = mx_optimizer.get_updater(_mx_optimizer())
+    else:
+        groups = _params(s, net)
+        if isinstance(groups, list):
+            groups = [{**g, "params": [p for _, p in g["params"]]} for g in groups]
+        else:
+            groups = [p for _, p in named]
+        opt = s["opt"](groups, **s["kw"])
+        sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if s["sched"] else None
+    per = GLOBAL_BATCH // size
+    for step in range(STEPS):
+        net.zero_grad(set_to_none=True)
+        for micro in range(s["micro"]):
+            x, y = data(step, micro)
+            for r in range(size):
+                rows = slice(r * per, (r + 1) * per)
+                loss = _loss(s, net(x[rows], uses_head(s, r)), y[rows])
+                (loss / (GLOBAL_BATCH if s["batch_size"] else size)).backward()
+        for _, p in named:  # the Trainer sums zeros for a parameter no rank used
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if s["clip"]:
+            torch.nn.utils.clip_grad_norm_([p for _, p in named], s["clip"])
+        if s["opt"] == "mx":
+            with torch.no_grad():
+                for n, p in named:
+                    updater(n, p.grad.numpy(), p.detach().numpy())
+        else:
+            opt.step()
+            if sched is not None:
+                sched.step()
+    return {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def assert_close(got, want, tol=1e-12):
+    assert sorted(got) == sorted(want)
+    for n in want:
+        np.testing.assert_allclose(got[n], want[n], rtol=tol, atol=tol, err_msg=n)
