@@ -24,3 +24,107 @@ def test_trainer_equals_one_process_with_the_global_batch(comm, name):
     for other in everyone[1:]:
         for n in got:
             assert (other[n] == everyone[0][n]).all(), n
+
+
+def _net_and_trainer(comm, **options):
+    net = cases.Net()
+    named = [(n, p) for n, p in net.named_parameters() if not n.startswith("spare")]
+    trainer = mpikv.torch.Trainer(named, torch.optim.SGD, {"lr": 0.1},
+                                  mpikv.create("dist_sync", timeout=120), **options)
+    return net, trainer
+
+
+def _weights(net):
+    return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def test_unused_parameter_is_an_error_on_every_rank_when_asked(comm):
+    net, trainer = _net_and_trainer(comm, unused_parameters="error")
+    before = _weights(net)
+    x, y = cases.data(0, 0)
+    # The head is used on rank 0 only (on a single rank: nowhere).
+    net(x, comm.size > 1 and comm.rank == 0).sum().backward()
+    message = raises_everywhere(comm, mpikv.GradientError, trainer.step)
+    assert "head.weight, head.bias" in message
+    assert f"rank {comm.size - 1}:" in message and "nothing was applied" in message
+    for n, w in _weights(net).items():
+        assert torch.equal(w, before[n]), n
+    # The next step, with every parameter used, trains.
+    trainer.zero_grad()
+    net(x, True).sum().backward()
+    trainer.step()
+    assert not torch.equal(net.fc1.weight, before["fc1.weight"])
+
+
+def test_a_second_backward_without_no_sync_is_an_error_on_every_rank(comm):
+    net, trainer = _net_and_trainer(comm)
+    before = _weights(net)
+    x, y = cases.data(0, 0)
+    net(x, True).sum().backward()
+    if comm.rank == 0:  # one rank only: the others must still raise
+        net(x, True).sum().backward()
+    message = raises_everywhere(comm, mpikv.GradientError, trainer.step)
+    assert "after their bucket was sent, on rank(s) 0" in message
+    for n, w in _weights(net).items():
+        assert torch.equal(w, before[n]), n
+
+
+def test_an_unsupported_torch_optimizer_is_refused():
+    net = cases.Net()
+    with pytest.raises(mpikv.OptimizerError, match="RMSprop.*supported: torch.optim.SGD"):
+        mpikv.torch.Trainer(net, torch.optim.RMSprop, {"lr": 0.1},
+                            mpikv.create("dist_sync", timeout=120))
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    import torch.distributed as dist
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    port = comm.bcast(_free_port() if comm.rank == 0 else None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=comm.rank, world_size=comm.size)
+    yield dist
+    dist.destroy_process_group()
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("opt,kw", [
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3}),
+    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05}),
+], ids=["sgd", "adamw"])
+def test_trainer_equals_ddp(comm, gloo, opt, kw):
+    from torch.nn.parallel import DistributedDataParallel
+
+    def model():
+        net = cases.Net()
+        del net.spare, net.head  # DDP refuses parameters that get no gradient
+        return net
+
+    ours, theirs = model(), model()
+    trainer = mpikv.torch.Trainer(ours, opt, kw, mpikv.create("dist_sync", timeout=120))
+    ddp = DistributedDataParallel(theirs)
+    torch_opt = opt(ddp.parameters(), **kw)
+    per = cases.GLOBAL_BATCH // comm.size
+    rows = slice(comm.rank * per, (comm.rank + 1) * per)
+    for step in range(cases.STEPS):
+        x, y = cases.data(step, 0)
+        trainer.zero_grad()
+        torch.nn.functional.mse_loss(ours(x[rows], False), y[rows]).backward()
+        trainer.step()
+        torch_opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x[rows], False), y[rows]).backward()
+        torch_opt.step()
+    # Two addends sum alike in any order; more may be added in another order than gloo's.
+    exact = comm.size <= 2
+    for (n, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        if exact:
+            assert torch.equal(a, b), n
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
