@@ -121,6 +121,12 @@ class KVStore:
         return self._transport.size
 
     @property
+    def comm(self):
+        """The store's own mpi4py communicator (a duplicate of the one given to
+        :func:`create`), or None for a local store."""
+        return getattr(self._transport, "comm", None)
+
+    @property
     def tuning_table(self):
         """The :class:`mpikv.tuning.Table` that picks each bucket's reduction strategy."""
         return self._engine.chooser.table

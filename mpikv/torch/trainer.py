@@ -10,9 +10,9 @@ from .. import errors
 from ._params import backward_buckets, named_groups
 from .optimizers import Deferred, MXNetRule, as_tensor, rule_for
 
-#: the store key of the Trainer's per-step status vector (not a parameter name:
-#: torch names have no spaces)
-STATUS_KEY = "mpikv trainer status"
+#: the key of the Trainer's per-step status vector, in a store of its own (so
+#: that checkpoints hold the model alone)
+STATUS_KEY = "status"
 #: per rank in the status vector: unused count, late count, then the indices (+1)
 #: of the first few unused parameters, so every rank can name them
 _NAMED = 3
@@ -72,7 +72,10 @@ class Trainer:
         self.kvstore = _make_store(kvstore, self._params)
         kv = self.kvstore
         self._status = torch.zeros(kv.num_workers * _ROW, dtype=torch.float64).numpy()
-        kv.init(self._names + [STATUS_KEY], [p.detach() for p in self._params] + [self._status])
+        kv.init(self._names, [p.detach() for p in self._params])
+        # Small sums the ranks must agree on (errors found on some ranks only).
+        self._control = _control_store(kv)
+        self._control.init(STATUS_KEY, self._status)
         rule, groups = _make_rule(optimizer, optimizer_params or {}, hyper_groups, self._names,
                                   self._group_of)
         self._rule = rule
@@ -197,7 +200,7 @@ class Trainer:
         row = status.reshape(-1, _ROW)[self.kvstore.rank]
         row[0], row[1] = len(unused), len(self._late)
         row[2:2 + len(unused[:_NAMED])] = [i + 1 for i in unused[:_NAMED]]
-        self.kvstore.pushpull(STATUS_KEY, status)
+        self._control.pushpull(STATUS_KEY, status)
         rows = status.reshape(-1, _ROW)
         late = [r for r in range(len(rows)) if rows[r, 1]]
         if late:
@@ -377,7 +380,7 @@ class Trainer:
         status = self._status
         status[:] = 0
         status[self.kvstore.rank * _ROW + 1] = failure is not None
-        self.kvstore.pushpull(STATUS_KEY, status)
+        self._control.pushpull(STATUS_KEY, status)
         if status.any():
             raise cls(failure or "another rank failed (see its message); nothing was applied")
 
@@ -416,6 +419,15 @@ def _make_store(kvstore, params):
     if on_gpu and "device" not in kvstore:
         kvstore = "device" if kvstore == "local" else "dist_sync_device"
     return mpikv.create(kvstore)
+
+
+def _control_store(kv):
+    """A store beside ``kv``, on the same ranks, for the Trainer's status sums."""
+    import mpikv
+    if kv.comm is None:
+        return mpikv.create("local")
+    return mpikv.create("dist_sync", comm=kv.comm, reducer="allreduce", shared_memory=False,
+                        timeout=None)
 
 
 def _make_rule(optimizer, optimizer_params, hyper_groups, names, group_of):

@@ -1,0 +1,636 @@
+"""Training benchmark: mpikv's torch Trainer against DDP (and Horovod) in a real loop.
+
+Usage (``python -m mpikv bench train`` and ``python -m mpikv.bench_train`` are the same)::
+
+    scripts/mpirun.sh -n 2 python -m mpikv bench train                 # both models, time + memory
+    scripts/mpirun.sh -n 2 python -m mpikv bench train --model resnet18 --time
+    scripts/mpirun.sh -n 4 python -m mpikv bench train --model bert --memory --json
+    scripts/mpirun.sh -n 2 python -m mpikv bench train --variants trainer-adam,ddp-adam \\
+        --model bert --bert-layers 4 --bert-seq 32
+
+Models, written out here with plain ``torch.nn`` (the torchvision wheel may
+not import beside a CPU torch): ``resnet18`` (torchvision's layout, 10
+classes, 11,181,642 parameters in 62 tensors) on synthetic 3x32x32 images,
+and ``bert`` (BERT-base by default: embeddings, 12 encoder layers of width
+768, a pooler and a 2-class head; 109,483,778 parameters) on synthetic token
+ids. Every variant starts from the same weights and sees the same batches
+(and dropout masks); each rank gets its own data. Each rank's loss is the
+mean over its batch and the gradients are averaged over the ranks.
+
+Variants:
+
+- ``trainer-sgd``, ``trainer-adam``: ``mpikv.torch.Trainer(model, torch.optim.SGD
+  or Adam, kwargs)``; a step is ``zero_grad()``, forward, ``backward()``, ``step()``.
+- ``ddp-sgd``, ``ddp-adam``: ``DistributedDataParallel`` over gloo (its
+  defaults: 25 MiB buckets, gradients copied into them) + the same optimizer on
+  every rank.
+- ``ddp-zero-adam``: DDP + ``ZeroRedundancyOptimizer`` (Adam state sharded).
+- ``horovod-sgd``, ``horovod-adam``: ``hvd.DistributedOptimizer``, when
+  ``import horovod.torch`` works.
+
+SGD: lr 0.05, momentum 0.9, weight decay 5e-4; Adam: lr 1e-4.
+
+Two measurements. **Time**: every variant of a model lives in one process
+and they take turns, one step each (untimed warm-up rounds first); a step's
+time is the slowest rank's, the table shows the median. When all the
+variants of BERT would not fit in this node's memory together, they are
+timed in groups that do (each group's variants interleaved, ``trainer-X``
+always with ``ddp-X``); the output names the groups. **Memory**: peak RSS
+(``VmHWM``) cannot be told apart between variants sharing a process, so each
+variant runs a few steps in a fresh job of the same size, started with
+``MPI_Comm_spawn``; the figure is the largest rank's, beside the RSS before
+the model was built and the model's bytes (its parameters).
+
+After the timed steps, ``max |w - ddp-X|`` is the largest difference
+between a variant's weights and those of ``ddp-X`` (same optimizer, same
+group), and ``max |w - rank 0|`` between the ranks' replicas.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+
+# One thread per rank: the ranks share the cores (set before torch starts its pools).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+try:
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+except ImportError:  # pragma: no cover - the test skips without torch
+    sys.exit("python -m mpikv bench train needs PyTorch: pip install torch "
+             "(a CPU build is enough: pip install torch --index-url "
+             "https://download.pytorch.org/whl/cpu)")
+
+import numpy as np
+
+from .bench import _library, _Timer
+
+MODELS = ("resnet18", "bert")
+VARIANTS = ("trainer-sgd", "trainer-adam", "ddp-sgd", "ddp-adam", "ddp-zero-adam",
+            "horovod-sgd", "horovod-adam")
+OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4}),
+              "adam": (torch.optim.Adam, {"lr": 1e-4})}
+#: Per model: (warm-up rounds, timed rounds); a BERT-base step takes seconds here.
+DEFAULT_STEPS = {"resnet18": (5, 30), "bert": (2, 8)}
+#: The goals of issue 11: (model, what, numerator, denominator, bound).
+GOALS = [("resnet18", "step time", "trainer-sgd", "ddp-sgd", 0.8),
+         ("bert", "peak RSS", "trainer-adam", "ddp-adam", 0.6),
+         ("bert", "peak RSS", "trainer-adam", "model bytes", 3.0)]
+
+
+# -- the models --------------------------------------------------------------------------
+
+
+class _BasicBlock(nn.Module):
+    """torchvision's ``BasicBlock``: two 3x3 convolutions and a shortcut."""
+
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                            nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(out)) + identity)
+
+
+class ResNet18(nn.Module):
+    """torchvision's ``resnet18`` (same modules, order and initialisation)."""
+
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        widths, cin = (64, 128, 256, 512), 64
+        for i, w in enumerate(widths):
+            stride = 1 if i == 0 else 2
+            setattr(self, f"layer{i + 1}",
+                    nn.Sequential(_BasicBlock(cin, w, stride), _BasicBlock(w, w, 1)))
+            cin = w
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(512, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class Bert(nn.Module):
+    """A BERT-style encoder with a sequence-classification head (BERT-base by default)."""
+
+    def __init__(self, vocab=30522, hidden=768, layers=12, heads=12, ffn=3072, positions=512,
+                 classes=2, dropout=0.1):
+        super().__init__()
+        self.word = nn.Embedding(vocab, hidden)
+        self.position = nn.Embedding(positions, hidden)
+        self.token_type = nn.Embedding(2, hidden)
+        self.norm = nn.LayerNorm(hidden, eps=1e-12)
+        self.drop = nn.Dropout(dropout)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(hidden, heads, ffn, dropout, activation="gelu",
+                                       layer_norm_eps=1e-12, batch_first=True)
+            for _ in range(layers))
+        self.pooler = nn.Linear(hidden, hidden)
+        self.classifier = nn.Linear(hidden, classes)
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1])
+        x = self.word(ids) + self.position(pos) + self.token_type(torch.zeros_like(ids))
+        x = self.drop(self.norm(x))
+        for layer in self.layers:
+            x = layer(x)
+        return self.classifier(torch.tanh(self.pooler(x[:, 0])))
+
+
+def build(model, args):
+    """The model, with the same weights on every rank and in every variant (``args.seed``)."""
+    torch.manual_seed(args.seed)
+    if model == "resnet18":
+        return ResNet18(10)
+    return Bert(args.bert_vocab, args.bert_hidden, args.bert_layers, args.bert_heads,
+                args.bert_ffn or 4 * args.bert_hidden, max(512, args.bert_seq))
+
+
+def batches(model, args, rank, n):
+    """``n`` synthetic batches of this rank: the same for every variant, another per rank."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + 7919 * rank + 1)
+    out = []
+    for _ in range(n):
+        if model == "resnet18":
+            out.append((torch.randn(args.resnet_batch, 3, args.resnet_image, args.resnet_image,
+                                    generator=g),
+                        torch.randint(0, 10, (args.resnet_batch,), generator=g)))
+        else:
+            out.append((torch.randint(0, args.bert_vocab, (args.bert_batch, args.bert_seq),
+                                      generator=g),
+                        torch.randint(0, 2, (args.bert_batch,), generator=g)))
+    return out
+
+
+def describe_batch(model, args):
+    if model == "resnet18":
+        return f"batch {args.resnet_batch} x 3x{args.resnet_image}x{args.resnet_image} per rank"
+    return (f"batch {args.bert_batch} x seq {args.bert_seq} per rank; hidden {args.bert_hidden}, "
+            f"{args.bert_layers} layers, {args.bert_heads} heads, vocab {args.bert_vocab}")
+
+
+def model_bytes(net):
+    return sum(p.numel() * p.element_size() for p in net.parameters())
+
+
+# -- the variants ------------------------------------------------------------------------
+
+
+def unavailable(variant):
+    """Why ``variant`` cannot run here, or None."""
+    if variant.startswith("trainer-") and importlib.util.find_spec("mpikv.torch") is None:
+        return "mpikv.torch is not there yet"
+    if variant.startswith("horovod-"):
+        try:
+            import horovod.torch  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - any failure to import means no Horovod
+            return f"import horovod.torch failed ({type(exc).__name__}: {exc})"
+    return None
+
+
+def init_process_group(comm):
+    """gloo for DDP, on the ranks of ``comm``: rank 0 picks a free port and tells the others."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    from mpi4py import MPI
+    one_host = len(set(comm.allgather(MPI.Get_processor_name()))) == 1
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        addr = os.environ.get("MASTER_ADDR") or (
+            "127.0.0.1" if one_host else socket.gethostbyname(socket.gethostname()))
+    else:
+        addr = port = None
+    addr, port = comm.bcast((addr, port))
+    if one_host:
+        # gloo otherwise picks the interface of the hostname, which a container may lack.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank,
+                            world_size=comm.size)
+
+
+def make_variant(variant, net, loss_fn, comm):
+    """Wraps ``net`` (the variant's own copy) for ``variant``; returns ``step(batch)``."""
+    kind, opt = variant.split("-", 1)
+    if kind == "trainer":
+        from mpikv.torch import Trainer
+        cls, kwargs = OPTIMIZERS[opt]
+        trainer = Trainer(net, cls, dict(kwargs))
+
+        def step(batch):
+            trainer.zero_grad()
+            loss_fn(net, batch).backward()
+            trainer.step()
+        step.keep = trainer
+        return step
+    if kind == "horovod":
+        import horovod.torch as hvd
+        hvd.init()
+        cls, kwargs = OPTIMIZERS[opt]
+        optimizer = hvd.DistributedOptimizer(cls(net.parameters(), **kwargs),
+                                             named_parameters=net.named_parameters())
+        wrapped = net
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+        init_process_group(comm)
+        wrapped = DistributedDataParallel(net)
+        if opt == "zero-adam":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            cls, kwargs = OPTIMIZERS["adam"]
+            optimizer = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=cls,
+                                                **kwargs)
+        else:
+            cls, kwargs = OPTIMIZERS[opt]
+            optimizer = cls(wrapped.parameters(), **kwargs)
+
+    def step(batch):
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(wrapped, batch).backward()
+        optimizer.step()
+    step.keep = (wrapped, optimizer)
+    return step
+
+
+def loss_of(net, batch):
+    """Mean cross-entropy of this rank's batch (DDP and the Trainer average over ranks)."""
+    x, y = batch
+    return F.cross_entropy(net(x), y)
+
+
+def reference(variant):
+    """The DDP variant a variant is compared with: ``ddp-sgd`` or ``ddp-adam``."""
+    return "ddp-sgd" if variant.endswith("-sgd") else "ddp-adam"
+
+
+# -- memory: each variant in a job of its own ----------------------------------------------
+
+
+def _status_mib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def memory_child(args, comm):
+    """In a spawned job: a few steps of one variant; returns the ranks' RSS figures."""
+    model, variant = args.model, args.variants
+    if variant.startswith("trainer-"):
+        import mpikv.torch  # noqa: F401 - its import is part of the start, not of the model
+    if variant.startswith("ddp-"):
+        init_process_group(comm)
+    start = _status_mib("VmRSS")
+    net = build(model, args)
+    data = batches(model, args, comm.rank, args.memory_steps)
+    step = make_variant(variant, net, loss_of, comm)
+    for i, batch in enumerate(data):
+        torch.manual_seed(_step_seed(args, comm.rank, i))
+        step(batch)
+    peaks = comm.gather(_status_mib("VmHWM"), root=0)
+    starts = comm.gather(start, root=0)
+    return {"peak_MiB": max(peaks), "peak_MiB_per_rank": peaks, "start_MiB": max(starts),
+            "model_bytes": model_bytes(net), "steps": args.memory_steps} if comm.rank == 0 else None
+
+
+def measure_memory(model, variant, args, comm):
+    """Peak RSS of ``variant`` in a fresh job of ``comm.size`` ranks (MPI_Comm_spawn)."""
+    from mpi4py import MPI
+    res = None
+    if comm.rank == 0:
+        child_args = ["-m", "mpikv.bench_train", "--memory-child", "--model", model,
+                      "--variants", variant] + _size_args(args)
+        inter = MPI.COMM_SELF.Spawn(sys.executable, child_args, maxprocs=comm.size)
+        while not inter.Iprobe(source=0):
+            time.sleep(0.05)  # an idle parent leaves the cores to the job it started
+        res = inter.recv(source=0)
+        inter.Disconnect()
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.05)
+    return comm.bcast(res)
+
+
+def _size_args(args):
+    out = []
+    for name in ("seed", "memory_steps", "resnet_batch", "resnet_image", "bert_batch",
+                 "bert_seq", "bert_hidden", "bert_layers", "bert_heads", "bert_ffn",
+                 "bert_vocab"):
+        out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return out
+
+
+# -- time: the variants take turns in one process ------------------------------------------
+
+
+def _step_seed(args, rank, i):
+    # Reseeded before each step: every variant draws the same dropout masks.
+    return args.seed * 1_000_003 + 104_729 * rank + i
+
+
+def _meminfo_available_mib():
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("inf")
+
+
+def time_groups(variants, growth_mib, args, comm):
+    """Splits ``variants`` into groups timed one after the other, each fitting in memory.
+
+    ``growth_mib``: per variant, the RSS it adds per rank. Tries one group,
+    then one per optimizer, then ``trainer-X`` with ``ddp-X`` (the others
+    alone), then one each.
+    """
+    from mpi4py import MPI
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    budget = 0.8 * _meminfo_available_mib() / local.size
+    local.Free()
+    by_opt = {}
+    for v in variants:
+        by_opt.setdefault(v.split("-")[-1], []).append(v)
+    pairs = [[v, reference(v)] if reference(v) in variants else [v]
+             for v in variants if v.startswith("trainer-")]
+    paired = {v for g in pairs for v in g}
+    choices = {"one": [list(variants)], "optimizer": list(by_opt.values()),
+               "pairs": pairs + [[v] for v in variants if v not in paired],
+               "each": [[v] for v in variants]}
+    if args.groups != "auto":
+        return choices[args.groups]
+    for name in ("one", "optimizer", "pairs", "each"):
+        fits = all(sum(growth_mib[v] for v in g) <= budget for g in choices[name])
+        if comm.allreduce(fits, op=MPI.LAND):
+            return choices[name]
+    return choices["each"]
+
+
+def time_model(model, variants, args, comm, growth_mib):
+    """Step times of ``variants`` of ``model``, interleaved; returns rows by variant."""
+    from mpi4py import MPI
+    warmup, steps = _steps(model, args)
+    data = batches(model, args, comm.rank, warmup + steps)
+    rows = {v: {} for v in variants}
+    groups = time_groups(variants, growth_mib, args, comm)
+    for group in groups:
+        steppers, nets, turn = {}, {}, {}
+        for v in group:
+            nets[v] = build(model, args)  # seeded: the same weights, and no template to keep
+            steppers[v] = make_variant(v, nets[v], loss_of, comm)
+            turn[v] = 0
+
+        def case(v):
+            current = {}
+
+            def prepare():
+                i = turn[v]
+                torch.manual_seed(_step_seed(args, comm.rank, i))
+                current["batch"] = data[i]
+                turn[v] = i + 1
+            return (v, prepare, lambda: steppers[v](current["batch"]))
+        timer = _Timer(comm)
+        timer.run([case(v) for v in group], steps, warmup=warmup)
+        flat = {v: nn.utils.parameters_to_vector(nets[v].parameters()).detach() for v in group}
+        for v in group:
+            ms = np.array(timer.samples[v]) * 1e3
+            ref = reference(v)
+            diff = (float((flat[v] - flat[ref]).abs().max()) if ref in flat else None)
+            rank0 = flat[v].clone()
+            comm.Bcast(rank0.numpy(), root=0)
+            rows[v].update({"step_ms": float(np.median(ms)), "step_ms_min": float(ms.min()),
+                            "step_ms_max": float(ms.max()), "group": group,
+                            "max_abs_diff_vs_ddp": None if diff is None
+                            else comm.allreduce(diff, op=MPI.MAX),
+                            "max_abs_diff_vs_rank0": comm.allreduce(
+                                float((flat[v] - rank0).abs().max()), op=MPI.MAX)})
+        del steppers, nets, flat, timer
+    return rows, groups, warmup, steps
+
+
+def _steps(model, args):
+    warmup, steps = DEFAULT_STEPS[model]
+    return (warmup if args.warmup is None else args.warmup,
+            steps if args.steps is None else args.steps)
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+def run(args, comm):
+    """Both measurements of every model asked for; prints each model's table as it ends."""
+    models = MODELS if args.model == "all" else (args.model,)
+    asked = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in asked if v not in VARIANTS]
+    if bad:
+        raise SystemExit(f"unknown variants {bad}; choose from {', '.join(VARIANTS)}")
+    skipped = {v: why for v in asked if (why := unavailable(v))}
+    variants = [v for v in asked if v not in skipped]
+    out = {"ranks": comm.size, "library": _library(), "torch": torch.__version__,
+           "threads_per_rank": torch.get_num_threads(), "skipped": skipped, "models": []}
+    if comm.rank == 0 and not args.json:
+        for v, why in skipped.items():
+            print(f"skipping {v}: {why}")
+    for model in models:
+        net = build(model, args)
+        info = {"model": model, "parameters": sum(p.numel() for p in net.parameters()),
+                "tensors": len(list(net.parameters())), "model_bytes": model_bytes(net),
+                "batch": describe_batch(model, args), "variants": {v: {} for v in variants}}
+        del net
+        if args.measure in ("both", "memory"):
+            for v in variants:
+                mem = measure_memory(model, v, args, comm)
+                info["variants"][v].update(mem)
+                info["variants"][v]["peak_over_model"] = mem["peak_MiB"] * 2**20 / mem[
+                    "model_bytes"]
+            info["memory_steps"] = args.memory_steps
+        if args.measure in ("both", "time"):
+            growth = {v: info["variants"][v]["peak_MiB"] - info["variants"][v]["start_MiB"]
+                      if "peak_MiB" in info["variants"][v]
+                      else _estimate_mib(v, info["model_bytes"]) for v in variants}
+            rows, groups, warmup, steps = time_model(model, variants, args, comm, growth)
+            for v in variants:
+                info["variants"][v].update(rows[v])
+            info.update(groups=groups, warmup=warmup, steps=steps)
+        _ratios(info)
+        out["models"].append(info)
+        if comm.rank == 0 and not args.json:
+            show_model(info, out)
+            sys.stdout.flush()
+    out["goals"] = goals(out)
+    return out
+
+
+def _estimate_mib(variant, nbytes):
+    # Without a memory pass: weights, gradients, DDP's buckets, two Adam moments (MiB).
+    per_model = 5 if variant.endswith("adam") else 4
+    return per_model * nbytes / 2**20
+
+
+def _ratios(info):
+    """Each variant against ``ddp-X`` of its optimizer: time and peak RSS ratios."""
+    for v, row in info["variants"].items():
+        ref = info["variants"].get(reference(v), {})
+        for key, name in (("step_ms", "time_vs_ddp"), ("peak_MiB", "rss_vs_ddp")):
+            if key in row and key in ref:
+                row[name] = row[key] / ref[key]
+
+
+def goals(out):
+    """The goals of issue 11 that this run measured."""
+    res = []
+    for model, what, num, den, bound in GOALS:
+        info = next((m for m in out["models"] if m["model"] == model), None)
+        if info is None or num not in info["variants"]:
+            continue
+        key = "step_ms" if what == "step time" else "peak_MiB"
+        row = info["variants"][num]
+        if key not in row:
+            continue
+        if den == "model bytes":
+            value = row[key] * 2**20 / info["model_bytes"]
+        elif den in info["variants"] and key in info["variants"][den]:
+            value = row[key] / info["variants"][den][key]
+        else:
+            continue
+        res.append({"model": model, "goal": f"{model} {num} {what} / {den} {what}"
+                    if den != "model bytes" else f"{model} {num} {what} / model bytes",
+                    "value": value, "bound": bound, "met": value <= bound,
+                    "ranks": out["ranks"]})
+    return res
+
+
+def _fmt(x, spec):
+    """``x`` formatted with ``spec`` ("8.1f"), or a dash as wide when it was not measured."""
+    return format(x, spec) if x is not None else "-".rjust(int(spec.split(".")[0]))
+
+
+def show_model(info, out):
+    mib = info["model_bytes"] / 2**20
+    print(f"\n{info['model']}: {info['parameters']:,} parameters in {info['tensors']} tensors "
+          f"({mib:.1f} MiB); {info['batch']}; {out['ranks']} ranks, {out['library']}, torch "
+          f"{out['torch']}, {out['threads_per_rank']} thread per rank")
+    if "steps" in info:
+        print(f"  time: {info['warmup']} warm-up + {info['steps']} timed steps, slowest rank, "
+              "interleaved: " + " | ".join(" ".join(g) for g in info["groups"]))
+    if "memory_steps" in info:
+        print(f"  memory: peak RSS (VmHWM) of the largest rank after {info['memory_steps']} "
+              "steps, each variant in a job of its own; start = RSS before the model")
+    tag = f"[{info['model']}, {out['ranks']} ranks, {out['library']}]"
+    print(f"  {'variant':14s} {'step ms':>8s} {'min':>7s} {'max':>7s} {'/ ddp':>6s} "
+          f"{'peak MiB':>9s} {'start':>6s} {'/ model':>8s} {'/ ddp':>6s} "
+          f"{'max|w-ddp|':>10s} {'max|w-r0|':>10s}")
+    for v, r in info["variants"].items():
+        print(f"  {v:14s} {_fmt(r.get('step_ms'), '8.1f')} {_fmt(r.get('step_ms_min'), '7.1f')} "
+              f"{_fmt(r.get('step_ms_max'), '7.1f')} {_fmt(r.get('time_vs_ddp'), '6.2f')} "
+              f"{_fmt(r.get('peak_MiB'), '9.0f')} {_fmt(r.get('start_MiB'), '6.0f')} "
+              f"{_fmt(r.get('peak_over_model'), '8.2f')} {_fmt(r.get('rss_vs_ddp'), '6.2f')} "
+              f"{_fmt(r.get('max_abs_diff_vs_ddp'), '10.2e')} "
+              f"{_fmt(r.get('max_abs_diff_vs_rank0'), '10.2e')}  {tag}")
+
+
+def show_goals(out):
+    if not out["goals"]:
+        return
+    print(f"\nGoals of issue 11 ({out['ranks']} ranks):")
+    for g in out["goals"]:
+        print(f"  {g['goal']}: {g['value']:.2f} (goal <= {g['bound']}): "
+              f"{'met' if g['met'] else 'missed'}")
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="python -m mpikv bench train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=MODELS + ("all",), default="all")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma list (default: all; Horovod's are skipped without it)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per variant (resnet18: 30, bert: 8)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps per variant first (resnet18: 5, bert: 2)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--memory", dest="measure", action="store_const", const="memory",
+                       help="only the peak RSS of each variant (default: time and memory)")
+    which.add_argument("--time", dest="measure", action="store_const", const="time",
+                       help="only the step times")
+    p.set_defaults(measure="both")
+    p.add_argument("--memory-steps", type=int, default=3,
+                   help="steps each memory job runs before reading its peak (default 3)")
+    p.add_argument("--groups", choices=("auto", "one", "optimizer", "pairs", "each"),
+                   default="auto",
+                   help="how the timed variants share a process (auto: as memory allows)")
+    p.add_argument("--resnet-batch", type=int, default=16)
+    p.add_argument("--resnet-image", type=int, default=32)
+    p.add_argument("--bert-batch", type=int, default=2)
+    p.add_argument("--bert-seq", type=int, default=64)
+    p.add_argument("--bert-hidden", type=int, default=768)
+    p.add_argument("--bert-layers", type=int, default=12)
+    p.add_argument("--bert-heads", type=int, default=12)
+    p.add_argument("--bert-ffn", type=int, default=0, help="default: 4 x hidden")
+    p.add_argument("--bert-vocab", type=int, default=30522)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="one JSON document on rank 0")
+    p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    torch.set_num_threads(1)
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    if args.memory_child:
+        parent = MPI.Comm.Get_parent()
+        try:
+            res = memory_child(args, comm)
+        except BaseException:
+            # A rank that fails alone would leave the others (and the parent) waiting.
+            traceback.print_exc()
+            sys.stderr.flush()
+            comm.Abort(1)
+        if comm.rank == 0:
+            parent.send(res, dest=0)
+        parent.Disconnect()
+        return 0
+    out = run(args, comm)
+    if comm.rank == 0:
+        if args.json:
+            print(json.dumps(out))
+        else:
+            show_goals(out)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

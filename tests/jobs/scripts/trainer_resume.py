@@ -1,0 +1,60 @@
+"""Trainer steps that stop, checkpoint and resume; run by tests/jobs/test_trainer_resume.py.
+
+Usage: trainer_resume.py FIRST LAST [--load CKPT] [--save CKPT] [--out WEIGHTS.npz]
+
+Rank 0 computes the loss of the whole batch and the others backward a zero
+loss, and ``step(batch_size=1)`` sums without averaging: the sum is then the
+same on any number of ranks, so runs on different rank counts can be compared
+bit for bit.
+"""
+
+import argparse
+import sys
+
+import numpy as np
+import torch
+
+import mpikv
+import mpikv.torch
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3))
+
+
+def main(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("first", type=int)
+    p.add_argument("last", type=int)
+    p.add_argument("--load")
+    p.add_argument("--save")
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    net = model()
+    # Keys of 100 elements or more are split over the owners (fc 0 has 240).
+    kv = mpikv.create("dist_sync", bigarray_bound=100, timeout=120)
+    trainer = mpikv.torch.Trainer(net, torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1},
+                                  kv, lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(
+                                      o, step_size=2, gamma=0.5))
+    if a.load:
+        trainer.load_checkpoint(a.load)
+        assert trainer.num_update == a.first, (trainer.num_update, a.first)
+    for step in range(a.first, a.last):
+        g = torch.Generator().manual_seed(100 + step)
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+        trainer.zero_grad()
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        (loss if kv.rank == 0 else loss * 0).backward()
+        trainer.step(batch_size=1)
+        trainer.lr_scheduler.step()
+    if a.save:
+        trainer.save_checkpoint(a.save)
+    if a.out and kv.rank == 0:
+        np.savez(a.out, lr=trainer.learning_rate,
+                 **{n: p.detach().numpy() for n, p in net.named_parameters()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

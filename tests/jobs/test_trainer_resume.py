@@ -1,0 +1,35 @@
+"""A Trainer run saved on N ranks resumes on M ranks exactly like a run that never stopped."""
+
+import numpy as np
+import pytest
+
+from .conftest import run_job
+
+pytest.importorskip("torch")
+
+SCRIPT = "tests/jobs/scripts/trainer_resume.py"
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full") / "w.npz"
+    rc, log, _ = run_job(2, SCRIPT, "0", str(STEPS), "--out", str(out))
+    assert rc == 0, log
+    with np.load(out) as f:
+        return {k: f[k] for k in f.files}
+
+
+@pytest.mark.parametrize("before,after", [(2, 3), (3, 1)])
+def test_trainer_resumes_on_another_number_of_ranks(tmp_path, uninterrupted, before, after):
+    ckpt, out = str(tmp_path / "ckpt"), tmp_path / "w.npz"
+    rc, log, _ = run_job(before, SCRIPT, "0", "3", "--save", ckpt)
+    assert rc == 0, log
+    rc, log, _ = run_job(after, SCRIPT, "3", str(STEPS), "--load", ckpt, "--out", str(out))
+    assert rc == 0, log
+    with np.load(out) as f:
+        got = {k: f[k] for k in f.files}
+    assert sorted(got) == sorted(uninterrupted)
+    for key, want in uninterrupted.items():
+        np.testing.assert_array_equal(got[key], want, err_msg=key)
+    assert got["lr"] == 0.01 * 0.5 ** (STEPS // 2)  # the scheduler resumed too
