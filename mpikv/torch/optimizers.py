@@ -103,10 +103,6 @@ class _TorchRule(Deferred):
     def __init__(self, groups, key_groups, begin_num_update=0, keys=None):
         self._key_group = {k: int(g) for k, g in key_groups}
         self._groups = [dict(g) for g in groups]
-        for g in self._groups:
-            for flag in ("fused", "differentiable", "capturable"):
-                if g.pop(flag, None):
-                    raise OptimizerError(f"{flag}=True is not supported on the owners")
         super().__init__(keys if keys is not None else list(self._key_group),
                          learning_rate=float(self._groups[0]["lr"]) if self._groups else 0.0,
                          begin_num_update=begin_num_update)

@@ -439,6 +439,9 @@ def _make_rule(optimizer, optimizer_params, hyper_groups, names, group_of):
         probe = optimizer([{"params": [torch.zeros(1, requires_grad=True)], **g}
                            for g in hyper_groups], **optimizer_params)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in probe.param_groups]
+        for flag in ("fused", "differentiable", "capturable"):
+            if any(g.get(flag) for g in groups):
+                raise errors.OptimizerError(f"{flag}=True is not supported on the owners")
         rule = rule_class([{k: g[k] for k in rule_class.hyper} for g in groups],
                           [[n, g] for n, g in zip(names, group_of)])
         return rule, [{k: g[k] for k in rule_class.hyper} for g in groups]

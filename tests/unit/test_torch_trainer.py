@@ -1,0 +1,182 @@
+"""mpikv.torch without MPI: parameter reading, buckets, the owners' update rules
+against torch's optimizers, and the Trainer on a local store."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import mpikv  # noqa: E402
+import mpikv.torch  # noqa: E402
+from mpikv.optimizer.base import COUNT  # noqa: E402
+from mpikv.torch import TorchAdam, TorchSGD  # noqa: E402
+from mpikv.torch._params import backward_buckets, named_groups  # noqa: E402
+from tests import trainer_cases as cases  # noqa: E402
+
+
+# -- parameters and buckets -------------------------------------------------------
+def test_named_groups_skip_frozen_and_count_tied_parameters_once():
+    named, groups = named_groups(cases.Net())
+    names = [n for n, _, _ in named]
+    assert names == ["enc.weight", "enc.bias", "fc1.weight", "fc1.bias", "fc2.weight",
+                     "fc2.bias", "head.weight", "head.bias", "spare.weight", "spare.bias"]
+    assert groups == [{}]
+
+
+def test_named_groups_read_param_groups():
+    net = cases.Net()
+    named, groups = named_groups([{"params": net.fc1.named_parameters(), "lr": 0.5},
+                                  {"params": net.fc2}])
+    assert [(n, g) for n, _, g in named] == [("weight", 0), ("bias", 0), ("weight", 1),
+                                            ("bias", 1)][:2] + [("weight", 1), ("bias", 1)]
+    assert groups == [{"lr": 0.5}, {}]
+
+
+@pytest.mark.parametrize("params,match", [
+    (lambda net: list(net.parameters()), "named parameters"),
+    (lambda net: [], "no parameter"),
+    (lambda net: [("w", torch.zeros(2))], "no parameter"),
+])
+def test_named_groups_refuse_what_has_no_names_or_nothing_to_train(params, match):
+    with pytest.raises(mpikv.ValueTypeError, match=match):
+        named_groups(params(cases.Net()))
+
+
+@pytest.mark.parametrize("sizes,bucket,first,want", [
+    ([4, 4, 4, 10], 8, 4, [[3], [2, 1], [0]]),
+    ([4, 4, 4, 10], 100, None, [[3, 2, 1, 0]]),
+    ([1, 1, 1], 1, None, [[2], [1], [0]]),
+])
+def test_backward_buckets_fill_from_the_last_parameter(sizes, bucket, first, want):
+    assert backward_buckets(sizes, bucket, first) == want
+
+
+# -- update rules -------------------------------------------------------------------
+RULES = [
+    (torch.optim.SGD, TorchSGD, {"lr": 0.1}),
+    (torch.optim.SGD, TorchSGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1,
+                                 "weight_decay": 0.01}),
+    (torch.optim.SGD, TorchSGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True,
+                                 "maximize": True}),
+    (torch.optim.Adam, TorchAdam, {"lr": 0.01, "weight_decay": 0.1}),
+    (torch.optim.Adam, TorchAdam, {"lr": 0.01, "amsgrad": True, "betas": (0.8, 0.99)}),
+    (torch.optim.AdamW, TorchAdam, {"lr": 0.01, "weight_decay": 0.1, "eps": 1e-6}),
+]
+
+
+@pytest.mark.parametrize("torch_class,rule_class,kw", RULES)
+def test_rules_on_parts_equal_torch_on_the_whole_parameter(torch_class, rule_class, kw):
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal(10).astype(np.float32)
+    grads = [rng.standard_normal(10).astype(np.float32) for _ in range(4)]
+    ref = torch.nn.Parameter(torch.from_numpy(w0.copy()))
+    opt = torch_class([ref], **kw)
+    group = {k: v for k, v in opt.param_groups[0].items() if k in rule_class.hyper}
+    rule = rule_class([group], [["w", 0]])
+    weight = w0.copy()
+    parts = [slice(0, 4), slice(4, 10)]  # as an owner split would cut it
+    states = [rule.create_state("w", weight[s]) for s in parts]
+    for g in grads:
+        ref.grad = torch.from_numpy(g.copy())
+        opt.step()
+        grad = g.copy()
+        for s, state in zip(parts, states):
+            rule.begin_update("w", weight[s], grad[s], state)
+        rule.apply(1.0)
+        np.testing.assert_array_equal(weight, ref.detach().numpy())
+    assert int(states[0][COUNT][0]) == len(grads)
+
+
+def test_apply_scales_the_gradients_first():
+    rule = TorchSGD([{"lr": 1.0, "momentum": 0, "dampening": 0, "weight_decay": 0,
+                      "nesterov": False, "maximize": False, "foreach": None}], [["w", 0]])
+    weight, grad = np.ones(3), np.full(3, 4.0)
+    rule.begin_update("w", weight, grad, rule.create_state("w", weight))
+    rule.apply(0.25)
+    np.testing.assert_array_equal(weight, np.zeros(3))
+
+
+def test_rule_configs_rebuild_the_rule():
+    from mpikv import optimizer
+    rule = mpikv.torch.optimizers.rule_for(torch.optim.AdamW)(
+        [{"lr": 0.1, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
+          "maximize": False, "decoupled_weight_decay": True, "foreach": None}], [["a", 0]])
+    again = optimizer.from_config(rule.get_config())
+    assert type(again) is TorchAdam and again.get_config() == rule.get_config()
+
+
+# -- the Trainer on a local store ------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(cases.CASES))
+def test_local_trainer_equals_plain_torch(name):
+    cases.assert_close(cases.train(name, "local"), cases.reference(name, 1))
+
+
+def test_parameters_and_gradients_live_in_the_store():
+    net = cases.Net()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, "local")
+    kv = trainer.kvstore
+    w = kv.value_buffers("fc1.weight")
+    assert net.fc1.weight.data_ptr() == w.ctypes.data
+    grad = net.fc1.weight.grad.data_ptr()  # the store's buffer, from the start
+    net(cases.data(0, 0)[0], True).sum().backward()
+    assert net.fc1.weight.grad.data_ptr() == grad  # backward accumulated into it
+    trainer.step()
+    assert net.fc1.weight.data_ptr() == w.ctypes.data  # still, after the update
+    net.zero_grad(set_to_none=True)  # torch's default: the Trainer wires them back
+    net(cases.data(1, 0)[0], True).sum().backward()
+    assert net.fc1.weight.grad.data_ptr() == grad
+    trainer.zero_grad()
+    assert net.fc1.weight.grad.data_ptr() == grad and not net.fc1.weight.grad.any()
+
+
+def test_checkpoint_round_trip_in_one_process(tmp_path):
+    def run(steps, load=None, save=None):
+        net = cases.Net()
+        trainer = mpikv.torch.Trainer(
+            net, torch.optim.Adam, {"lr": 0.01}, "local",
+            lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
+        if load:
+            trainer.load_checkpoint(load)
+        for step in steps:
+            x, y = cases.data(step, 0)
+            trainer.zero_grad()
+            torch.nn.functional.mse_loss(net(x, True), y).backward()
+            trainer.step()
+            trainer.lr_scheduler.step()
+        if save:
+            trainer.save_checkpoint(save)
+        return net, trainer
+    full, _ = run(range(4))
+    run(range(2), save=tmp_path / "ck")
+    resumed, trainer = run(range(2, 4), load=tmp_path / "ck")
+    assert trainer.num_update == 4 and trainer.learning_rate == 0.01 / 16
+    for (n, a), b in zip(full.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_a_checkpoint_without_the_trainer_file_is_refused_and_changes_nothing(tmp_path):
+    net = cases.Net()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, "local")
+    trainer.kvstore.save_checkpoint(str(tmp_path / "bare"))
+    before = net.fc1.weight.detach().clone()
+    with pytest.raises(mpikv.StateFileError, match="trainer.json cannot be read"):
+        trainer.load_checkpoint(tmp_path / "bare")
+    assert torch.equal(net.fc1.weight, before)
+
+
+def test_gather_gradients_needs_gradient_buffers():
+    kv = mpikv.create("local")
+    kv.init("a", np.zeros(3))
+    with pytest.raises(mpikv.ValueTypeError, match="gradient_buffers"):
+        kv.gather_gradients(["a"])
+
+
+@pytest.mark.parametrize("optimizer,kw,match", [
+    (torch.optim.RMSprop, {"lr": 0.1}, "cannot run on the owners"),
+    ("lamb", {}, "not LAMB"),
+    (object(), None, "must be a torch.optim class"),
+    (torch.optim.SGD, {"lr": 0.1, "fused": True}, "fused=True"),
+])
+def test_optimizers_the_trainer_cannot_run_are_refused(optimizer, kw, match):
+    with pytest.raises(mpikv.MPIKVError, match=match):
+        mpikv.torch.Trainer(cases.Net(), optimizer, kw, "local")
