@@ -1,0 +1,59 @@
+"""value_buffers (zero-copy values) and gather_gradients, on 1-4 ranks."""
+
+import numpy as np
+import pytest
+
+import mpikv
+from mpikv import optimizer
+
+from .conftest import raises_everywhere
+
+pytestmark = pytest.mark.mpi
+
+SHAPES = {"a": (3, 4), "b": (25,), "c": (2,)}   # b is split when the bound is 10
+KEYS = sorted(SHAPES)
+
+
+def _grads(rank):
+    return {k: np.full(SHAPES[k], rank + 1.0) + np.arange(np.prod(SHAPES[k])).reshape(SHAPES[k])
+            for k in KEYS}
+
+
+@pytest.mark.parametrize("bound", [None, 10], ids=["whole", "split"])
+def test_pull_into_value_buffers_gathers_the_owners_updates_in_place(comm, bound):
+    kv = mpikv.create("dist_sync", timeout=120, bigarray_bound=bound)
+    kv.init(KEYS, [np.ones(SHAPES[k]) for k in KEYS])
+    kv.set_optimizer(optimizer.SGD(learning_rate=0.5))
+    grads = kv.gradient_buffers(KEYS)
+    values = kv.value_buffers(KEYS)
+    for g, k in zip(grads, KEYS):
+        g[...] = _grads(comm.rank)[k]
+    kv.push(KEYS, grads)
+    kv.pull(KEYS, out=values)
+    total = {k: sum(_grads(r)[k] for r in range(comm.size)) for k in KEYS}
+    for v, k in zip(values, KEYS):
+        np.testing.assert_array_equal(v, 1.0 - 0.5 * total[k], err_msg=k)
+    # They are the stored values: asking again gives the same arrays.
+    assert all(a is b for a, b in zip(values, kv.value_buffers(KEYS)))
+
+
+@pytest.mark.parametrize("bound", [None, 10], ids=["whole", "split"])
+def test_gather_gradients_gives_every_rank_the_whole_sums(comm, bound):
+    kv = mpikv.create("dist_sync", timeout=120, bigarray_bound=bound)
+    kv.init(KEYS, [np.zeros(SHAPES[k]) for k in KEYS])
+    kv.set_updater(lambda key, grad, stored: None)  # a push then sums on the owners only
+    grads = kv.gradient_buffers(KEYS)
+    for g, k in zip(grads, KEYS):
+        g[...] = _grads(comm.rank)[k]
+    kv.push(KEYS, grads)
+    kv.gather_gradients(KEYS)
+    for g, k in zip(grads, KEYS):
+        np.testing.assert_array_equal(g, sum(_grads(r)[k] for r in range(comm.size)),
+                                      err_msg=k)
+
+
+def test_gather_gradients_without_buffers_is_an_error_everywhere(comm, kv):
+    kv.init(KEYS, [np.zeros(SHAPES[k]) for k in KEYS])
+    message = raises_everywhere(comm, mpikv.ValueTypeError,
+                                lambda: kv.gather_gradients(KEYS))
+    assert "gradient_buffers" in message
