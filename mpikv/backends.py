@@ -29,7 +29,7 @@ import numpy as np
 
 from . import cuda
 from ._logging import get_logger
-from .errors import ValueTypeError
+from .errors import DTypeError, ValueTypeError
 
 NUMPY = "numpy"
 CUPY = "cupy"
@@ -212,6 +212,9 @@ def _host_view(value, kind, what):
             return np.asarray(value)
         return np.from_dlpack(value)
     except (BufferError, TypeError, RuntimeError, ValueError) as exc:
+        if "bfloat16" in str(getattr(value, "dtype", "")).lower():
+            raise DTypeError(f"{what} is bfloat16, which the store does not take yet "
+                             f"(float32, float64 and float16 it does)") from None
         raise ValueTypeError(f"{what} cannot be viewed on the host without a copy: {exc}") from None
 
 

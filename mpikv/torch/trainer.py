@@ -72,10 +72,15 @@ class Trainer:
         self.kvstore = _make_store(kvstore, self._params)
         kv = self.kvstore
         self._status = torch.zeros(kv.num_workers * _ROW, dtype=torch.float64).numpy()
-        kv.init(self._names, [p.detach() for p in self._params])
         # Small sums the ranks must agree on (errors found on some ranks only).
         self._control = _control_store(kv)
         self._control.init(STATUS_KEY, self._status)
+        half = [n for n, p in zip(self._names, self._params)
+                if p.dtype in (torch.float16, torch.bfloat16)]
+        self._all_or_none(half and f"parameters {_few(half)} are 16-bit floats: the Trainer "
+                          f"takes float32 and float64 parameters (mixed precision comes "
+                          f"later)", errors.DTypeError)
+        kv.init(self._names, [p.detach() for p in self._params])
         rule, groups = _make_rule(optimizer, optimizer_params or {}, hyper_groups, self._names,
                                   self._group_of)
         self._rule = rule
@@ -379,7 +384,7 @@ class Trainer:
         """Raises ``cls`` on every rank if any rank had a ``failure`` (a message)."""
         status = self._status
         status[:] = 0
-        status[self.kvstore.rank * _ROW + 1] = failure is not None
+        status[self.kvstore.rank * _ROW + 1] = bool(failure)
         self._control.pushpull(STATUS_KEY, status)
         if status.any():
             raise cls(failure or "another rank failed (see its message); nothing was applied")

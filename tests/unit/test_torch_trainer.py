@@ -180,3 +180,16 @@ def test_gather_gradients_needs_gradient_buffers():
 def test_optimizers_the_trainer_cannot_run_are_refused(optimizer, kw, match):
     with pytest.raises(mpikv.MPIKVError, match=match):
         mpikv.torch.Trainer(cases.Net(), optimizer, kw, "local")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_parameters_are_refused_with_the_reason(dtype):
+    with pytest.raises(mpikv.DTypeError, match="16-bit floats"):
+        mpikv.torch.Trainer(torch.nn.Linear(4, 4).to(dtype), torch.optim.SGD, {"lr": 0.1},
+                            "local")
+
+
+def test_the_store_names_bfloat16_when_it_refuses_it():
+    kv = mpikv.create("local")
+    with pytest.raises(mpikv.DTypeError, match="'a' is bfloat16, which the store does not"):
+        kv.init("a", torch.zeros(3, dtype=torch.bfloat16))
