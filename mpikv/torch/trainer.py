@@ -140,33 +140,40 @@ class Trainer:
 
     def _hook(self, index):
         def hook(param):
-            self._rewire(index)
-            if not self._sync:
-                self._touched[index] = True
-                return
             b = self._bucket_of[index]
-            if self._launched[b]:
+            if self._launched[b]:  # its bucket is on the wire: do not touch the buffer
                 self._late.append(self._names[index])
                 return
+            self._rewire(index)
             self._touched[index] = True
-            if not self._fired[index]:
-                self._fired[index] = True
-                self._ready[b] += 1
+            if not self._sync or self._fired[index]:
+                return
+            self._fired[index] = True
+            self._ready[b] += 1
             # Buckets leave in order, so every rank issues the same calls in the same order.
             while (self._next < len(self._buckets)
                    and self._ready[self._next] == len(self._buckets[self._next])):
                 self._launch(self._next)
         return hook
 
+    def _wired(self, index):
+        """Whether the parameter's ``.grad`` is (a view of) the store's buffer."""
+        grad, buf = self._params[index].grad, self._grads[index]
+        return grad is buf or (grad is not None and grad.data_ptr() == buf.data_ptr()
+                               and grad.shape == buf.shape)
+
     def _rewire(self, index):
-        """Puts a gradient that is no longer the store's buffer back into it."""
+        """Puts a gradient that is no longer the store's buffer back into it.
+
+        Returns:
+            bool: whether a gradient of the user's (not the buffer) was copied in.
+        """
         p, buf = self._params[index], self._grads[index]
+        if self._wired(index):
+            if p.grad is not buf:
+                p.grad = buf
+            return False
         grad = p.grad
-        if grad is buf:
-            return True
-        if grad is not None and grad.data_ptr() == buf.data_ptr() and grad.shape == buf.shape:
-            p.grad = buf
-            return True
         with torch.no_grad():
             if grad is None:
                 buf.zero_()
@@ -185,10 +192,13 @@ class Trainer:
         if self._reduced:
             return
         for i in range(len(self._params)):
-            launched = self._launched[self._bucket_of[i]]
-            if not self._rewire(i) and launched and self._params[i].grad is not None:
-                self._late.append(self._names[i])
-            if not self._touched[i] and not launched:
+            if self._launched[self._bucket_of[i]]:
+                if not self._wired(i):  # replaced after its bucket left
+                    self._late.append(self._names[i])
+                continue
+            if self._rewire(i):
+                self._touched[i] = True  # a gradient assigned by hand counts as one
+            if not self._touched[i]:
                 self._grads[i].zero_()  # an unused parameter adds zeros
         for b in range(self._next, len(self._buckets)):
             self._launch(b)
@@ -290,10 +300,7 @@ class Trainer:
                 set to None (a None gradient would leave the store's buffer).
         """
         del set_to_none
-        if self._handles:  # a backward whose step never came: let its calls finish
-            self.kvstore.wait(self._handles)
-            self._rule.discard()
-            self._start_step()
+        self._between_steps()  # a backward whose step never came: nothing is applied
         with torch.no_grad():
             for i, grad in enumerate(self._grads):
                 grad.zero_()
@@ -329,7 +336,7 @@ class Trainer:
         owner) holds the weights and the state; ``path.trainer.json`` the rest.
         It loads on any number of ranks. Call it between steps; collective.
         """
-        self._between_steps("save_checkpoint")
+        self._between_steps()
         path = str(path)
         self.kvstore.save_checkpoint(path)
         failure = None
@@ -342,7 +349,7 @@ class Trainer:
 
     def load_checkpoint(self, path):
         """Restores a :meth:`save_checkpoint` save, on any number of ranks; collective."""
-        self._between_steps("load_checkpoint")
+        self._between_steps()
         path = str(path)
         meta, failure = None, None
         try:
@@ -374,11 +381,12 @@ class Trainer:
                 "lr_scheduler": (None if self.lr_scheduler is None
                                  else self.lr_scheduler.state_dict())}
 
-    def _between_steps(self, op):
-        if self._handles or self._reduced:
+    def _between_steps(self):
+        """Lets a started step's calls finish and forgets it (nothing is applied)."""
+        if self._handles:
             self.kvstore.wait(self._handles)
-            self._rule.discard()
-            self._start_step()
+        self._rule.discard()
+        self._start_step()
 
     def _all_or_none(self, failure, cls):
         """Raises ``cls`` on every rank if any rank had a ``failure`` (a message)."""

@@ -69,6 +69,29 @@ def test_a_second_backward_without_no_sync_is_an_error_on_every_rank(comm):
         assert torch.equal(w, before[n]), n
 
 
+def test_a_gradient_replaced_after_its_bucket_left_is_an_error_on_every_rank(comm):
+    net, trainer = _net_and_trainer(comm)
+    before = _weights(net)
+    x, y = cases.data(0, 0)
+    net(x, True).sum().backward()  # every bucket is sent during this backward
+    if comm.rank == comm.size - 1:
+        net.fc2.weight.grad = torch.ones_like(net.fc2.weight)
+    message = raises_everywhere(comm, mpikv.GradientError, trainer.step)
+    assert f"on rank(s) {comm.size - 1}" in message
+    for n, w in _weights(net).items():
+        assert torch.equal(w, before[n]), n
+
+
+def test_a_gradient_set_by_hand_before_step_is_summed(comm):
+    net, trainer = _net_and_trainer(comm, unused_parameters="error")
+    for p in net.parameters():  # no backward at all: gradients written by hand
+        p.grad = torch.full_like(p, comm.rank + 1.0)
+    before = net.fc1.bias.detach().clone()
+    trainer.step()
+    average = sum(r + 1.0 for r in range(comm.size)) / comm.size
+    torch.testing.assert_close(net.fc1.bias, before - 0.1 * average, rtol=0, atol=1e-15)
+
+
 def test_an_unsupported_torch_optimizer_is_refused():
     net = cases.Net()
     with pytest.raises(mpikv.OptimizerError, match="RMSprop.*supported: torch.optim.SGD"):
