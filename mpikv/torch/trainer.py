@@ -68,6 +68,7 @@ class Trainer:
         self._names = [n for n, _, _ in named]
         self._params = [p for _, p, _ in named]
         self._group_of = [g for _, _, g in named]
+        self._cuda = any(p.is_cuda for p in self._params)
         self._error_unused = unused_parameters == "error"
         self.kvstore = _make_store(kvstore, self._params)
         kv = self.kvstore
@@ -182,7 +183,13 @@ class Trainer:
         p.grad = buf
         return grad is not None
 
+    def _cuda_ready(self):
+        """Waits for torch's queued GPU work: MPI reads and writes the memory directly."""
+        if self._cuda:
+            torch.cuda.current_stream().synchronize()
+
     def _launch(self, b):
+        self._cuda_ready()
         self._launched[b] = True
         self._next = b + 1
         self._handles.append(self.kvstore.push_async(self._bucket_keys[b], self._grad_arrays[b]))
@@ -284,6 +291,7 @@ class Trainer:
         if scale is None:  # optimizer.step() called directly: as update()
             scale = 1.0 if self._scaled else 1.0 / self.kvstore.num_workers
         self._rule.apply(scale)
+        self._cuda_ready()
         self._scale = None
         handles = [self.kvstore.pull_async(keys, out=values)
                    for keys, values in zip(self._bucket_keys, self._value_arrays)]

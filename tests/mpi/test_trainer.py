@@ -151,3 +151,40 @@ def test_trainer_equals_ddp(comm, gloo, opt, kw):
             assert torch.equal(a, b), n
         else:
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _cuda():
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no cupy, or no driver
+        return False
+
+
+@pytest.mark.skipif(not _cuda(), reason="needs a GPU with CUDA torch and cupy")
+@pytest.mark.parametrize("opt,kw", [
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3}),
+    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05}),
+], ids=["sgd", "adamw"])
+def test_trainer_on_cuda_parameters_equals_one_process(comm, opt, kw):
+    net = cases.Net().cuda()
+    del net.spare
+    trainer = mpikv.torch.Trainer(net, opt, kw)
+    assert "device" in trainer.kvstore.type and net.fc1.weight.is_cuda
+    ref = cases.Net()
+    del ref.spare
+    ref_opt = opt([p for p in ref.parameters() if p.requires_grad], **kw)
+    per = cases.GLOBAL_BATCH // comm.size
+    rows = slice(comm.rank * per, (comm.rank + 1) * per)
+    for step in range(cases.STEPS):
+        x, y = cases.data(step, 0)
+        trainer.zero_grad()
+        torch.nn.functional.mse_loss(net(x[rows].cuda(), True), y[rows].cuda()).backward()
+        trainer.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x, True), y).backward()
+        ref_opt.step()
+    for (n, a), b in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-9, atol=1e-9, msg=n)
