@@ -81,7 +81,6 @@ class Trainer:
         self._all_or_none(half and f"parameters {_few(half)} are 16-bit floats: the Trainer "
                           f"takes float32 and float64 parameters (mixed precision comes "
                           f"later)", errors.DTypeError)
-        kv.init(self._names, [p.detach() for p in self._params])
         rule, groups = _make_rule(optimizer, optimizer_params or {}, hyper_groups, self._names,
                                   self._group_of)
         self._rule = rule
@@ -109,16 +108,18 @@ class Trainer:
                                                                               1 << 20))
         self._bucket_of = [0] * len(params)
         self._bucket_keys, self._grad_arrays, self._value_arrays = [], [], []
+        self._grads = [None] * len(params)
         for b, members in enumerate(self._buckets):
             for i in members:
                 self._bucket_of[i] = b
             keys = [self._names[i] for i in members]
             self._bucket_keys.append(keys)
+            # One init per bucket lays the values out as its pushes and pulls move
+            # them (nothing is moved later), and frees each parameter's own memory
+            # before the next bucket is made: at most one bucket exists twice.
+            kv.init(keys, [params[i].detach() for i in members])
             self._grad_arrays.append(kv.gradient_buffers(keys))
-        # Values are placed after every gradient list exists, so none moves them again.
-        self._value_arrays = [kv.value_buffers(keys) for keys in self._bucket_keys]
-        self._grads = [None] * len(params)
-        for b, members in enumerate(self._buckets):
+            self._value_arrays.append(kv.value_buffers(keys))
             for i, grad, value in zip(members, self._grad_arrays[b], self._value_arrays[b]):
                 p = params[i]
                 with torch.no_grad():
