@@ -90,10 +90,65 @@ def test_resume_on_three_ranks_equals_an_uninterrupted_run(tmp_path, one_rank):
     _assert_same_weights(_weights(out), one_rank[0])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None,
-                    reason="torch is not installed (pip install torch)")
-def test_torch_variant_reaches_the_accuracy_on_two_ranks():
-    rc, log, _ = run_job(2, TORCH_SCRIPT, "--epochs", str(EPOCHS), *QUIET)
+# -- the torch variant: a CNN trained with mpikv.torch.Trainer ------------------------
+
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                 reason="torch is not installed (pip install torch)")
+# Seed 0, 10 epochs: 0.978 on 1 and on 2 ranks (seeds 1-3: 0.958-0.972); float32
+# rounding and other torch builds move it by a point or so, not by 2.5.
+TORCH_ACCURACY = 0.95
+TORCH_EPOCHS = 10
+
+
+def _digest(log, n):
+    """The weights' digest that rank 0 printed after checking that all ``n`` ranks agree."""
+    found = re.findall(rf"^weights equal on all {n} rank\(s\): sha256 ([0-9a-f]{{16}})$",
+                       log, flags=re.M)
+    assert len(found) == 1, log
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def torch_two_ranks(tmp_path_factory):
+    """Log, weights' digest and plot of the torch variant's default run on 2 ranks."""
+    png = tmp_path_factory.mktemp("torch_two_ranks") / "plots" / "digits_torch.png"
+    rc, log, _ = run_job(2, TORCH_SCRIPT, "--no-progress", "--plot", str(png), timeout=180)
     assert rc == 0, log
-    assert "train_digits_torch: store dist_sync, 2 worker(s)" in log
-    assert _accuracy(log) >= 0.9
+    return log, _digest(log, 2), png
+
+
+@needs_torch
+def test_torch_variant_runs_without_mpiexec_on_a_local_store():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    proc = subprocess.run([sys.executable, TORCH_SCRIPT, *QUIET], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "train_digits_torch: store local, 1 worker(s), global batch 64" in proc.stdout
+    assert len(re.findall(r"^epoch \d+/10: train loss", proc.stdout, flags=re.M)) == TORCH_EPOCHS
+    _digest(proc.stdout, 1)
+    assert _accuracy(proc.stdout) > TORCH_ACCURACY
+
+
+@needs_torch
+def test_torch_variant_on_two_ranks_agrees_and_reaches_the_accuracy(torch_two_ranks):
+    log, _, png = torch_two_ranks
+    assert "train_digits_torch: store dist_sync, 2 worker(s), global batch 64 (32 per rank" in log
+    assert len(re.findall(r"^epoch \d+/10: train loss", log, flags=re.M)) == TORCH_EPOCHS
+    assert _accuracy(log) > TORCH_ACCURACY  # and _digest: every rank holds rank 0's weights
+    data = png.read_bytes()
+    assert data.startswith(PNG_MAGIC) and data[12:16] == b"IHDR" and len(data) > 1000
+
+
+@needs_torch
+def test_torch_variant_resumed_equals_an_uninterrupted_run(tmp_path, torch_two_ranks):
+    # The same rank count: the sums then round alike, so the weights match bit for bit.
+    ckpt = tmp_path / "ckpt"
+    rc, log, _ = run_job(2, TORCH_SCRIPT, "--epochs", "4", *QUIET, "--save", str(ckpt),
+                         timeout=180)
+    assert rc == 0, log
+    assert "checkpoint after epoch 4" in log
+    rc, log, _ = run_job(2, TORCH_SCRIPT, *QUIET, "--resume", str(ckpt), timeout=180)
+    assert rc == 0, log
+    assert f"epochs 5..{TORCH_EPOCHS}" in log  # only the missing epochs were trained
+    assert _digest(log, 2) == torch_two_ranks[1]
+    assert _accuracy(log) == _accuracy(torch_two_ranks[0])
