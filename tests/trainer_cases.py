@@ -50,6 +50,7 @@ CASES = {
     "head-on-some-ranks": {"head": "even"},
     "no-sync": {"micro": 2},
     "clip": {"clip": 0.05},
+    "clip-batch-size": {"clip": 0.05, "batch_size": True},
     "scheduler": {"opt": torch.optim.AdamW, "kw": {"lr": 0.02}, "sched": True},
     "split-keys": {"store": {"bigarray_bound": 10}},
     "param-groups": {"groups": True},
@@ -115,7 +116,7 @@ def train(name, kv_type="dist_sync", rank=0, size=1):
         if s["clip"]:
             trainer.allreduce_grads()
             torch.nn.utils.clip_grad_norm_(net.parameters(), s["clip"])
-            trainer.update()
+            trainer.update(GLOBAL_BATCH if s["batch_size"] else None)
         else:
             trainer.step(GLOBAL_BATCH if s["batch_size"] else None)
         if trainer.lr_scheduler is not None:
@@ -146,12 +147,17 @@ def reference(name, size):
             for r in range(size):
                 rows = slice(r * per, (r + 1) * per)
                 loss = _loss(s, net(x[rows], uses_head(s, r)), y[rows])
-                (loss / (GLOBAL_BATCH if s["batch_size"] else size)).backward()
+                # Clipping sees the average over the ranks, whatever the loss.
+                average = s["clip"] or not s["batch_size"]
+                (loss / (size if average else GLOBAL_BATCH)).backward()
         for _, p in named:  # the Trainer sums zeros for a parameter no rank used
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if s["clip"]:
             torch.nn.utils.clip_grad_norm_([p for _, p in named], s["clip"])
+            if s["batch_size"]:  # update(batch_size): sum / batch_size
+                for _, p in named:
+                    p.grad *= size / GLOBAL_BATCH
         if s["opt"] == "mx":
             with torch.no_grad():
                 for n, p in named:

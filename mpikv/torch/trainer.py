@@ -236,16 +236,18 @@ class Trainer:
             self._rule.discard()
             self._start_step()
             where = "; ".join(
-                f"rank {r}: {_few([self._names[int(i) - 1] for i in rows[r, 2:] if i], more=int(rows[r, 0]))}"
+                f"rank {r}: " + _few([self._names[int(i) - 1] for i in rows[r, 2:] if i],
+                                     more=int(rows[r, 0]))
                 for r in range(len(rows)) if rows[r, 0])
-            raise errors.GradientError(f"parameters got no gradient ({where}); nothing was applied")
+            raise errors.GradientError(
+                f"parameters got no gradient ({where}); nothing was applied")
 
     def allreduce_grads(self):
         """Averages the gradients over the ranks; every rank then holds them all.
 
-        Use it with :meth:`update` to change gradients in between (to clip
-        them, say): ``.grad`` then holds the average (or, after
-        ``update(batch_size)``... see :meth:`step`) on every rank.
+        With :meth:`update` it splits a step in two, so gradients can be
+        changed in between (clipped, say): ``.grad`` holds the average over the
+        ranks, whole, on every rank.
         """
         self._reduce()
         for keys in self._bucket_keys:
@@ -262,16 +264,14 @@ class Trainer:
         Args:
             batch_size: None: gradients are averaged over the ranks (as DDP
                 does); else they are summed and divided by ``batch_size`` (as
-                Gluon's ``step(batch_size)`` does). Ignored after
-                :meth:`allreduce_grads`, which averaged them.
+                Gluon's ``step(batch_size)`` does).
         """
         self._reduce()
-        if self._scaled:
-            scale = 1.0
-        elif batch_size is None:
-            scale = 1.0 / self.kvstore.num_workers
-        else:
-            scale = 1.0 / batch_size
+        n = self.kvstore.num_workers
+        if batch_size is None:
+            scale = 1.0 if self._scaled else 1.0 / n
+        else:  # after allreduce_grads the average is turned back into sum / batch_size
+            scale = (n if self._scaled else 1.0) / batch_size
         self._scale = scale
         self.optimizer.step()
 
@@ -294,11 +294,14 @@ class Trainer:
         self._rule.apply(scale)
         self._cuda_ready()
         self._scale = None
-        handles = [self.kvstore.pull_async(keys, out=values)
-                   for keys, values in zip(self._bucket_keys, self._value_arrays)]
-        self.kvstore.wait(handles)
+        self._pull_weights()
         self.num_update += 1
         self._start_step()
+
+    def _pull_weights(self):
+        """Every bucket's owners' parts, gathered in place into the parameters."""
+        self.kvstore.wait([self.kvstore.pull_async(keys, out=values)
+                           for keys, values in zip(self._bucket_keys, self._value_arrays)])
 
     # -- gradients -------------------------------------------------------------
     def zero_grad(self, set_to_none=None):
@@ -378,9 +381,7 @@ class Trainer:
         if self.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
         self.num_update = int(meta["num_update"])
-        handles = [self.kvstore.pull_async(keys, out=values)
-                   for keys, values in zip(self._bucket_keys, self._value_arrays)]
-        self.kvstore.wait(handles)
+        self._pull_weights()
 
     def _meta(self):
         hyper = [{k: v for k, v in g.items() if k != "params"}
