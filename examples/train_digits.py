@@ -170,6 +170,18 @@ def write_plot(path, history, title):
     plt.close(fig)
 
 
+def record_epoch(history, epoch, epochs, train, test, began):
+    """Appends an epoch's ``(loss, accuracy)`` on both sets to ``history`` and prints them."""
+    from tqdm import tqdm
+    (train_loss, train_acc), (test_loss, test_acc) = train, test
+    history.append(dict(epoch=epoch + 1, train_loss=train_loss, train_acc=train_acc,
+                        test_loss=test_loss, test_acc=test_acc))
+    # tqdm.write keeps the bar below the log lines.
+    tqdm.write(f"epoch {epoch + 1}/{epochs}: train loss {train_loss:.4f} "
+               f"acc {train_acc:.4f}, test loss {test_loss:.4f} acc {test_acc:.4f} "
+               f"({time.perf_counter() - began:.2f} s)", file=sys.stdout)
+
+
 def train(args, model, data, name):
     """Trains ``model`` through the store; returns the exit code.
 
@@ -225,14 +237,8 @@ def train(args, model, data, name):
                 bar.set_postfix(epoch=epoch + 1, shard_loss=f"{loss / len(mine):.4f}",
                                 refresh=False)
         if rank == 0:  # every rank holds the same weights; one evaluation is enough
-            train_loss, train_acc = model.evaluate(x_train, y_train)
-            test_loss, test_acc = model.evaluate(x_test, y_test)
-            history.append(dict(epoch=epoch + 1, train_loss=train_loss, train_acc=train_acc,
-                                test_loss=test_loss, test_acc=test_acc))
-            # tqdm.write keeps the bar below the log lines.
-            tqdm.write(f"epoch {epoch + 1}/{args.epochs}: train loss {train_loss:.4f} "
-                       f"acc {train_acc:.4f}, test loss {test_loss:.4f} acc {test_acc:.4f} "
-                       f"({time.perf_counter() - began:.2f} s)", file=sys.stdout)
+            record_epoch(history, epoch, args.epochs, model.evaluate(x_train, y_train),
+                         model.evaluate(x_test, y_test), began)
     bar.close()
 
     if args.checkpoint:

@@ -43,7 +43,7 @@ except ImportError:
 
 import mpikv.torch  # noqa: E402  (after the friendly message above)
 # The same directory: the numpy example's split and shuffle, so both train on the same rows.
-from train_digits import epoch_order, load_data, write_plot  # noqa: E402
+from train_digits import epoch_order, load_data, record_epoch, write_plot  # noqa: E402
 
 
 def parse_args(argv):
@@ -204,14 +204,8 @@ def main(argv=None):
             bar.set_postfix(epoch=epoch + 1, shard_loss=f"{loss.item():.4f}", refresh=False)
         trainer.lr_scheduler.step()
         if rank == 0:  # every rank holds the same weights; one evaluation is enough
-            train_loss, train_acc = evaluate(model, x_train, y_train)
-            test_loss, test_acc = evaluate(model, x_test, y_test)
-            history.append(dict(epoch=epoch + 1, train_loss=train_loss, train_acc=train_acc,
-                                test_loss=test_loss, test_acc=test_acc))
-            # tqdm.write keeps the bar below the log lines.
-            tqdm.write(f"epoch {epoch + 1}/{args.epochs}: train loss {train_loss:.4f} "
-                       f"acc {train_acc:.4f}, test loss {test_loss:.4f} acc {test_acc:.4f} "
-                       f"({time.perf_counter() - began:.2f} s)", file=sys.stdout)
+            record_epoch(history, epoch, args.epochs, evaluate(model, x_train, y_train),
+                         evaluate(model, x_test, y_test), began)
     bar.close()
 
     if args.save:
