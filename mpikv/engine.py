@@ -731,10 +731,25 @@ class Engine:
 
 
 def _gives_grads(layout, bucket, by_key):
-    """Whether the call hands over exactly the bucket's zero-copy gradient buffers."""
+    """Whether the call hands over exactly the bucket's zero-copy gradient buffers
+    (the arrays themselves, or views of them such as the torch tensors over them)."""
     return layout.grads is not None and all(
-        len(by_key[key].values) == 1 and by_key[key].values[0] is layout.views[key]
+        len(by_key[key].values) == 1 and same_buffer(by_key[key].values[0], layout.views[key])
         for key, _ in _key_offsets(bucket))
+
+
+def same_buffer(a, b):
+    """Whether two arrays are the same memory seen the same way (address, shape,
+    strides, dtype): ``a`` may be another object viewing ``b``."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if type(a) is np.ndarray:
+        address = a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+    else:
+        address = a.data.ptr == b.data.ptr
+    return address and a.strides == b.strides
 
 
 def _inputs_overlap(target, bucket, by_key):

@@ -440,6 +440,8 @@ class KVStore:
         shapes and dtypes cannot have changed, since the buffers are the store's.
         """
         views = self._engine.zero_copy_views(call.keys)
+        # Identity, not same memory: a torch tensor can be pointed at other memory
+        # later, and a remembered call is not checked again.
         if views is None or not all(len(i.values) == 1 and i.values[0] is views[i.key]
                                     for i in call.items):
             return

@@ -57,3 +57,22 @@ def test_gather_gradients_without_buffers_is_an_error_everywhere(comm, kv):
     message = raises_everywhere(comm, mpikv.ValueTypeError,
                                 lambda: kv.gather_gradients(KEYS))
     assert "gradient_buffers" in message
+
+
+def test_torch_tensors_over_the_gradient_buffers_take_the_zero_copy_path(comm):
+    torch = pytest.importorskip("torch")
+    kv = mpikv.create("dist_sync", timeout=120, shared_memory=False)
+    kv.init(KEYS, [np.zeros(SHAPES[k]) for k in KEYS])
+    grads = kv.gradient_buffers(KEYS)
+    tensors = [torch.from_numpy(g) for g in grads]  # what a model's .grad would be
+    for t, k in zip(tensors, KEYS):
+        t.copy_(torch.from_numpy(_grads(comm.rank)[k]))
+    kv.pushpull(KEYS, tensors)
+    for t, k in zip(tensors, KEYS):
+        np.testing.assert_array_equal(t.numpy(), sum(_grads(r)[k] for r in range(comm.size)))
+    # Summed in the buffers themselves, which are now the stored values: a later
+    # write into them is what a pull returns (a copy in would have left them apart).
+    tensors[0].fill_(-7.0)
+    out = np.zeros(SHAPES[KEYS[0]])
+    kv.pull(KEYS[0], out=out)
+    assert (out == -7.0).all()
