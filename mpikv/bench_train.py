@@ -30,20 +30,25 @@ Variants:
 
 SGD: lr 0.05, momentum 0.9, weight decay 5e-4; Adam: lr 1e-4.
 
-Two measurements. **Time**: every variant of a model lives in one process
-and they take turns, one step each (untimed warm-up rounds first); a step's
-time is the slowest rank's, the table shows the median. When all the
-variants of BERT would not fit in this node's memory together, they are
-timed in groups that do (each group's variants interleaved, ``trainer-X``
-always with ``ddp-X``); the output names the groups. **Memory**: peak RSS
+Two measurements, each in fresh jobs of the same size that the launched
+job starts with ``MPI_Comm_spawn`` (neither a Trainer nor DDP gives its
+memory back when deleted). **Time**: the variants of a model live in one
+job and take turns, one step each (untimed warm-up rounds first); a step's
+time is the slowest rank's, the table shows the median. When they would not
+all fit in this node's memory (BERT-base), they are timed in groups that do,
+one job each (``--groups``: one group, one per optimizer, ``trainer-X`` with
+``ddp-X``, one each); the output names the groups. **Memory**: peak RSS
 (``VmHWM``) cannot be told apart between variants sharing a process, so each
-variant runs a few steps in a fresh job of the same size, started with
-``MPI_Comm_spawn``; the figure is the largest rank's, beside the RSS before
-the model was built and the model's bytes (its parameters).
+variant runs ``--memory-steps`` steps in a job of its own; the figure is the
+largest rank's, beside the RSS before the model was built, the model's bytes
+(its parameters) and the node shared memory the rank had touched at the end
+(RSS counts those pages in every rank that touched them).
 
-After the timed steps, ``max |w - ddp-X|`` is the largest difference
-between a variant's weights and those of ``ddp-X`` (same optimizer, same
-group), and ``max |w - rank 0|`` between the ranks' replicas.
+After the timed steps, ``max|w-ddp|`` is the largest difference between a
+variant's weights and those of ``ddp-X`` (same optimizer, same group), and
+``max|w-r0|`` between the ranks' replicas. At 2 ranks the sums are
+bit-identical to gloo's; at more ranks they add in another order, and a
+ResNet-18 step turns a 1e-8 change of the weights into 3e-4.
 """
 
 import argparse
@@ -289,7 +294,7 @@ def reference(variant):
     return "ddp-sgd" if variant.endswith("-sgd") else "ddp-adam"
 
 
-# -- memory: each variant in a job of its own ----------------------------------------------
+# -- the measuring jobs: memory (one per variant) and time (one per group) ------------------
 
 
 def _status_mib(field):
@@ -316,17 +321,41 @@ def memory_child(args, comm):
         step(batch)
     peaks = comm.gather(_status_mib("VmHWM"), root=0)
     starts = comm.gather(start, root=0)
+    # RSS counts the pages of node shared memory (the store's windows) that a rank touched.
+    shmem = comm.gather(_status_mib("RssShmem"), root=0)
+    # PSS splits shared pages among the ranks mapping them: the node's memory, per rank.
+    ends = comm.gather((_status_mib("VmRSS"), _pss_mib()), root=0)
+    if comm.rank != 0:
+        return None
     return {"peak_MiB": max(peaks), "peak_MiB_per_rank": peaks, "start_MiB": max(starts),
-            "model_bytes": model_bytes(net), "steps": args.memory_steps} if comm.rank == 0 else None
+            "end_shmem_MiB": max(shmem), "end_rss_MiB": max(r for r, _ in ends),
+            "end_pss_MiB": max(p for _, p in ends), "model_bytes": model_bytes(net),
+            "steps": args.memory_steps}
 
 
-def measure_memory(model, variant, args, comm):
-    """Peak RSS of ``variant`` in a fresh job of ``comm.size`` ranks (MPI_Comm_spawn)."""
+def _pss_mib():
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def spawn(child, model, variants, args, comm):
+    """Runs ``--child CHILD`` for ``variants`` in a fresh job of ``comm.size`` ranks.
+
+    MPI_Comm_spawn: every measurement starts from a clean process (what a
+    Trainer or DDP leaves behind is not freed back to the system). Returns the
+    child job's result on every rank.
+    """
     from mpi4py import MPI
     res = None
     if comm.rank == 0:
-        child_args = ["-m", "mpikv.bench_train", "--memory-child", "--model", model,
-                      "--variants", variant] + _size_args(args)
+        child_args = ["-m", "mpikv.bench_train", "--child", child, "--model", model,
+                      "--variants", ",".join(variants)] + _size_args(model, args)
         inter = MPI.COMM_SELF.Spawn(sys.executable, child_args, maxprocs=comm.size)
         while not inter.Iprobe(source=0):
             time.sleep(0.05)  # an idle parent leaves the cores to the job it started
@@ -338,8 +367,9 @@ def measure_memory(model, variant, args, comm):
     return comm.bcast(res)
 
 
-def _size_args(args):
-    out = []
+def _size_args(model, args):
+    warmup, steps = _steps(model, args)
+    out = ["--warmup", str(warmup), "--steps", str(steps)]
     for name in ("seed", "memory_steps", "resnet_batch", "resnet_image", "bert_batch",
                  "bert_seq", "bert_hidden", "bert_layers", "bert_heads", "bert_ffn",
                  "bert_vocab"):
@@ -369,72 +399,78 @@ def _meminfo_available_mib():
 def time_groups(variants, growth_mib, args, comm):
     """Splits ``variants`` into groups timed one after the other, each fitting in memory.
 
-    ``growth_mib``: per variant, the RSS it adds per rank. Tries one group,
-    then one per optimizer, then ``trainer-X`` with ``ddp-X`` (the others
-    alone), then one each.
+    ``growth_mib``: per variant, the RSS it adds per rank (and ``"start"``,
+    the RSS before the model). A group too big splits one level further: all
+    the variants, then one group per optimizer, then ``trainer-X`` with
+    ``ddp-X`` (the others alone), then one each. ``--groups`` forces a level.
     """
     from mpi4py import MPI
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    budget = 0.8 * _meminfo_available_mib() / local.size
+    # The jobs' ranks on this node share what is free now; 15 % left for the rest.
+    budget = comm.allreduce(0.85 * _meminfo_available_mib() / local.size, op=MPI.MIN)
     local.Free()
-    by_opt = {}
-    for v in variants:
-        by_opt.setdefault(v.split("-")[-1], []).append(v)
-    pairs = [[v, reference(v)] if reference(v) in variants else [v]
-             for v in variants if v.startswith("trainer-")]
-    paired = {v for g in pairs for v in g}
-    choices = {"one": [list(variants)], "optimizer": list(by_opt.values()),
-               "pairs": pairs + [[v] for v in variants if v not in paired],
-               "each": [[v] for v in variants]}
-    if args.groups != "auto":
-        return choices[args.groups]
-    for name in ("one", "optimizer", "pairs", "each"):
-        fits = all(sum(growth_mib[v] for v in g) <= budget for g in choices[name])
-        if comm.allreduce(fits, op=MPI.LAND):
-            return choices[name]
-    return choices["each"]
+
+    def by_optimizer(group):
+        opts = {}
+        for v in group:
+            opts.setdefault(v.split("-")[-1], []).append(v)
+        return list(opts.values())
+
+    def pairs(group):
+        out = [[v, reference(v)] if reference(v) in group else [v]
+               for v in group if v.startswith("trainer-")]
+        paired = {v for g in out for v in g}
+        return out + [[v] for v in group if v not in paired]
+
+    levels = [lambda g: [g], by_optimizer, pairs, lambda g: [[v] for v in g]]
+    forced = {"one": 0, "optimizer": 1, "pairs": 2, "each": 3}.get(args.groups)
+
+    def split(group, level):
+        fits = growth_mib["start"] + sum(growth_mib[v] for v in group) <= budget
+        if level == 3 or (fits if forced is None else level >= forced):
+            return [group]
+        return [g for part in levels[level + 1](group) for g in split(part, level + 1)]
+    return split(list(variants), 0)
 
 
-def time_model(model, variants, args, comm, growth_mib):
-    """Step times of ``variants`` of ``model``, interleaved; returns rows by variant."""
+def time_child(args, comm):
+    """In a spawned job: the variants of one group take turns; returns rows by variant."""
     from mpi4py import MPI
+    model, group = args.model, args.variants.split(",")
     warmup, steps = _steps(model, args)
     data = batches(model, args, comm.rank, warmup + steps)
-    rows = {v: {} for v in variants}
-    groups = time_groups(variants, growth_mib, args, comm)
-    for group in groups:
-        steppers, nets, turn = {}, {}, {}
-        for v in group:
-            nets[v] = build(model, args)  # seeded: the same weights, and no template to keep
-            steppers[v] = make_variant(v, nets[v], loss_of, comm)
-            turn[v] = 0
+    steppers, nets, turn = {}, {}, {}
+    for v in group:
+        nets[v] = build(model, args)  # seeded: the same weights in every variant
+        steppers[v] = make_variant(v, nets[v], loss_of, comm)
+        turn[v] = 0
 
-        def case(v):
-            current = {}
+    def case(v):
+        current = {}
 
-            def prepare():
-                i = turn[v]
-                torch.manual_seed(_step_seed(args, comm.rank, i))
-                current["batch"] = data[i]
-                turn[v] = i + 1
-            return (v, prepare, lambda: steppers[v](current["batch"]))
-        timer = _Timer(comm)
-        timer.run([case(v) for v in group], steps, warmup=warmup)
-        flat = {v: nn.utils.parameters_to_vector(nets[v].parameters()).detach() for v in group}
-        for v in group:
-            ms = np.array(timer.samples[v]) * 1e3
-            ref = reference(v)
-            diff = (float((flat[v] - flat[ref]).abs().max()) if ref in flat else None)
-            rank0 = flat[v].clone()
-            comm.Bcast(rank0.numpy(), root=0)
-            rows[v].update({"step_ms": float(np.median(ms)), "step_ms_min": float(ms.min()),
-                            "step_ms_max": float(ms.max()), "group": group,
-                            "max_abs_diff_vs_ddp": None if diff is None
-                            else comm.allreduce(diff, op=MPI.MAX),
-                            "max_abs_diff_vs_rank0": comm.allreduce(
-                                float((flat[v] - rank0).abs().max()), op=MPI.MAX)})
-        del steppers, nets, flat, timer
-    return rows, groups, warmup, steps
+        def prepare():
+            i = turn[v]
+            torch.manual_seed(_step_seed(args, comm.rank, i))
+            current["batch"] = data[i]
+            turn[v] = i + 1
+        return (v, prepare, lambda: steppers[v](current["batch"]))
+    timer = _Timer(comm)
+    timer.run([case(v) for v in group], steps, warmup=warmup)
+    flat = {v: nn.utils.parameters_to_vector(nets[v].parameters()).detach() for v in group}
+    rows = {}
+    for v in group:
+        ms = np.array(timer.samples[v]) * 1e3
+        ref = reference(v)
+        diff = float((flat[v] - flat[ref]).abs().max()) if ref in flat else None
+        rank0 = flat[v].clone()
+        comm.Bcast(rank0.numpy(), root=0)
+        rows[v] = {"step_ms": float(np.median(ms)), "step_ms_min": float(ms.min()),
+                   "step_ms_max": float(ms.max()), "group": group,
+                   "max_abs_diff_vs_ddp": None if diff is None
+                   else comm.allreduce(diff, op=MPI.MAX),
+                   "max_abs_diff_vs_rank0": comm.allreduce(
+                       float((flat[v] - rank0).abs().max()), op=MPI.MAX)}
+    return rows if comm.rank == 0 else None
 
 
 def _steps(model, args):
@@ -460,31 +496,36 @@ def run(args, comm):
     if comm.rank == 0 and not args.json:
         for v, why in skipped.items():
             print(f"skipping {v}: {why}")
-    if args.measure != "time" and any(v.startswith("trainer-") for v in variants):
+    if any(v.startswith("trainer-") for v in variants):
         # A store probes the strategies when no tuning cache exists (MPIKV_AUTOTUNE):
-        # here, once, rather than inside the jobs whose peak RSS is measured.
+        # here, once, rather than inside the jobs that measure.
         import mpikv
         mpikv.create("dist_sync")
     for model in models:
-        net = build(model, args)
+        with torch.device("meta"):  # shapes alone: this process stays small
+            net = build(model, args)
         info = {"model": model, "parameters": sum(p.numel() for p in net.parameters()),
                 "tensors": len(list(net.parameters())), "model_bytes": model_bytes(net),
                 "batch": describe_batch(model, args), "variants": {v: {} for v in variants}}
         del net
         if args.measure in ("both", "memory"):
             for v in variants:
-                mem = measure_memory(model, v, args, comm)
+                mem = spawn("memory", model, [v], args, comm)
                 info["variants"][v].update(mem)
                 info["variants"][v]["peak_over_model"] = mem["peak_MiB"] * 2**20 / mem[
                     "model_bytes"]
             info["memory_steps"] = args.memory_steps
         if args.measure in ("both", "time"):
-            growth = {v: info["variants"][v]["peak_MiB"] - info["variants"][v]["start_MiB"]
-                      if "peak_MiB" in info["variants"][v]
+            rows = info["variants"]
+            growth = {v: rows[v]["peak_MiB"] - rows[v]["start_MiB"] if "peak_MiB" in rows[v]
                       else _estimate_mib(v, info["model_bytes"]) for v in variants}
-            rows, groups, warmup, steps = time_model(model, variants, args, comm, growth)
-            for v in variants:
-                info["variants"][v].update(rows[v])
+            growth["start"] = max([r["start_MiB"] for r in rows.values() if "start_MiB" in r],
+                                  default=_status_mib("VmRSS"))
+            groups = time_groups(variants, growth, args, comm)
+            for group in groups:
+                for v, row in spawn("time", model, group, args, comm).items():
+                    rows[v].update(row)
+            warmup, steps = _steps(model, args)
             info.update(groups=groups, warmup=warmup, steps=steps)
         _ratios(info)
         out["models"].append(info)
@@ -496,8 +537,8 @@ def run(args, comm):
 
 
 def _estimate_mib(variant, nbytes):
-    # Without a memory pass: weights, gradients, DDP's buckets, two Adam moments (MiB).
-    per_model = 5 if variant.endswith("adam") else 4
+    # Without a memory pass, what BERT-base grew by here at most (DDP + Adam: 6 x the model).
+    per_model = 6 if variant.endswith("adam") else 5
     return per_model * nbytes / 2**20
 
 
@@ -546,19 +587,21 @@ def show_model(info, out):
           f"{out['torch']}, {out['threads_per_rank']} thread per rank")
     if "steps" in info:
         print(f"  time: {info['warmup']} warm-up + {info['steps']} timed steps, slowest rank, "
-              "interleaved: " + " | ".join(" ".join(g) for g in info["groups"]))
+              "interleaved (| : another job): " + " | ".join(" ".join(g) for g in info["groups"]))
     if "memory_steps" in info:
         print(f"  memory: peak RSS (VmHWM) of the largest rank after {info['memory_steps']} "
-              "steps, each variant in a job of its own; start = RSS before the model")
+              "steps, each variant in a job of its own; start: RSS before the model; shm: "
+              "node shared memory in RSS at the end")
     tag = f"[{info['model']}, {out['ranks']} ranks, {out['library']}]"
-    print(f"  {'variant':14s} {'step ms':>8s} {'min':>7s} {'max':>7s} {'/ ddp':>6s} "
-          f"{'peak MiB':>9s} {'start':>6s} {'/ model':>8s} {'/ ddp':>6s} "
+    print(f"  {'variant':14s} {'step ms':>8s} {'min':>7s} {'max':>7s} {'t/ddp':>6s} "
+          f"{'peak MiB':>9s} {'start':>6s} {'shm':>5s} {'/model':>7s} {'rss/ddp':>7s} "
           f"{'max|w-ddp|':>10s} {'max|w-r0|':>10s}")
     for v, r in info["variants"].items():
         print(f"  {v:14s} {_fmt(r.get('step_ms'), '8.1f')} {_fmt(r.get('step_ms_min'), '7.1f')} "
               f"{_fmt(r.get('step_ms_max'), '7.1f')} {_fmt(r.get('time_vs_ddp'), '6.2f')} "
               f"{_fmt(r.get('peak_MiB'), '9.0f')} {_fmt(r.get('start_MiB'), '6.0f')} "
-              f"{_fmt(r.get('peak_over_model'), '8.2f')} {_fmt(r.get('rss_vs_ddp'), '6.2f')} "
+              f"{_fmt(r.get('end_shmem_MiB'), '5.0f')} "
+              f"{_fmt(r.get('peak_over_model'), '7.2f')} {_fmt(r.get('rss_vs_ddp'), '7.2f')} "
               f"{_fmt(r.get('max_abs_diff_vs_ddp'), '10.2e')} "
               f"{_fmt(r.get('max_abs_diff_vs_rank0'), '10.2e')}  {tag}")
 
@@ -604,7 +647,7 @@ def parser():
     p.add_argument("--bert-vocab", type=int, default=30522)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON document on rank 0")
-    p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=("memory", "time"), help=argparse.SUPPRESS)
     return p
 
 
@@ -613,10 +656,10 @@ def main(argv=None):
     torch.set_num_threads(1)
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
-    if args.memory_child:
+    if args.child:
         parent = MPI.Comm.Get_parent()
         try:
-            res = memory_child(args, comm)
+            res = (memory_child if args.child == "memory" else time_child)(args, comm)
         except BaseException:
             # A rank that fails alone would leave the others (and the parent) waiting.
             traceback.print_exc()
@@ -625,6 +668,8 @@ def main(argv=None):
         if comm.rank == 0:
             parent.send(res, dest=0)
         parent.Disconnect()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
         return 0
     out = run(args, comm)
     if comm.rank == 0:
@@ -632,8 +677,6 @@ def main(argv=None):
             print(json.dumps(out))
         else:
             show_goals(out)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
     return 0
 
 

@@ -1,0 +1,65 @@
+"""``python -m mpikv bench train`` end to end: 2 ranks, a tiny BERT, a few steps.
+
+The figures of such a run mean nothing; this checks that every variant
+reports a step time and a peak RSS (each measured in a job of its own), that
+the variants trained the same weights from the same batches, and the ratios.
+"""
+
+import importlib.util
+import json
+
+import pytest
+
+from .conftest import run_job
+
+pytest.importorskip("torch")
+
+DDP = ["ddp-sgd", "ddp-adam", "ddp-zero-adam"]
+TRAINER = ["trainer-sgd", "trainer-adam"]
+TINY = ["--model", "bert", "--bert-layers", "1", "--bert-hidden", "32", "--bert-heads", "2",
+        "--bert-vocab", "100", "--bert-seq", "8", "--warmup", "1", "--steps", "2",
+        "--memory-steps", "2"]
+
+
+def test_every_variant_reports_step_time_and_peak_rss():
+    has_trainer = importlib.util.find_spec("mpikv.torch") is not None
+    rc, out, _ = run_job(2, "-m", "mpikv", "bench", "train", *TINY, "--variants",
+                         ",".join(TRAINER + DDP + ["horovod-sgd"]), "--json",
+                         env={"MPIKV_AUTOTUNE": "0"}, timeout=180)
+    assert rc == 0, out
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, out
+    res = json.loads(lines[0])
+    assert res["ranks"] == 2 and res["library"] and res["threads_per_rank"] == 1
+    (bert,) = res["models"]
+    assert bert["model"] == "bert" and bert["steps"] == 2 and bert["warmup"] == 1
+    # hidden 32: 100 + 512 + 2 token embeddings, a LayerNorm, one layer, pooler, head
+    assert bert["tensors"] == 5 + 12 + 2 + 2 and bert["model_bytes"] == 4 * bert["parameters"]
+    measured = DDP + TRAINER * has_trainer
+    assert sorted(bert["variants"]) == sorted(measured)
+    assert sorted(v for group in bert["groups"] for v in group) == sorted(measured)
+    assert set(res["skipped"]) >= set(TRAINER * (not has_trainer))
+    if importlib.util.find_spec("horovod") is None:
+        assert "horovod-sgd" in res["skipped"]
+    for name, row in bert["variants"].items():
+        assert row["step_ms_min"] > 0 and row["step_ms"] >= row["step_ms_min"], name
+        assert row["peak_MiB"] > row["start_MiB"] > 0 and row["end_shmem_MiB"] >= 0, name
+        assert len(row["peak_MiB_per_rank"]) == 2 and row["peak_MiB"] == max(
+            row["peak_MiB_per_rank"])
+        assert row["peak_over_model"] == pytest.approx(
+            row["peak_MiB"] * 2**20 / bert["model_bytes"])
+        assert row["max_abs_diff_vs_rank0"] == 0.0, name  # the replicas stay equal
+    ddp = bert["variants"]
+    assert ddp["ddp-sgd"]["time_vs_ddp"] == 1.0 and ddp["ddp-adam"]["rss_vs_ddp"] == 1.0
+    # Same start, batches and dropout masks, averaged gradients, the same SGD arithmetic.
+    sgd = [v for v in measured if v.endswith("-sgd")]
+    for name in sgd:
+        assert ddp[name]["max_abs_diff_vs_ddp"] < 1e-4, name
+    goals = {g["goal"]: g for g in res["goals"]}
+    if has_trainer:
+        adam, ref = ddp["trainer-adam"], ddp["ddp-adam"]
+        g = goals["bert trainer-adam peak RSS / ddp-adam peak RSS"]
+        assert g["value"] == pytest.approx(adam["peak_MiB"] / ref["peak_MiB"])
+        assert g["bound"] == 0.6 and g["met"] == (g["value"] <= 0.6)
+        g = goals["bert trainer-adam peak RSS / model bytes"]
+        assert g["value"] == pytest.approx(adam["peak_over_model"]) and g["bound"] == 3.0
