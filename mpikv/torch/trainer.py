@@ -350,14 +350,28 @@ class Trainer:
         """
         self._between_steps()
         path = str(path)
-        self.kvstore.save_checkpoint(path)
-        failure = None
+        final, failure = path + ".trainer.json", None
+        tmp = f"{final}.tmp{os.getpid()}"
         if self.kvstore.rank == 0:
+            # Written (and fsynced) before the store's save, renamed after it: a
+            # failure leaves the previous checkpoint whole.
             try:
-                _write_json(path + ".trainer.json", self._meta())
-            except OSError as e:
-                failure = f"{path}.trainer.json could not be written: {e}"
+                with open(tmp, "w") as f:
+                    json.dump(self._meta(), f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except (OSError, TypeError, ValueError) as e:
+                failure = f"{final} could not be written: {e}"
         self._all_or_none(failure, errors.StateFileError)
+        try:
+            self.kvstore.save_checkpoint(path)
+        except BaseException:
+            if self.kvstore.rank == 0:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+            raise
+        if self.kvstore.rank == 0:
+            os.replace(tmp, final)
 
     def load_checkpoint(self, path):
         """Restores a :meth:`save_checkpoint` save, on any number of ranks; collective."""
@@ -488,16 +502,6 @@ def _few(items, limit=_NAMED, more=None):
     total = len(items) if more is None else more
     rest = f" and {total - limit} more" if total > limit else ""
     return ", ".join(items[:limit]) + rest
-
-
-def _write_json(path, data):
-    """Writes JSON atomically: a temporary file, fsynced, renamed over ``path``."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 __all__ = ["Trainer", "Deferred"]

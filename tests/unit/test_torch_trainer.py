@@ -193,3 +193,12 @@ def test_the_store_names_bfloat16_when_it_refuses_it():
     kv = mpikv.create("local")
     with pytest.raises(mpikv.DTypeError, match="'a' is bfloat16, which the store does not"):
         kv.init("a", torch.zeros(3, dtype=torch.bfloat16))
+
+
+def test_a_save_that_cannot_be_written_raises_and_leaves_nothing(tmp_path):
+    trainer = mpikv.torch.Trainer(cases.Net(), torch.optim.SGD, {"lr": 0.1}, "local")
+    with pytest.raises(mpikv.StateFileError, match="trainer.json could not be written"):
+        trainer.save_checkpoint(tmp_path / "missing" / "ck")
+    assert not (tmp_path / "missing").exists()
+    trainer.save_checkpoint(tmp_path / "ck")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "ck.parts", "ck.trainer.json"]
