@@ -173,13 +173,18 @@ def load(store, fname, kind, with_values):
             raise StateFileError(f"{fname!r} has keys of another type than this store's")
         plan.add([(k, int(np.prod(saved[k][0], dtype=np.int64)), saved[k][1].itemsize)
                   for k in new])
-        arrays = man.arrays()
+        # Each key's state arrays, found in one pass (per key, a scan of every
+        # saved array made loads quadratic in the number of keys).
+        states_of = {}
+        for k, n in man.arrays():
+            if n.startswith(_STATE):
+                states_of.setdefault(k, []).append(n)
         use = opt if opt is not None else (
             from_config(meta["optimizer"]) if meta.get("optimizer") else None)
         if use is not None:
             expect = {_STATE + n for n in use.state_names}
             for key in saved:
-                names = {n for (k, n) in arrays if k == key and n.startswith(_STATE)}
+                names = set(states_of.get(key, ()))
                 if names and names != expect:
                     raise StateFileError(
                         f"key {key!r} has states {sorted(n[len(_STATE):] for n in names)} in "
@@ -190,8 +195,7 @@ def load(store, fname, kind, with_values):
                 continue
             if with_values:
                 wanted.append((key, VALUE, shard.start, shard.stop))
-            names = [n for (k, n) in arrays if k == key and n.startswith(_STATE)]
-            for name in names:
+            for name in states_of.get(key, ()):
                 if name == _STATE + COUNT:
                     wanted.append((key, name, 0, 1))
                 else:
@@ -265,8 +269,9 @@ def _prepare(store, plan, got, meta, saved, new, with_values):
     if opt is None and meta.get("optimizer") is not None:
         opt = from_config(meta["optimizer"])
     states = {}
+    with_states = {k for (k, n, _, _) in got if n.startswith(_STATE)}  # one pass, not one per key
     for key, shard in (plan.owned_by(store.transport.rank) if opt is not None else ()):
-        if not any(k == key and n.startswith(_STATE) for (k, n, _, _) in got):
+        if key not in with_states:
             continue
         entry = entries.get(key) or store.entries[key]
         whole = shard.stop - shard.start == entry.flat.size and not entry.placement.split
