@@ -111,7 +111,11 @@ def save(store, fname, kind, with_values, dump_optimizer):
                                     _on_host(arr.reshape(-1))))
         return statefile.write_part(fname, generation, t.rank, entries) if entries else None
 
-    records = _exchange(t, what, write)
+    try:
+        records = _exchange(t, what, write)
+    except MPIKVError:  # some rank could not write: no manifest will name this save's parts
+        statefile.discard_part(fname, generation, t.rank)
+        raise
     opt = store.optimizer
     meta = {
         "kind": kind,

@@ -89,7 +89,7 @@ __all__ = [
     "FORMAT", "VERSION", "PART_FORMAT", "PART_MAGIC", "PARTS_SUFFIX",
     "DTYPES", "Entry", "Part", "Manifest", "new_generation",
     "atomic_write_bytes", "write_part", "commit", "read_manifest",
-    "read_slices", "list_arrays", "parts_dir",
+    "read_slices", "list_arrays", "parts_dir", "discard_part",
 ]
 
 FORMAT = "mpikv-state"
@@ -730,6 +730,19 @@ def commit(path: PathLike, generation: str, parts: Iterable[Mapping],
                                  f"says {part.nbytes}")
     atomic_write_bytes(path, data)
     _remove_stale(path, generation)
+
+
+def discard_part(path: PathLike, generation: str, rank: int) -> None:
+    """Best effort: deletes the part a rank wrote for a save that was not committed.
+
+    A save that fails on any rank commits no manifest; the parts the other
+    ranks wrote for it would otherwise stay until a later save.
+    """
+    fpath = os.path.join(parts_dir(os.fspath(path)), _part_name(generation, rank))
+    try:
+        os.unlink(fpath)
+    except OSError:
+        pass
 
 
 def _remove_stale(path: str, generation: str) -> None:

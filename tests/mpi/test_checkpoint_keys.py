@@ -67,3 +67,24 @@ def test_int_key_loaded_from_a_checkpoint_is_refused_like_one_made_by_init(
     ints = np.zeros(INTS.shape, np.int32)
     fresh.pull("i", out=ints)
     np.testing.assert_array_equal(ints, INTS)
+
+
+def test_a_save_that_fails_on_one_rank_leaves_no_part_behind(comm, kv, tmp_path_factory,
+                                                              monkeypatch):
+    import os
+
+    from mpikv import statefile
+    base = comm.bcast(str(tmp_path_factory.mktemp("orphan")) if comm.rank == 0 else None)
+    path = os.path.join(base, "ck")
+    kv.init(["a", "b", "c"], [np.ones(3)] * 3)
+    kv.save_checkpoint(path)
+    comm.Barrier()
+    before = sorted(os.listdir(path + ".parts"))
+    if comm.rank == comm.size - 1:  # the disk fills up under this rank only
+        def full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(statefile, "write_part", full)
+    message = raises_everywhere(comm, mpikv.StateFileError, lambda: kv.save_checkpoint(path))
+    assert "No space left on device" in message
+    comm.Barrier()
+    assert sorted(os.listdir(path + ".parts")) == before  # the previous save, whole
