@@ -65,5 +65,8 @@ def test_async_errors_are_raised_at_the_call_on_every_rank(comm):
     kv.init(1, np.zeros(3))
     bad = np.zeros(4) if comm.rank == 0 else np.zeros(3)
     raises_everywhere(comm, errors.ShapeError, lambda: kv.push_async(1, bad))
-    h = kv.pushpull_async(1, np.ones(3))
+    # The store is still usable, and the next call sums as it should.
+    value = np.ones(3)
+    h = kv.pushpull_async(1, value)
     kv.wait(h)
+    assert h.done() and (value == comm.size).all()

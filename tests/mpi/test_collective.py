@@ -185,9 +185,18 @@ def test_subcommunicator(comm):
     sub.Free()
 
 
-def test_barrier(kv):
-    kv.barrier()
-    kv._barrier()
+def test_barrier_waits_for_every_rank(kv, comm, tmp_path_factory):
+    """No rank leaves the barrier before the last one has entered it."""
+    import os
+    import time
+    base = comm.bcast(str(tmp_path_factory.mktemp("barrier")) if comm.rank == 0 else None)
+    marks = [os.path.join(base, f"entered-{n}") for n in range(2)]
+    for mark, wait in zip(marks, (kv.barrier, kv._barrier)):  # _barrier: MXNet's spelling
+        if comm.rank == comm.size - 1:
+            time.sleep(0.2)  # arrives late, and says so just before entering
+            open(mark, "w").close()
+        wait()
+        assert os.path.exists(mark)
 
 
 def test_bad_comm():
