@@ -72,9 +72,21 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
                          f"{', '.join(sorted(STORE_TYPES))}")
     if kind == "local" and comm is not None:
         raise ValueError(f"a {name!r} store has no communicator; use a dist_* type with comm=")
-    options = config.resolve(timeout, bigarray_bound, abort_on_exception, bucket_bytes,
-                             shared_memory, reducer, autotune, direct_bytes)
-    transport = make_transport(kind, comm, options)
+    if kind == "local":
+        options = config.resolve(timeout, bigarray_bound, abort_on_exception, bucket_bytes,
+                                 shared_memory, reducer, autotune, direct_bytes)
+        transport = make_transport(kind, comm, options)
+    else:
+        # A bad option on one rank must not leave the others waiting in the
+        # collectives below: every rank raises, after they compared notes.
+        try:
+            options, failure = config.resolve(
+                timeout, bigarray_bound, abort_on_exception, bucket_bytes, shared_memory,
+                reducer, autotune, direct_bytes), None
+        except ValueError as exc:
+            options, failure = config.Options(), str(exc)
+        transport = make_transport(kind, comm, options)
+        _agree_on_options(transport, options, failure)
     table = tuning.resolve(transport, options.reducer, options.autotune)
     store = KVStore(name.lower(), transport, options, table)
     if kind == "mpi":
@@ -87,6 +99,33 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
             options.bigarray_bound, "on a worker thread" if transport.threaded
             else "run inline (MPI is not THREAD_MULTIPLE)")
     return store
+
+
+#: options that change which collectives a store calls: they must be equal on every rank
+AGREED_OPTIONS = ("bigarray_bound", "bucket_bytes", "direct_bytes", "shared_memory", "reducer",
+                  "autotune")
+
+
+def _agree_on_options(transport, options, failure):
+    """Raises the same error on every rank if an option was bad, or differs, on any rank."""
+    from .agreement import format_ranks
+    mine = {"error": failure, **{name: getattr(options, name) for name in AGREED_OPTIONS}}
+    everyone = transport.allgather_records(mine, ("create", []))
+    bad = [(r, o["error"]) for r, o in enumerate(everyone) if o["error"]]
+    if bad:
+        raise errors.InputError("create: " + "; ".join(
+            f"{format_ranks([r])}: {text}" for r, text in bad) + "; no store was created")
+    differ = []
+    for name in AGREED_OPTIONS:
+        values = {}
+        for rank, o in enumerate(everyone):
+            values.setdefault(repr(o[name]), []).append(rank)
+        if len(values) > 1:
+            differ.append(f"{name} is " + ", ".join(f"{v} on {format_ranks(rs)}"
+                                                     for v, rs in values.items()))
+    if differ:
+        raise errors.MismatchError("create: ranks gave different store options: "
+                                   + "; ".join(differ) + "; no store was created")
 
 
 class KVStore:

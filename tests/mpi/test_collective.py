@@ -384,3 +384,26 @@ def test_repeated_one_key_call_errors_everywhere(comm, bad):
     assert (stored == comm.size).all()   # still the last good sum
     kv.pushpull(1, np.full(4, 2, np.float32), out=out)   # and the route still works
     assert (out == 2 * comm.size).all()
+
+
+@pytest.mark.parametrize("option,value,default", [
+    ("bigarray_bound", 10, None), ("bucket_bytes", 64, None), ("reducer", "reduce_bcast", None),
+    ("shared_memory", False, None),
+])
+def test_store_options_that_differ_between_ranks_are_an_error_everywhere(comm, option, value,
+                                                                         default):
+    kwargs = {option: value if comm.rank == 0 else default}
+    if comm.size == 1:  # nothing to differ from: the store is made
+        mpikv.create("dist_sync", timeout=120, **kwargs)
+        return
+    message = raises_everywhere(comm, mpikv.MismatchError,
+                                lambda: mpikv.create("dist_sync", timeout=120, **kwargs))
+    assert f"different store options: {option} is" in message and "rank 0" in message
+
+
+def test_a_bad_option_on_one_rank_is_an_error_everywhere(comm):
+    bound = -1 if comm.rank == comm.size - 1 else None
+    message = raises_everywhere(comm, mpikv.InputError,
+                                lambda: mpikv.create("dist_sync", bigarray_bound=bound))
+    assert (f"rank {comm.size - 1}: bigarray_bound (MPIKV_BIGARRAY_BOUND) must be at least"
+            in message)
