@@ -610,6 +610,13 @@ class KVStore:
                 f"num_workers={self.num_workers} keys={len(self._engine.entries)}>")
 
 
+class _Writeable:
+    writeable = True  # cupy arrays have no such flag: always writeable
+
+
+_WRITEABLE = _Writeable()
+
+
 class _ZeroCopyCall:
     """A remembered push or pushpull of a key list's zero-copy buffers."""
 
@@ -619,8 +626,11 @@ class _ZeroCopyCall:
         self.blob = keys_blob(call)
 
     def matches(self, values):
+        # The sum is written into the buffers: one made read-only since is read
+        # again (and refused) by the general path.
         return (type(values) in (list, tuple) and len(values) == len(self.values)
-                and all(map(operator.is_, values, self.values)))
+                and all(map(operator.is_, values, self.values))
+                and all(getattr(v, "flags", _WRITEABLE).writeable for v in values))
 
     def call(self, settings):
         t = self.template

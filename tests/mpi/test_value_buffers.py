@@ -76,3 +76,16 @@ def test_torch_tensors_over_the_gradient_buffers_take_the_zero_copy_path(comm):
     out = np.zeros(SHAPES[KEYS[0]])
     kv.pull(KEYS[0], out=out)
     assert (out == -7.0).all()
+
+
+def test_a_zero_copy_buffer_made_read_only_is_refused_on_a_remembered_call(comm, kv):
+    kv.init(KEYS, [np.zeros(SHAPES[k]) for k in KEYS])
+    grads = kv.gradient_buffers(KEYS)
+    kv.pushpull(KEYS, grads)   # remembered from here on
+    kv.pushpull(KEYS, grads)
+    if comm.rank == 0:
+        grads[1].flags.writeable = False
+    message = raises_everywhere(comm, mpikv.ValueTypeError, lambda: kv.pushpull(KEYS, grads))
+    assert "read-only" in message
+    grads[1].flags.writeable = True
+    kv.pushpull(KEYS, grads)  # usable again
