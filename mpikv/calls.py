@@ -166,6 +166,11 @@ class CallReader:
                        outs_default_values)
         except errors.MPIKVError as exc:
             call.fail(type(exc), None, str(exc))
+        except Exception as exc:  # noqa: BLE001 - nothing may escape before the ranks agree
+            # (an int key too long to print, say): the call's input error, on every rank
+            call = Call(op, settings=dict(settings or {}))
+            call.fail(errors.InputError, None, f"its arguments cannot be read "
+                      f"({type(exc).__name__}: {exc})")
         if sig is not None and not call.errors and call.user_keys == (
                 [key] if sig[-1] == "one" else key):
             self._known[sig] = _KnownList(op, call.user_keys, call)

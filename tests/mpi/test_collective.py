@@ -407,3 +407,17 @@ def test_a_bad_option_on_one_rank_is_an_error_everywhere(comm):
                                 lambda: mpikv.create("dist_sync", bigarray_bound=bound))
     assert (f"rank {comm.size - 1}: bigarray_bound (MPIKV_BIGARRAY_BOUND) must be at least"
             in message)
+
+
+def test_a_key_this_rank_cannot_read_is_an_input_error_everywhere(comm, kv):
+    kv.init(1, np.zeros(2))
+    key = 10 ** 5000 if comm.rank == 0 else 1  # too long to turn into text
+    message = raises_everywhere(comm, errors.InputError,
+                                lambda: kv.push(key, np.ones(2)))
+    assert "push: " in message and "its arguments cannot be read (ValueError" in message
+    assert comm.size == 1 or "rank 0" in message
+    # The ranks are still in step: the next push pairs with the others' next push.
+    kv.push(1, np.full(2, 3.0))
+    out = np.zeros(2)
+    kv.pull(1, out=out)
+    assert (out == 3.0 * comm.size).all()
