@@ -610,13 +610,6 @@ class KVStore:
                 f"num_workers={self.num_workers} keys={len(self._engine.entries)}>")
 
 
-class _Writeable:
-    writeable = True  # cupy arrays have no such flag: always writeable
-
-
-_WRITEABLE = _Writeable()
-
-
 class _ZeroCopyCall:
     """A remembered push or pushpull of a key list's zero-copy buffers."""
 
@@ -630,7 +623,7 @@ class _ZeroCopyCall:
         # again (and refused) by the general path.
         return (type(values) in (list, tuple) and len(values) == len(self.values)
                 and all(map(operator.is_, values, self.values))
-                and all(getattr(v, "flags", _WRITEABLE).writeable for v in values))
+                and all(getattr(getattr(v, "flags", None), "writeable", True) for v in values))
 
     def call(self, settings):
         t = self.template

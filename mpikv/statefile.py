@@ -738,10 +738,9 @@ def discard_part(path: PathLike, generation: str, rank: int) -> None:
     A save that fails on any rank commits no manifest; the parts the other
     ranks wrote for it would otherwise stay until a later save.
     """
-    fpath = os.path.join(parts_dir(os.fspath(path)), _part_name(generation, rank))
     try:
-        os.unlink(fpath)
-    except OSError:
+        os.unlink(os.path.join(parts_dir(os.fspath(path)), _part_name(generation, rank)))
+    except (OSError, ValueError):  # ValueError: a path no file can have (a NUL byte)
         pass
 
 

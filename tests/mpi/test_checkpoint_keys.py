@@ -76,7 +76,8 @@ def test_a_save_that_fails_on_one_rank_leaves_no_part_behind(comm, kv, tmp_path_
     from mpikv import statefile
     base = comm.bcast(str(tmp_path_factory.mktemp("orphan")) if comm.rank == 0 else None)
     path = os.path.join(base, "ck")
-    kv.init(["a", "b", "c"], [np.ones(3)] * 3)
+    keys = [f"k{i}" for i in range(8)]  # every rank owns some, so every rank writes a part
+    kv.init(keys, [np.ones(3)] * len(keys))
     kv.save_checkpoint(path)
     comm.Barrier()
     before = sorted(os.listdir(path + ".parts"))
