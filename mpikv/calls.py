@@ -12,6 +12,7 @@ import numpy as np
 
 from . import errors
 from ._arrays import as_host_array, check_dtype
+from .keys import normalize_key
 from .plan import sort_key
 
 
@@ -55,17 +56,6 @@ class Call:
         if self._keys is None:
             self._keys = [item.key for item in self.items]
         return self._keys
-
-
-def normalize_key(key):
-    """Returns ``key`` as an int or str, or raises KeyTypeError."""
-    if type(key) is int or type(key) is str:  # the common case, checked cheaply
-        return key
-    if isinstance(key, str):
-        return key
-    if isinstance(key, numbers.Integral) and not isinstance(key, (bool, np.bool_)):
-        return int(key)
-    raise errors.KeyTypeError(f"key {key!r} is a {type(key).__name__}; keys are int or str")
 
 
 def _pair(key, value, what):

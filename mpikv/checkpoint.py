@@ -22,6 +22,7 @@ from . import __version__, backends, statefile
 from .engine import Entry
 from .errors import MPIKVError, OptimizerError, StateFileError
 from .optimizer import COUNT, from_config
+from .keys import is_key
 from .plan import sort_key
 
 VALUE = "value"
@@ -232,8 +233,6 @@ def _saved_keys(meta, fname):
     def bad(what):
         return StateFileError(f"{fname!r} is not a valid mpikv save: {what}")
 
-    def is_key(k):
-        return (isinstance(k, int) and not isinstance(k, bool)) or isinstance(k, str)
     keys, counts = meta.get("keys"), meta.get("counts", [])
     if not isinstance(keys, list) or not isinstance(counts, list):
         raise bad("'keys' and 'counts' must be lists")

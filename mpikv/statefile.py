@@ -83,7 +83,8 @@ from typing import Any, Iterable, Mapping, Union
 
 import numpy as np
 
-from .errors import DTypeError, InputError, KeyTypeError, StateFileError
+from .errors import DTypeError, InputError, StateFileError
+from .keys import normalize_key
 
 __all__ = [
     "FORMAT", "VERSION", "PART_FORMAT", "PART_MAGIC", "PARTS_SUFFIX",
@@ -520,15 +521,6 @@ def _build_index(parts: list) -> dict:
 # ----------------------------------------------------------------- writing
 
 
-def _norm_key(key: Any) -> Key:
-    if isinstance(key, str):
-        return key
-    if isinstance(key, (int, np.integer)) and not isinstance(
-            key, (bool, np.bool_)):
-        return int(key)
-    raise KeyTypeError(f"key {key!r} is not an int or a str")
-
-
 def _norm_int(x: Any, what: str) -> int:
     if isinstance(x, (bool, np.bool_)):
         raise InputError(f"{what} is {x!r}, not an int")
@@ -585,7 +577,7 @@ def write_part(path: PathLike, generation: str, rank: int,
         except (TypeError, ValueError):
             raise InputError(f"entry {i} is not a (key, name, start, stop, "
                              "global_shape, array) tuple") from None
-        key = _norm_key(key)
+        key = normalize_key(key)
         if not isinstance(name, str) or not name:
             raise InputError(f"entry {i}: name {name!r} is not a non-empty "
                              "str")
@@ -864,7 +856,7 @@ def read_slices(source: Manifest | PathLike, wanted: Iterable) -> dict:
         except (TypeError, ValueError):
             raise InputError(f"wanted item {i} is not a (key, name, start, "
                              "stop) tuple") from None
-        key = _norm_key(key)
+        key = normalize_key(key)
         if not isinstance(name, str):
             raise InputError(f"wanted item {i}: name {name!r} is not a str")
         start = _norm_int(start, f"wanted item {i}: start")
