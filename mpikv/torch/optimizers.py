@@ -52,10 +52,14 @@ class Deferred(Optimizer):
         return PendingUpdate(None, key, None, None)
 
     def _record(self, key, weight, grad, state):
-        count = state[COUNT].reshape(-1)
-        count[0] += 1
-        self.num_update = max(self.num_update, int(count[0]))
         self._parts.append((key, weight, grad, state))
+
+    def _count(self, parts):
+        """Counts an update of each part (at :meth:`apply`: a discarded step counts nothing)."""
+        for _, _, _, state in parts:
+            count = state[COUNT].reshape(-1)
+            count[0] += 1
+            self.num_update = max(self.num_update, int(count[0]))
 
     def owned_parts(self):
         """The ``(key, weight, grad, state)`` parts recorded since the last :meth:`apply`."""
@@ -77,6 +81,7 @@ class Deferred(Optimizer):
         if scale != 1.0:
             for _, _, grad, _ in parts:
                 grad *= scale
+        self._count(parts)
         self._run(parts)
 
     def _run(self, parts):
@@ -230,10 +235,8 @@ class MXNetRule(Deferred):
     def create_state(self, key, weight):
         return self.inner.create_state(key, weight)
 
-    def _record(self, key, weight, grad, state):
-        # The inner optimizer counts when it runs.
-        self._parts.append((key, weight, grad, state))
-        self.num_update = max(self.num_update, int(state[COUNT][0]) + 1)
+    def _count(self, parts):
+        pass  # the inner optimizer counts when it runs
 
     def _run(self, parts):
         for key, weight, grad, state in parts:

@@ -188,3 +188,27 @@ def test_trainer_on_cuda_parameters_equals_one_process(comm, opt, kw):
         ref_opt.step()
     for (n, a), b in zip(net.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-9, atol=1e-9, msg=n)
+
+
+def test_a_step_that_raised_counts_no_update(comm):
+    """After an error nothing was applied, Adam's step counts included: the next
+    steps equal those of a Trainer that never saw the error."""
+    def run(with_error):
+        net = cases.Net()
+        named = [(n, p) for n, p in net.named_parameters() if not n.startswith("spare")]
+        trainer = mpikv.torch.Trainer(named, torch.optim.Adam, {"lr": 0.01},
+                                      mpikv.create("dist_sync", timeout=120),
+                                      unused_parameters="error")
+        x, y = cases.data(0, 0)
+        if with_error:
+            net(x, False).sum().backward()  # the head unused: an error on every rank
+            with pytest.raises(mpikv.GradientError):
+                trainer.step()
+        for step in range(2):
+            trainer.zero_grad()
+            net(x, True).sum().backward()
+            trainer.step()
+        return _weights(net)
+    clean, after_error = run(False), run(True)
+    for n, w in clean.items():
+        assert torch.equal(w, after_error[n]), n
