@@ -212,3 +212,60 @@ def test_a_step_that_raised_counts_no_update(comm):
     clean, after_error = run(False), run(True)
     for n, w in clean.items():
         assert torch.equal(w, after_error[n]), n
+
+
+def _raises_on_every_rank(comm, exc, call):
+    """Runs ``call``; asserts every rank raised ``exc``; returns this rank's message.
+
+    For failures only some ranks see (their message names it; the others say
+    another rank failed).
+    """
+    try:
+        call()
+        got = None
+    except exc as e:
+        got = str(e)
+    everyone = comm.allgather(got)
+    assert all(m is not None for m in everyone), everyone
+    return got
+
+
+def test_16_bit_parameters_on_one_rank_are_an_error_on_every_rank(comm):
+    net = cases.Net()
+    if comm.rank == comm.size - 1:
+        net.fc2.to(torch.bfloat16)
+    message = _raises_on_every_rank(comm, mpikv.DTypeError, lambda: mpikv.torch.Trainer(
+        net, torch.optim.SGD, {"lr": 0.1}, mpikv.create("dist_sync", timeout=120)))
+    if comm.rank == comm.size - 1:
+        assert "fc2.weight, fc2.bias are 16-bit floats" in message
+    else:
+        assert "another rank failed" in message
+
+
+def test_a_trainer_save_rank_0_cannot_write_is_an_error_on_every_rank(comm, tmp_path_factory):
+    import os
+    base = comm.bcast(str(tmp_path_factory.mktemp("save")) if comm.rank == 0 else None)
+    _, trainer = _net_and_trainer(comm)
+    trainer.save_checkpoint(os.path.join(base, "ck"))
+    before = sorted(os.listdir(base))
+    comm.Barrier()
+    missing = os.path.join(base, "missing", "ck")  # its directory does not exist
+    message = _raises_on_every_rank(comm, mpikv.StateFileError,
+                                    lambda: trainer.save_checkpoint(missing))
+    assert ("could not be written" if comm.rank == 0 else "another rank failed") in message
+    comm.Barrier()
+    assert sorted(os.listdir(base)) == before  # the previous save whole, nothing new
+
+
+def test_loading_a_checkpoint_without_the_trainer_file_is_an_error_everywhere(
+        comm, tmp_path_factory):
+    import os
+    base = comm.bcast(str(tmp_path_factory.mktemp("bare")) if comm.rank == 0 else None)
+    net, trainer = _net_and_trainer(comm)
+    trainer.kvstore.save_checkpoint(os.path.join(base, "ck"))  # the store's part only
+    before = _weights(net)
+    message = raises_everywhere(comm, mpikv.StateFileError,
+                                lambda: trainer.load_checkpoint(os.path.join(base, "ck")))
+    assert "trainer.json cannot be read" in message
+    for n, w in _weights(net).items():
+        assert torch.equal(w, before[n]), n

@@ -89,3 +89,10 @@ def test_a_zero_copy_buffer_made_read_only_is_refused_on_a_remembered_call(comm,
     assert "read-only" in message
     grads[1].flags.writeable = True
     kv.pushpull(KEYS, grads)  # usable again
+
+
+def test_bfloat16_values_are_refused_on_every_rank(comm, kv):
+    torch = pytest.importorskip("torch")
+    value = torch.zeros(3, dtype=torch.bfloat16 if comm.rank == 0 else torch.float32)
+    message = raises_everywhere(comm, mpikv.DTypeError, lambda: kv.init("a", value))
+    assert "is bfloat16, which the store does not take yet" in message
