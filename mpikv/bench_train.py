@@ -297,12 +297,20 @@ def reference(variant):
 # -- the measuring jobs: memory (one per variant) and time (one per group) ------------------
 
 
+def _proc_mib(path, field, default):
+    """A ``Field:   N kB`` line of a /proc file, in MiB (``default`` if absent)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return default
+
+
 def _status_mib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    return _proc_mib("/proc/self/status", field, float("nan"))
 
 
 def memory_child(args, comm):
@@ -334,14 +342,7 @@ def memory_child(args, comm):
 
 
 def _pss_mib():
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
+    return _proc_mib("/proc/self/smaps_rollup", "Pss", None)
 
 
 def spawn(child, model, variants, args, comm):
@@ -386,14 +387,7 @@ def _step_seed(args, rank, i):
 
 
 def _meminfo_available_mib():
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("inf")
+    return _proc_mib("/proc/meminfo", "MemAvailable", float("inf"))
 
 
 def time_groups(variants, growth_mib, args, comm):

@@ -734,11 +734,11 @@ def _gives_grads(layout, bucket, by_key):
     """Whether the call hands over exactly the bucket's zero-copy gradient buffers
     (the arrays themselves, or views of them such as the torch tensors over them)."""
     return layout.grads is not None and all(
-        len(by_key[key].values) == 1 and same_buffer(by_key[key].values[0], layout.views[key])
+        len(by_key[key].values) == 1 and _same_buffer(by_key[key].values[0], layout.views[key])
         for key, _ in _key_offsets(bucket))
 
 
-def same_buffer(a, b):
+def _same_buffer(a, b):
     """Whether two arrays are the same memory seen the same way (address, shape,
     strides, dtype): ``a`` may be another object viewing ``b``."""
     if a is b:

@@ -479,9 +479,8 @@ def _make_rule(optimizer, optimizer_params, hyper_groups, names, group_of):
         for flag in ("fused", "differentiable", "capturable"):
             if any(g.get(flag) for g in groups):
                 raise errors.OptimizerError(f"{flag}=True is not supported on the owners")
-        rule = rule_class([{k: g[k] for k in rule_class.hyper} for g in groups],
-                          [[n, g] for n, g in zip(names, group_of)])
-        return rule, [{k: g[k] for k in rule_class.hyper} for g in groups]
+        hyper = [{k: g[k] for k in rule_class.hyper} for g in groups]
+        return rule_class(hyper, [[n, g] for n, g in zip(names, group_of)]), hyper
     if isinstance(optimizer, str):
         optimizer = mx_optimizer.create(optimizer, **optimizer_params)
     elif optimizer_params:
