@@ -14,6 +14,8 @@ Subcommands (``python -m mpikv bench`` and ``python -m mpikv.bench`` are the sam
     scripts/mpirun.sh -n 2 python -m mpikv bench memory --workload bert_base --mode adam
     # overlap: does pushpull_async hide behind computation?
     scripts/mpirun.sh -n 2 python -m mpikv bench overlap
+    # checkpoint: save and load of 5,000-40,000 small keys (--keys N, repeatable)
+    scripts/mpirun.sh -n 2 python -m mpikv bench checkpoint
     # gpu: cupy buffers, store vs raw mpi4py vs NCCL (needs a GPU)
     scripts/mpirun.sh -n 2 python -m mpikv bench gpu --workload resnet50
     # train: ResNet-18 and BERT steps, mpikv's torch Trainer against DDP (bench train -h)
@@ -51,6 +53,7 @@ line ends with the run's settings: ranks, MPI library, iterations.
 
 import argparse
 import json
+import os
 import resource
 import sys
 import time
@@ -576,6 +579,49 @@ def _print_workload(res):
               f"{r['vs baseline']:12.2f}  {tag}")
 
 
+def bench_checkpoint(key_counts, comm):
+    """Seconds to save and to load checkpoints of many small keys (slowest rank).
+
+    Per count: keys of 4 float32 with Adam states, one push, ``save_checkpoint``
+    to a temporary directory rank 0 makes (it must be visible to every rank),
+    then ``load_checkpoint`` into a new store.
+    """
+    import shutil
+    import tempfile
+
+    import mpikv
+    from mpikv import optimizer
+
+    base = comm.bcast(tempfile.mkdtemp(prefix="mpikv-bench-") if comm.rank == 0 else None)
+    rows = []
+    try:
+        for n in key_counts:
+            keys = [f"k{i}" for i in range(n)]
+            kv = mpikv.create("dist_sync")
+            kv.init(keys, [np.ones(4, np.float32)] * n)
+            kv.set_optimizer(optimizer.Adam())
+            kv.push(keys, [np.ones(4, np.float32)] * n)
+            path = os.path.join(base, f"ck{n}")
+            fresh = mpikv.create("dist_sync")
+            timer = _Timer(comm)  # once each, in this order: a load needs the save
+            timer.run([("save", None, lambda: kv.save_checkpoint(path))], 1, warmup=0)
+            timer.run([("load", None, lambda: fresh.load_checkpoint(path))], 1, warmup=0)
+            rows.append({"keys": n, "save_s": timer.median("save"),
+                         "load_s": timer.median("load")})
+    finally:
+        comm.Barrier()
+        if comm.rank == 0:
+            shutil.rmtree(base, ignore_errors=True)
+    return {"ranks": comm.size, "library": _library(), "rows": rows}
+
+
+def _show_checkpoint(out, comm):
+    print(f"Checkpoints of small keys (4 float32 each, Adam states): {out['ranks']} ranks, "
+          f"{out['library']}; seconds, slowest rank")
+    for r in out["rows"]:
+        print(f"  {r['keys']:7d} keys: save {r['save_s']:7.2f} s, load {r['load_s']:7.2f} s")
+
+
 def _show_calls(out, comm):
     print(f"Per-call cost of small calls: {out['ranks']} ranks, {out['library']}; "
           f"microseconds, median over iterations of the slowest rank; vs raw = raw / mpikv "
@@ -634,6 +680,8 @@ COMMANDS = {
                              for w in a.workload or ["bert_base"] for m in a.mode or ["adam"]],
                _show_memory),
     "chunks": (lambda a, c: bench_chunks(a.iterations or 7, c), _show_chunks),
+    "checkpoint": (lambda a, c: bench_checkpoint(a.keys or [5000, 20000, 40000], c),
+                   _show_checkpoint),
     "gpu": (lambda a, c: [bench_gpu(w, a.iterations or 20, c)
                           for w in a.workload or ["resnet50", "big64"]], _show_gpu),
 }
@@ -653,6 +701,8 @@ def main(argv=None):
     parser.add_argument("--iterations", type=int, default=None,
                         help="timed iterations (workloads: 10, 5 for bert_base; calls: calls "
                              "timed, 2000; chunks: 7; memory: 3; overlap: 10; gpu: 20)")
+    parser.add_argument("--keys", type=int, action="append",
+                        help="checkpoint: key counts, repeatable; default 5000, 20000, 40000")
     parser.add_argument("--json", action="store_true", help="one JSON document on rank 0")
     args = parser.parse_args(argv)
     from mpi4py import MPI

@@ -56,3 +56,12 @@ def test_calls_reports_each_small_call_against_raw():
     for r in res["rows"]:
         assert r["us"] > 0 and r["raw_us"] > 0
         assert abs(r["vs raw"] - r["raw_us"] / r["us"]) < 1e-9
+
+
+def test_checkpoint_reports_save_and_load_per_key_count():
+    rc, out, _ = run_job(2, "-m", "mpikv", "bench", "checkpoint", "--keys", "50", "--keys", "200",
+                         "--json", env={"MPIKV_AUTOTUNE": "0"}, timeout=180)
+    assert rc == 0, out
+    res = json.loads([line for line in out.splitlines() if line.startswith("{")][0])
+    assert res["ranks"] == 2 and [r["keys"] for r in res["rows"]] == [50, 200]
+    assert all(r["save_s"] > 0 and r["load_s"] > 0 for r in res["rows"])
