@@ -371,7 +371,12 @@ class Trainer:
                     os.remove(tmp)
             raise
         if self.kvstore.rank == 0:
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except OSError as e:
+                failure = f"{final} could not be renamed into place: {e}"
+        # Also what keeps every rank here until the save is whole.
+        self._all_or_none(failure, errors.StateFileError)
 
     def load_checkpoint(self, path):
         """Restores a :meth:`save_checkpoint` save, on any number of ranks; collective."""

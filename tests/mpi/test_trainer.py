@@ -246,8 +246,9 @@ def test_a_trainer_save_rank_0_cannot_write_is_an_error_on_every_rank(comm, tmp_
     import os
     base = comm.bcast(str(tmp_path_factory.mktemp("save")) if comm.rank == 0 else None)
     _, trainer = _net_and_trainer(comm)
-    trainer.save_checkpoint(os.path.join(base, "ck"))
+    trainer.save_checkpoint(os.path.join(base, "ck"))  # whole on every rank when it returns
     before = sorted(os.listdir(base))
+    assert before == ["ck", "ck.parts", "ck.trainer.json"]
     comm.Barrier()
     missing = os.path.join(base, "missing", "ck")  # its directory does not exist
     message = _raises_on_every_rank(comm, mpikv.StateFileError,
