@@ -595,7 +595,7 @@ def test_killed_mid_part_write(path, monkeypatch):
     def boom(fd):
         raise OSError(5, "simulated I/O error")
 
-    monkeypatch.setattr(sf.os, "fsync", boom)
+    monkeypatch.setattr(os, "fsync", boom)
     with pytest.raises(StateFileError, match="simulated"):
         sf.write_part(path, gen2, 1, [("k", "value", 0, 50, (50,),
                                        NEW[("k", "value")])])
@@ -621,7 +621,7 @@ def test_killed_mid_manifest_write(path, monkeypatch):
     def boom(src, dst):
         raise OSError(28, "simulated disk full")
 
-    monkeypatch.setattr(sf.os, "replace", boom)
+    monkeypatch.setattr(os, "replace", boom)
     with pytest.raises(StateFileError, match="disk full"):
         sf.commit(path, gen2, recs2, {})
     monkeypatch.undo()

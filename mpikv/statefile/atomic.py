@@ -1,0 +1,140 @@
+"""Durable atomic replacement of files, and removal of what saves leave behind."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import secrets
+from typing import Iterable
+
+from ..errors import StateFileError
+from .format import (_PART_RE, _PART_TMP_RE, PathLike, _part_name,
+                     parts_dir)
+
+
+def _fsync_dir(directory: str) -> None:
+    """Makes renames and creations inside ``directory`` durable."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as exc:
+        raise StateFileError(
+            f"cannot open directory {directory!r} to fsync it: {exc}") from exc
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        # Some file systems cannot fsync a directory; the rename is then as
+        # durable as that file system makes it, which is all we can do.
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise StateFileError(
+                f"cannot fsync directory {directory!r}: {exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: str, chunks: Iterable) -> tuple:
+    """Writes ``chunks`` to ``path`` atomically and durably.
+
+    Returns:
+        ``(sha256 hex, nbytes)`` of what was written.
+
+    Raises:
+        StateFileError: On any I/O failure; the temporary file is removed
+            and ``path`` is left as it was.
+    """
+    directory, base = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(
+        directory, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    digest = hashlib.sha256()
+    nbytes = 0
+    flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL
+             | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(tmp, flags, 0o666)
+    except OSError as exc:
+        raise StateFileError(
+            f"cannot create temporary file for {path!r}: {exc}") from exc
+    try:
+        with open(fd, "wb", closefd=True) as f:
+            for chunk in chunks:
+                f.write(chunk)
+                digest.update(chunk)
+                nbytes += len(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise StateFileError(f"cannot write {path!r}: {exc}") from exc
+        raise
+    _fsync_dir(directory)
+    return digest.hexdigest(), nbytes
+
+
+def atomic_write_bytes(path: PathLike, data: bytes) -> None:
+    """Replaces the file at ``path`` by ``data``, atomically and durably.
+
+    The data goes to a temporary file in the same directory, which is
+    flushed, fsynced and renamed over ``path``; then the directory is
+    fsynced. A crash leaves either the old file or the new one.
+
+    Args:
+        path: The file to write.
+        data: Its new content (any bytes-like object).
+
+    Raises:
+        StateFileError: On an I/O failure; ``path`` is then unchanged.
+    """
+    _write_atomic(os.fspath(path), [memoryview(data).cast("B")])
+
+
+def discard_part(path: PathLike, generation: str, rank: int) -> None:
+    """Best effort: deletes the part a rank wrote for a save that was not committed.
+
+    A save that fails on any rank commits no manifest; the parts the other
+    ranks wrote for it would otherwise stay until a later save.
+    """
+    try:
+        os.unlink(os.path.join(parts_dir(os.fspath(path)), _part_name(generation, rank)))
+    except (OSError, ValueError):  # ValueError: a path no file can have (a NUL byte)
+        pass
+
+
+def _remove_stale(path: str, generation: str) -> None:
+    """Best effort: deletes files of other generations and dead temps."""
+    directory = parts_dir(path)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        names = []
+    removed = False
+    for name in names:
+        m = _PART_RE.fullmatch(name) or _PART_TMP_RE.fullmatch(name)
+        if m is not None and m["gen"] != generation:
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed = True
+            except OSError:
+                pass
+    if removed:
+        try:
+            _fsync_dir(directory)
+        except StateFileError:
+            pass
+    parent, base = os.path.split(os.path.abspath(path))
+    tmp_re = re.compile(re.escape(f".{base}.tmp-") + r"[0-9]+-[0-9a-f]{8}")
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        names = []
+    for name in names:
+        if tmp_re.fullmatch(name):
+            try:
+                os.unlink(os.path.join(parent, name))
+            except OSError:
+                pass
