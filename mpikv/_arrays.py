@@ -5,11 +5,8 @@ Host (numpy) arrays here; GPU values go through :mod:`mpikv.backends`.
 
 import numpy as np
 
+from .dtypes import VALUE_DTYPES
 from .errors import DTypeError, ValueTypeError
-
-#: dtypes a store can hold.
-SUPPORTED_DTYPES = tuple(np.dtype(t) for t in
-                         ("float16", "float32", "float64", "int32", "int64"))
 
 _ACCUMULATE = {np.dtype("float16"): np.dtype("float32")}
 
@@ -32,8 +29,9 @@ def wire_view(array):
 
 def check_dtype(dtype, what="a value"):
     """Raises DTypeError unless the store can hold ``dtype``."""
-    if np.dtype(dtype) not in SUPPORTED_DTYPES:
-        names = ", ".join(str(t) for t in SUPPORTED_DTYPES)
+    # By dtype, not name: a byte-swapped float32 is not a value the store holds.
+    if np.dtype(dtype) not in VALUE_DTYPES.values():
+        names = ", ".join(VALUE_DTYPES)
         raise DTypeError(f"{what} has dtype {np.dtype(dtype)}, which the store cannot hold "
                          f"(use one of {names})")
 

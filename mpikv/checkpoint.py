@@ -18,7 +18,7 @@ import copy
 
 import numpy as np
 
-from . import __version__, backends, statefile
+from . import __version__, backends, dtypes, statefile
 from .engine import Entry
 from .errors import MPIKVError, OptimizerError, StateFileError
 from .optimizer import COUNT, from_config
@@ -228,8 +228,6 @@ def _saved_keys(meta, fname):
     The manifest's checksum catches corruption, not a crafted file: every field
     used later is checked here, before anything is applied.
     """
-    from ._arrays import SUPPORTED_DTYPES
-
     def bad(what):
         return StateFileError(f"{fname!r} is not a valid mpikv save: {what}")
 
@@ -242,9 +240,9 @@ def _saved_keys(meta, fname):
                 and isinstance(entry[1], list)
                 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                         for d in entry[1])
-                and entry[2] in [str(d) for d in SUPPORTED_DTYPES]):
+                and dtypes.by_name(entry[2]) is not None):
             raise bad(f"key entry {entry!r}")
-        saved[entry[0]] = (tuple(entry[1]), np.dtype(entry[2]))
+        saved[entry[0]] = (tuple(entry[1]), dtypes.by_name(entry[2]))
     for entry in counts:
         if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in saved
                 and isinstance(entry[1], int) and not isinstance(entry[1], bool)):

@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-import numpy as np
+from ..dtypes import FILE_DTYPES
 
 FORMAT = "mpikv-state"
 VERSION = 1
@@ -21,12 +21,7 @@ PART_MAGIC = b"MPIKVPRT"
 PARTS_SUFFIX = ".parts"
 
 #: dtype name -> little-endian numpy dtype; nothing else is ever read.
-DTYPES = {
-    "float16": np.dtype("<f2"), "float32": np.dtype("<f4"),
-    "float64": np.dtype("<f8"), "int32": np.dtype("<i4"),
-    "int64": np.dtype("<i8"), "uint8": np.dtype("u1"),
-    "int8": np.dtype("i1"), "bool": np.dtype("?"),
-}
+DTYPES = {name: dtype.newbyteorder("<") for name, dtype in FILE_DTYPES.items()}
 
 _PREFIX = struct.Struct("<8sQ")
 _ALIGN = 64
