@@ -5,6 +5,7 @@ import pytest
 
 import mpikv
 from mpikv import errors
+from tests import error_cases
 
 SHAPE = (2, 3)
 
@@ -139,67 +140,19 @@ def test_torch_cpu_tensors(kv):
 
 # -- errors: each is an MPIKVError, and the store stays usable -----------------
 
-ERROR_CASES = [
-    ("pull unknown key", lambda kv: kv.pull(42, out=np.zeros(SHAPE)),
-     errors.UnknownKeyError, "key 42 has not been initialised"),
-    ("push unknown key", lambda kv: kv.push(42, np.zeros(SHAPE)),
-     errors.UnknownKeyError, "key 42"),
-    ("duplicate init", lambda kv: kv.init(1, np.zeros(SHAPE)),
-     errors.DuplicateInitError, "key 1 is already initialised"),
-    ("duplicate broadcast", lambda kv: kv.broadcast(1, np.zeros(SHAPE), out=np.zeros(SHAPE)),
-     errors.DuplicateInitError, "key 1"),
-    ("wrong push shape", lambda kv: kv.push(1, np.zeros((3, 2))),
-     errors.ShapeError, "shape (3, 2), the stored value has shape (2, 3)"),
-    ("wrong out shape", lambda kv: kv.pull(1, out=np.zeros(6)),
-     errors.ShapeError, "out for key 1"),
-    ("wrong push dtype", lambda kv: kv.push(1, np.zeros(SHAPE, np.float32)),
-     errors.DTypeError, "dtype float32, the stored value has dtype float64"),
-    ("wrong out dtype", lambda kv: kv.pull(1, out=np.zeros(SHAPE, np.int64)),
-     errors.DTypeError, "out for key 1"),
-    ("unsupported dtype", lambda kv: kv.init(2, np.zeros(3, np.complex64)),
-     errors.DTypeError, "complex64"),
-    ("non-array value", lambda kv: kv.push(1, [[1, 2, 3], [4, 5, 6]]),
-     errors.ValueTypeError, "not an array"),
-    ("missing out", lambda kv: kv.pull(1),
-     errors.ValueTypeError, "out for key 1 is missing"),
-    ("read-only out", lambda kv: kv.pull(1, out=_readonly()),
-     errors.ValueTypeError, "read-only"),
-    ("device arrays differ", lambda kv: kv.push(1, [np.zeros(SHAPE), np.zeros(6)]),
-     errors.ShapeError, "device arrays have different shapes"),
-    ("mixed key types in store", lambda kv: kv.init("w", np.zeros(3)),
-     errors.KeyTypeError, "mixed key types"),
-    ("mixed key types in call", lambda kv: kv.pull([1, "w"], out=[np.zeros(SHAPE)] * 2),
-     errors.KeyTypeError, "mixed int and str keys"),
-    ("bad key type", lambda kv: kv.pull(1.5, out=np.zeros(SHAPE)),
-     errors.KeyTypeError, "keys are int or str"),
-    ("bool key", lambda kv: kv.pull(True, out=np.zeros(SHAPE)),
-     errors.KeyTypeError, "keys are int or str"),
-    ("duplicate key in call", lambda kv: kv.push([1, 1], [np.zeros(SHAPE)] * 2),
-     errors.InputError, "appears more than once"),
-    ("keys and values differ in length", lambda kv: kv.push([1], [np.zeros(SHAPE)] * 2),
-     errors.InputError, "1 keys but 2 value entries"),
-    ("empty device list", lambda kv: kv.push(1, []),
-     errors.ValueTypeError, "empty list"),
-]
-
-
-def _readonly():
-    a = np.zeros(SHAPE)
-    a.flags.writeable = False
-    return a
-
-
-@pytest.mark.parametrize("name,bad,exc,text", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
-def test_errors_leave_store_usable(kv, name, bad, exc, text):
-    kv.init(1, np.ones(SHAPE))
-    with pytest.raises(exc) as info:
-        bad(kv)
-    assert isinstance(info.value, mpikv.MPIKVError)
-    assert text in str(info.value)
-    assert "nothing was applied" in str(info.value)
-    assert (_pulled(kv, 1) == 1).all()
-    kv.push(1, np.full(SHAPE, 7.0))
-    assert (_pulled(kv, 1) == 7).all()
+@pytest.mark.parametrize("case", error_cases.CASES, ids=[c.name for c in error_cases.CASES])
+def test_errors_leave_store_usable(kv, case):
+    """Every case of tests/error_cases.py: the error, nothing applied, the store still works."""
+    if case.min_ranks > 1:
+        pytest.skip(f"needs {case.min_ranks} ranks: its bad input is a difference between ranks")
+    held = case.setup(kv)
+    with pytest.raises(case.error) as info:
+        case.call(kv, True)
+    error_cases.check_error(case, info.value)
+    if case.after is not None:
+        case.after(kv)
+    error_cases.held_values(kv, held)
+    error_cases.still_works(kv, held)
 
 
 def test_failed_multi_key_call_applies_nothing(kv):
