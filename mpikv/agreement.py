@@ -95,11 +95,16 @@ def format_ranks(ranks):
 
 
 def _group(values):
-    """value -> ranks that have it, in order of first appearance."""
+    """value -> ranks that have it, in order of first appearance (None: a joined rank)."""
     groups = {}
     for rank, value in enumerate(values):
-        groups.setdefault(value, []).append(rank)
+        if value is not _JOINED:
+            groups.setdefault(value, []).append(rank)
     return groups
+
+
+#: stands for the value of a joined rank, which takes no part in a comparison
+_JOINED = object()
 
 
 def _show(value):
@@ -120,24 +125,27 @@ def explain(records):
     """Explains why ranks may not go on with a call.
 
     Args:
-        records: the :func:`describe` record of every rank, in rank order.
+        records: the :func:`describe` record of every rank, in rank order;
+            None for a rank that has joined (it takes no part).
 
     Returns:
         ``(exception class, message)``, or None when the call may proceed. The
         message starts with the operation's name and is the same on every rank.
     """
-    problem = _differs("ranks called different operations", [r["op"] for r in records])
+    ranks = [rank for rank, r in enumerate(records) if r is not None]
+    problem = _differs("ranks called different operations",
+                       [_JOINED if r is None else r["op"] for r in records])
     if problem:
         return errors.MismatchError, problem
-    verdict = _explain_one_op(records)
+    verdict = _explain_one_op(records, ranks)
     if verdict is None:
         return None
     cls, message = verdict
-    return cls, f"{records[0]['op']}: {message}"
+    return cls, f"{records[ranks[0]]['op']}: {message}"
 
 
-def _explain_one_op(records):
-    failures = [(rank, e) for rank, rec in enumerate(records) for e in rec["errors"]]
+def _explain_one_op(records, ranks):
+    failures = [(rank, e) for rank in ranks for e in records[rank]["errors"]]
     if failures:
         ranks_of = {}
         for rank, (_, _, msg) in failures:
@@ -147,26 +155,28 @@ def _explain_one_op(records):
             return cls, "; ".join(ranks_of)
         return cls, "; ".join(f"{format_ranks(rs)}: {msg}" for msg, rs in ranks_of.items())
 
-    keysets = [{k for k, _, _ in r["keys"]} for r in records]
-    union = sorted(set().union(*keysets), key=lambda k: (isinstance(k, str), k))
+    keysets = {rank: {k for k, _, _ in records[rank]["keys"]} for rank in ranks}
+    union = sorted(set().union(*keysets.values()), key=lambda k: (isinstance(k, str), k))
     for key in union:
-        have = [rank for rank, ks in enumerate(keysets) if key in ks]
-        if len(have) != len(records):
-            lack = [rank for rank in range(len(records)) if rank not in have]
+        have = [rank for rank in ranks if key in keysets[rank]]
+        if len(have) != len(ranks):
+            lack = [rank for rank in ranks if rank not in have]
             return errors.MismatchError, (f"key {key!r} was given on {format_ranks(have)} "
                                           f"but not on {format_ranks(lack)}")
     for key in union:
-        entries = [next(e for e in r["keys"] if e[0] == key) for r in records]
+        entries = [_JOINED if r is None else next(e for e in r["keys"] if e[0] == key)
+                   for r in records]
         for what, col in (("shape", 1), ("dtype", 2)):
             problem = _differs(f"key {key!r} has different {what}s",
-                               [_show(e[col]) for e in entries])
+                               [e if e is _JOINED else _show(e[col]) for e in entries])
             if problem:
                 return errors.MismatchError, problem
 
-    names = sorted(set().union(*(r["settings"] for r in records)))
+    names = sorted(set().union(*(records[rank]["settings"] for rank in ranks)))
     for name in names:
         problem = _differs(f"ranks differ in {name}",
-                           [json.dumps(r["settings"].get(name)) for r in records])
+                           [_JOINED if r is None else json.dumps(r["settings"].get(name))
+                            for r in records])
         if problem:
             return errors.MismatchError, problem
     return None

@@ -7,6 +7,7 @@ of :mod:`mpikv.fusion`, so a push or pull of the same keys moves each bucket
 with one collective, and copies in and out of the store are single memcpys.
 """
 
+import json
 import traceback
 from types import MappingProxyType
 
@@ -169,6 +170,22 @@ class Engine:
         self.privatize()
         self._optimizer, self._states = optimizer, {}
         self._updater, self._updater_kind = None, "optimizer"
+
+    def follow_optimizer(self, config):
+        """Takes the other ranks' optimizer hyperparameters (a joined rank, which did not
+        see their changes); its update counts and states stay."""
+        opt = self._optimizer
+        if config is None or opt is None or _same_config(opt.get_config(), config):
+            return
+        from .optimizer import from_config
+        fresh = from_config(config)
+        fresh.num_update = opt.num_update
+        self._optimizer = fresh
+
+    def zeros_of(self, key):
+        """Zeros shaped like ``key``'s value, where it lives."""
+        e = self._entries[key]
+        return _zeros_like(e.arena, e.array.size, e.array.dtype).reshape(e.array.shape)
 
     def add_loaded_entries(self, entries):
         """Installs the keys a load created (key -> :class:`Entry`, placed by the plan
@@ -797,6 +814,10 @@ def _kind(array):
 def _device(array):
     """The GPU id of a device array, None for a host one."""
     return None if type(array) is np.ndarray else array.device.id
+
+
+def _same_config(a, b):
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def _zeros_like(home, size, dtype):

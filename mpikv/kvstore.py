@@ -19,6 +19,10 @@ from .calls import Call, CallReader
 from ._executor import Executor, Handle
 from .engine import Engine
 from .transport import make_transport
+from .transport.base import AGREED, JOINED
+
+#: the calls that ranks which have not joined may make while others have
+JOINABLE = ("push", "pull", "pushpull", "barrier", "gather_gradients")
 
 #: store type -> transport kind
 STORE_TYPES = {
@@ -269,6 +273,64 @@ class KVStore:
         self._collective(Call("barrier"), lambda: self._transport.barrier(("barrier", [])))
 
     _barrier = barrier
+
+    def join(self):
+        """Takes part in the other ranks' calls with zeros until every rank has joined.
+
+        For uneven data, as Horovod's ``join``: a rank that has run out of
+        batches calls it; until every rank has called it, this rank adds
+        zeros to the others' pushes and pushpulls, runs its owner's share of
+        the updates, and takes part in their pulls, barriers and
+        ``gather_gradients``. Any other call made by a rank that has not
+        joined (init, a save...) is a :class:`MismatchError` on the ranks
+        that made it (the joined ranks keep waiting). Collective: it returns
+        on every rank once the last rank has joined.
+
+        Returns:
+            int: the rank that joined last (of ranks that joined in the same
+            call of the others, the highest).
+        """
+        self._executor.drain()
+        t = self._transport
+        # Larger for a later join, the same on every rank for the same moment.
+        ticket = ((t.agreements + 1) << _RANK_BITS) | t.rank
+        what = ("join", [])
+        while True:
+            active, last = t.wait_joined(ticket, what)
+            if not active:
+                return last & ((1 << _RANK_BITS) - 1)
+            records = t.allgather_records(None, what)
+            if explain(records) is None:
+                self._replay(next(r for r in records if r is not None))
+
+    def _replay(self, rec):
+        """A joined rank's part in another rank's call (its ``record``): zeros in."""
+        op = rec["op"]
+        if op not in JOINABLE:
+            return  # the callers raise
+        if op == "barrier":
+            self._transport.barrier(("barrier", []))
+            return
+        keys = [k for k, _, _ in rec["keys"]]
+        engine = self._engine
+        if op == "gather_gradients":
+            engine.gather_grads(op, keys)
+            return
+        from .calls import Item
+        # Zeros pushed from the key list's own gradient buffers, if it has them, leave
+        # the owned sums there, as a zero-copy push does on the other ranks.
+        bufs = None if op == "pull" else engine.zero_copy_views(keys)
+        if bufs is not None:
+            for key in keys:
+                bufs[key][...] = 0
+        items = [Item(key, outs=[], shape=tuple(shape), dtype=np.dtype(dtype),
+                      values=([] if op == "pull" else
+                              [engine.zeros_of(key) if bufs is None else bufs[key]]))
+                 for key, shape, dtype in rec["keys"]]
+        engine.follow_optimizer(rec["settings"].get("optimizer"))
+        call = Call(op, items=items, settings=rec["settings"])
+        call.zero_copy = bufs is not None
+        self._job(call, op != "pull", op != "push", False)()
 
     # -- local settings --------------------------------------------------
     def set_updater(self, updater):
@@ -551,10 +613,11 @@ class KVStore:
         fast = self._one_key.get((op, key, out is None, out is value))
         if fast is None or self._executor.busy or not fast.accepts(value, out):
             return False
-        if not self._transport.agree(fast.digest(priority), False, fast.what):
+        verdict = self._transport.agree(fast.digest(priority), False, fast.what)
+        if verdict != AGREED:
             call = (self._pull_call(key, out, priority) if op == "pull" else
                     self._push_call(op, key, value, priority, None if out is value else out))
-            self._disagree(call)
+            self._disagree(call, verdict == JOINED)
         fast.run(value, out)
         return True
 
@@ -592,14 +655,23 @@ class KVStore:
     def _agree(self, call, blob=None):
         """Raises the same MPIKVError on every rank unless all ranks made this call right."""
         what = (call.op, call.keys)
-        if self._transport.agree(fingerprint(call, blob), bool(call.errors), what):
-            return
-        self._disagree(call)
+        verdict = self._transport.agree(fingerprint(call, blob), bool(call.errors), what)
+        if verdict != AGREED:
+            self._disagree(call, verdict == JOINED)
 
-    def _disagree(self, call):
-        """After a failed agreement: every rank's record, one message, raised everywhere."""
+    def _disagree(self, call, joined=False):
+        """After an agreement that failed, or that found joined ranks: every rank's
+        record; one message, raised everywhere, or (joined ranks) the call goes on."""
         what = (call.op, call.keys)
-        verdict = explain(self._transport.allgather_records(record(call), what))
+        records = self._transport.allgather_records(record(call), what)
+        verdict = explain(records)
+        if verdict is None and joined and call.op not in JOINABLE:
+            from .agreement import format_ranks
+            verdict = (errors.MismatchError, (
+                f"{call.op}: {format_ranks([r for r, rec in enumerate(records) if rec is None])} "
+                f"joined (kv.join()); until every rank has, only {', '.join(JOINABLE)} can run"))
+        if verdict is None and joined:
+            return
         if verdict is None:  # fingerprints differed in a way explain() does not name
             verdict = (errors.MismatchError, f"{call.op}: ranks made different calls")
         cls, message = verdict
@@ -632,6 +704,10 @@ class _ZeroCopyCall:
         call.zero_copy = True
         call._keys = t.keys
         return call
+
+
+#: the low bits of a join ticket hold the rank
+_RANK_BITS = 20
 
 
 def _arrays(items):

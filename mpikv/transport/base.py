@@ -2,6 +2,13 @@
 
 from abc import ABC, abstractmethod
 
+#: what :meth:`Transport.agree` found: ranks differ or one has an input error
+DIFFER = 0
+#: every rank made the same call
+AGREED = 1
+#: some ranks have joined (:meth:`mpikv.KVStore.join`): the records decide
+JOINED = 2
+
 
 class Transport(ABC):
     """Collective operations on flat, contiguous numpy buffers, in place.
@@ -14,10 +21,29 @@ class Transport(ABC):
     size = 1
     library = "none"
     threaded = False   # whether data may move on a worker thread
+    agreements = 0     # agreements so far (the same count on every rank)
 
     @abstractmethod
     def agree(self, digest, has_error, what):
-        """Returns True when every rank has the same digest and no input error."""
+        """Compares a call across ranks.
+
+        Returns:
+            :data:`AGREED` when every rank has the same digest and no input
+            error, :data:`JOINED` when some rank has joined (then every rank
+            gathers the records to decide), else :data:`DIFFER`.
+        """
+
+    def wait_joined(self, ticket, what):
+        """A joined rank's side of the next :meth:`agree` of the others.
+
+        Args:
+            ticket: a positive int, larger for a later join; the largest
+                ticket of the last agreement names the last rank to join.
+
+        Returns:
+            ``(whether some rank has not joined, the largest ticket)``.
+        """
+        return False, ticket
 
     @abstractmethod
     def allgather_records(self, record, what):

@@ -15,9 +15,12 @@ from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
 from ._deadline import TIMEOUT_EXIT_CODE, Watchdog, abort, format_what, install_exception_hook
-from .base import Transport
+from .base import AGREED, DIFFER, JOINED, Transport
 
 _AGREE_TAG = 7
+# The agreement's words: digest (2), its complement (2), then these.
+_ERROR, _JOINED, _ACTIVE, _TICKET = 4, 5, 6, 7
+_WORDS = 8
 
 # The coordinator (rank 0) gives up first and names the missing ranks; the
 # others wait a little longer so that its message is the one printed.
@@ -50,7 +53,7 @@ class MPITransport(Transport):
         self.library = MPI.Get_library_version().replace("\x00", "").strip()
         self._watchdog = Watchdog(options.timeout, self.rank)
         self._vecs = {}    # (digest, error) -> the agreement's input words
-        self._out = np.zeros(5, np.uint64)
+        self._out = np.zeros(_WORDS, np.uint64)
         self._seq = 0      # agreements so far: the same count on every rank
         self._sent = []    # arrival announcements still in flight
         self._arrived = (0, set())   # (agreement number, ranks that announced it)
@@ -86,25 +89,47 @@ class MPITransport(Transport):
             arena.allreduce()
 
     # -- agreement -------------------------------------------------------
+    @property
+    def agreements(self):
+        """Agreements so far: the same count on every rank."""
+        return self._seq
+
     def agree(self, digest, has_error, what):
         """One small ``Allreduce`` (MAX) tells every rank at once whether all agree.
 
         Each rank contributes its digest, the digest's complement and its error
         flag; equal maxima of a word and of its complement mean every rank had
-        the same word. A call that waits long (a rank is late) tells every
-        other rank that it has arrived, so that on a timeout each rank can name
-        the ranks that never did.
+        the same word. A joined rank contributes zeros there (neutral under
+        MAX) and raises the "joined" word. A call that waits long (a rank is
+        late) tells every other rank that it has arrived, so that on a timeout
+        each rank can name the ranks that never did.
         """
-        out = self._out
         vec = self._vecs.get((digest, has_error))
         if vec is None:
-            vec = np.zeros(5, np.uint64)
+            vec = np.zeros(_WORDS, np.uint64)
             vec[:2] = np.frombuffer(digest, np.uint64)
             np.invert(vec[:2], out=vec[2:4])
-            vec[4] = 1 if has_error else 0
+            vec[_ERROR] = 1 if has_error else 0
+            vec[_ACTIVE] = 1
             if len(self._vecs) > 4096:
                 self._vecs.clear()
             self._vecs[(digest, has_error)] = vec
+        out = self._allreduce_max(vec, what)
+        if out[_JOINED]:
+            return JOINED
+        if out[_ERROR]:
+            return DIFFER
+        return AGREED if out[0] == ~out[2] and out[1] == ~out[3] else DIFFER
+
+    def wait_joined(self, ticket, what):
+        vec = np.zeros(_WORDS, np.uint64)
+        vec[_JOINED] = 1
+        vec[_TICKET] = ticket
+        out = self._allreduce_max(vec, what)
+        return bool(out[_ACTIVE]), int(out[_TICKET])
+
+    def _allreduce_max(self, vec, what):
+        out = self._out
         self._seq += 1
         if not self._seq & 255:
             self._drain_announcements()
@@ -121,9 +146,7 @@ class MPITransport(Transport):
             request = self.agree_comm.Iallreduce(vec, out, op=MPI.MAX)
             if not request.Test():
                 self._wait(request, what)
-        if out[4]:
-            return False
-        return bool(out[0] == ~out[2] and out[1] == ~out[3])
+        return out
 
     def _wait(self, request, what):
         """Polls a late agreement; announces arrival, then names the missing on timeout."""

@@ -80,3 +80,16 @@ def test_digest_ignores_error_text():
     call = reader.read("push", [1], [None], need_values=True)
     digest, record = describe(call)
     assert record["errors"] and record["errors"][0][0] == "UnknownKeyError"
+
+
+def test_joined_ranks_take_no_part_in_the_comparison():
+    _, r0 = _record("init", [1, 2])
+    _, r1 = _record("init", [1])
+    _, r2 = _record("init", [1, 2], shape=(3, 2))
+    assert explain([None, r0, None, r0]) is None
+    assert explain([r0, None]) is None
+    assert explain([r0, None, r1]) == (
+        errors.MismatchError, "init: key 2 was given on rank 0 but not on rank 2")
+    assert explain([None, r0, r2]) == (
+        errors.MismatchError,
+        "init: key 1 has different shapes: (2, 3) on rank 1; (3, 2) on rank 2")

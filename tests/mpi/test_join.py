@@ -1,0 +1,172 @@
+"""kv.join(): a rank that ran out of batches adds zeros until every rank has joined.
+
+Every case is checked against a one-process reference that pushes, step by
+step, the sum over the ranks that still had a batch (the zero-padded sums).
+Gradients are small integers and the rates powers of two, so the reference
+is exact.
+"""
+
+import numpy as np
+import pytest
+
+import mpikv
+
+from .conftest import TEST_TIMEOUT, raises_everywhere
+
+pytestmark = pytest.mark.mpi
+
+#: key -> shape: a fused pair, and one split over the owners (bigarray_bound=50)
+SHAPES = {"a": (3,), "b": (2, 2), "split": (120,)}
+BASE = 3
+
+
+def gradient(rank, step, key):
+    size = int(np.prod(SHAPES[key]))
+    return ((rank + 1) * (step + 1) + np.arange(size) % 3).astype(np.float64).reshape(SHAPES[key])
+
+
+def batches(rank, size, extra):
+    """``BASE`` batches, and ``extra`` more on one rank."""
+    return BASE + (extra if rank == extra % size else 0)
+
+
+def reference(size, extra, optimizer):
+    """The stored values after every step, from the zero-padded sums on a local store."""
+    kv = mpikv.create("local")
+    keys = list(SHAPES)
+    kv.init(keys, [np.ones(SHAPES[k]) for k in keys])
+    if optimizer:
+        kv.set_optimizer(make_optimizer())
+    steps = max(batches(r, size, extra) for r in range(size))
+    for step in range(steps):
+        sums = [sum(gradient(r, step, k) for r in range(size) if step < batches(r, size, extra))
+                for k in keys]
+        kv.push(keys, sums)
+    out = [np.empty(SHAPES[k]) for k in keys]
+    kv.pull(keys, out=out)
+    return dict(zip(keys, out))
+
+
+def make_optimizer():
+    return mpikv.optimizer.SGD(learning_rate=0.5, momentum=0.5, wd=0.25)
+
+
+def _push_pull(kv, keys, grads, bufs):
+    kv.push(keys, grads)
+    out = [np.empty_like(g) for g in grads]
+    kv.pull(keys, out=out)
+
+
+def _pushpull(kv, keys, grads, bufs):
+    kv.pushpull(keys, grads)
+
+
+def _one_key(kv, keys, grads, bufs):
+    for key, grad in zip(keys, grads):   # the repeated one-key route after the first step
+        kv.pushpull(key, grad)
+
+
+def _async(kv, keys, grads, bufs):
+    handles = [kv.push_async(key, grad, priority=-i) for i, (key, grad) in enumerate(zip(keys, grads))]
+    kv.wait(handles)
+    kv.wait(kv.pull_async(keys, out=[np.empty_like(g) for g in grads]))
+
+
+def _zero_copy(kv, keys, grads, bufs):
+    for buf, grad in zip(bufs, grads):
+        buf[...] = grad
+    kv.pushpull(keys, bufs)
+
+
+MODES = {"push_pull": _push_pull, "pushpull": _pushpull, "one_key": _one_key,
+         "async": _async, "zero_copy": _zero_copy}
+
+
+@pytest.mark.parametrize("extra", [1, 2, 3])
+@pytest.mark.parametrize("optimizer", [False, True], ids=["assign", "sgd"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_join_adds_zeros_until_every_rank_joined(comm, mode, optimizer, extra):
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=50)
+    rank, size = kv.rank, kv.num_workers
+    keys = list(SHAPES)
+    kv.init(keys, [np.ones(SHAPES[k]) for k in keys])
+    if optimizer:
+        kv.set_optimizer(make_optimizer())
+    bufs = kv.gradient_buffers(keys) if mode == "zero_copy" else None
+    for step in range(batches(rank, size, extra)):
+        MODES[mode](kv, keys, [gradient(rank, step, k) for k in keys], bufs)
+    last = kv.join()
+    # The rank with extra batches joined last (alone, unless one rank).
+    assert last == (extra % size if size > 1 else 0)
+    out = [np.empty(SHAPES[k]) for k in keys]
+    kv.pull(keys, out=out)
+    expected = reference(size, extra, optimizer)
+    for key, got in zip(keys, out):
+        np.testing.assert_array_equal(got, expected[key], err_msg=f"key {key} at rank {rank}")
+    everyone = comm.allgather([o.tobytes() for o in out])
+    assert all(e == everyone[0] for e in everyone)
+
+
+def test_join_takes_part_in_barriers_and_gather_gradients(comm):
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=50)
+    rank = kv.rank
+    keys = list(SHAPES)
+    kv.init(keys, [np.zeros(SHAPES[k]) for k in keys])
+    kv.set_optimizer(make_optimizer())
+    bufs = kv.gradient_buffers(keys)
+    if rank == 0:   # the others join at once
+        for buf, key in zip(bufs, keys):
+            buf[...] = gradient(0, 0, key)
+        kv.push(keys, bufs)
+        kv.gather_gradients(keys)
+        kv.barrier()
+        for buf, key in zip(bufs, keys):   # rank 0's gradients plus the joined ranks' zeros
+            np.testing.assert_array_equal(buf, gradient(0, 0, key))
+    assert kv.join() == 0
+
+
+def test_join_on_every_rank_at_once_returns_the_highest_rank(comm):
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv.init("k", np.zeros(4))
+    assert kv.join() == kv.num_workers - 1
+    kv.pushpull("k", np.ones(4))   # the store goes on after a join
+    out = np.empty(4)
+    kv.pull("k", out=out)
+    np.testing.assert_array_equal(out, np.full(4, kv.num_workers))
+
+
+def test_calls_joined_ranks_cannot_take_part_in_are_errors_on_the_others(comm):
+    if comm.Get_size() == 1:
+        pytest.skip("needs a joined rank and a rank still training")
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv.init("k", np.zeros(4))
+    rank = kv.rank
+    training = comm.Split(0 if rank == 0 else 1, rank)
+    if rank == 0:
+        assert kv.join() == kv.num_workers - 1
+        return
+    raises_everywhere(training, mpikv.MismatchError, lambda: kv.init("new", np.zeros(2)))
+    # A bad call among the ranks still training: theirs to raise, the joined rank waits.
+    bad = np.zeros(5 if rank == 1 else 4)
+    message = raises_everywhere(training, mpikv.MPIKVError, lambda: kv.push("k", bad))
+    assert "nothing was applied" in message
+    kv.push("k", np.ones(4))
+    out = np.empty(4)
+    kv.pull("k", out=out)
+    np.testing.assert_array_equal(out, np.full(4, kv.num_workers - 1))
+    assert kv.join() == kv.num_workers - 1
+
+
+def test_init_message_names_the_joined_ranks(comm):
+    if comm.Get_size() == 1:
+        pytest.skip("needs a joined rank and a rank still training")
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    training = comm.Split(0 if kv.rank == 0 else 1, kv.rank)
+    if kv.rank == 0:
+        kv.join()
+        return
+    message = raises_everywhere(training, mpikv.MismatchError, lambda: kv.init("x", np.zeros(2)))
+    assert message == ("MismatchError: init: rank 0 joined (kv.join()); until every rank has, "
+                       "only push, pull, pushpull, barrier, gather_gradients can run; "
+                       "nothing was applied")
+    kv.join()
