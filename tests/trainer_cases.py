@@ -93,8 +93,22 @@ def _mx_optimizer():
     return mx_optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=1e-3)
 
 
-def train(name, kv_type="dist_sync", rank=0, size=1):
-    """Trains case ``name`` through a Trainer; returns ``{name: weight}`` (numpy copies)."""
+#: the cases also run with uneven data: one rank has extra batches, then all join
+JOIN_CASES = ["sgd", "adamw", "mxnet-sgd", "clip", "clip-batch-size", "scheduler",
+              "split-keys", "param-groups", "batch-size"]
+
+
+def steps_of(rank, size, extra):
+    """The steps rank ``rank`` has data for: ``extra`` more on one rank."""
+    return STEPS + (extra if extra and rank == extra % size else 0)
+
+
+def train(name, kv_type="dist_sync", rank=0, size=1, extra=0, joined=None):
+    """Trains case ``name`` through a Trainer; returns ``{name: weight}`` (numpy copies).
+
+    With ``extra``, one rank has that many more steps, and every rank then
+    calls ``join``, whose result is appended to ``joined``.
+    """
     s = settings(name)
     net = Net()
     store = mpikv.create(kv_type, timeout=120, **s["store"])
@@ -103,7 +117,7 @@ def train(name, kv_type="dist_sync", rank=0, size=1):
     trainer = mpikv.torch.Trainer(_params(s, net), opt, kw, store, lr_scheduler=sched)
     per = GLOBAL_BATCH // size
     rows = slice(rank * per, (rank + 1) * per)
-    for step in range(STEPS):
+    for step in range(steps_of(rank, size, extra)):
         if s["zero"] == "trainer":
             trainer.zero_grad()
         else:
@@ -121,11 +135,15 @@ def train(name, kv_type="dist_sync", rank=0, size=1):
             trainer.step(GLOBAL_BATCH if s["batch_size"] else None)
         if trainer.lr_scheduler is not None:
             trainer.lr_scheduler.step()
+    if extra:
+        joined.append(trainer.join())
     return {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
 
 
-def reference(name, size):
-    """The same steps in one process: the loss averaged as the ranks' would be."""
+def reference(name, size, extra=0):
+    """The same steps in one process: the loss averaged as the ranks' would be
+    (with ``extra``, ranks out of data add nothing, and the average is still over
+    every rank)."""
     s = settings(name)
     net = Net()
     named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
@@ -140,11 +158,13 @@ def reference(name, size):
         opt = s["opt"](groups, **s["kw"])
         sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if s["sched"] else None
     per = GLOBAL_BATCH // size
-    for step in range(STEPS):
+    for step in range(max(steps_of(r, size, extra) for r in range(size))):
         net.zero_grad(set_to_none=True)
         for micro in range(s["micro"]):
             x, y = data(step, micro)
             for r in range(size):
+                if step >= steps_of(r, size, extra):
+                    continue
                 rows = slice(r * per, (r + 1) * per)
                 loss = _loss(s, net(x[rows], uses_head(s, r)), y[rows])
                 # Clipping sees the average over the ranks, whatever the loss.

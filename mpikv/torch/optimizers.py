@@ -41,6 +41,10 @@ class Deferred(Optimizer):
 
     def __init__(self, keys, **kwargs):
         super().__init__(**kwargs)
+        # Whether the config (which every push compares across ranks) holds the
+        # live hyperparameters; off while ranks have joined: their values reach
+        # the joined ranks only at the step (Trainer.join).
+        self.hyper_agreed = True
         self._deferred_keys = frozenset(keys)
         self._parts = []  # (key, weight, grad, state), appended on the store's worker thread
 
@@ -125,7 +129,8 @@ class _TorchRule(Deferred):
 
     def get_config(self):
         return {"name": self.name, "begin_num_update": int(self.begin_num_update),
-                "groups": [self._group(i) for i in range(len(self._groups))],
+                "groups": ([self._group(i) for i in range(len(self._groups))]
+                           if self.hyper_agreed else None),
                 "key_groups": [[k, g] for k, g in self._key_group.items()]}
 
     def create_state(self, key, weight):
@@ -226,7 +231,10 @@ class MXNetRule(Deferred):
         self.name = inner.name
 
     def get_config(self):
-        return self.inner.get_config()
+        config = self.inner.get_config()
+        if not self.hyper_agreed:
+            del config["learning_rate"]   # the Trainer's (param_groups) rate
+        return config
 
     @property
     def elementwise_state_names(self):

@@ -4,6 +4,7 @@ import contextlib
 import json
 import os
 
+import numpy as np
 import torch
 
 from .. import errors
@@ -13,10 +14,14 @@ from .optimizers import Deferred, MXNetRule, as_tensor, rule_for
 #: the key of the Trainer's per-step status vector, in a store of its own (so
 #: that checkpoints hold the model alone)
 STATUS_KEY = "status"
-#: per rank in the status vector: unused count, late count, then the indices (+1)
-#: of the first few unused parameters, so every rank can name them
+#: the key of the hyperparameters the ranks still training send to joined ones
+HYPER_KEY = "hyper"
+#: per rank in the status vector: unused count, late count, the indices (+1)
+#: of the first few unused parameters (so every rank can name them), then the
+#: join ticket (0: still training) and whether the step gathers the gradients
 _NAMED = 3
-_ROW = 2 + _NAMED
+_JOIN, _GATHER = 2 + _NAMED, 3 + _NAMED
+_ROW = 4 + _NAMED
 #: format tag of the Trainer's part of a checkpoint
 CHECKPOINT_FORMAT = "mpikv.torch.Trainer/1"
 
@@ -94,6 +99,12 @@ class Trainer:
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.num_update = 0
         self._scale = None
+        self._joined = 0        # this rank's join ticket, while in join()
+        # The hyperparameters as made: the same fields on every rank.
+        self._hyper_fields = _hyper_fields(self.optimizer.param_groups)
+        self._hyper = np.zeros(kv.num_workers * (1 + len(_hyper_values(
+            self.optimizer.param_groups, self._hyper_fields))), np.float64)
+        self._control.init(HYPER_KEY, self._hyper)
         self._sync = True
         self._start_step()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
@@ -139,6 +150,8 @@ class Trainer:
         self._late = []
         self._reduced = False
         self._scaled = False
+        self._joined_round = False   # some rank has joined (known after the status sum)
+        self._gathering = False      # the step gathers the gradients (likewise)
 
     def _hook(self, index):
         def hook(param):
@@ -195,8 +208,13 @@ class Trainer:
         self._next = b + 1
         self._handles.append(self.kvstore.push_async(self._bucket_keys[b], self._grad_arrays[b]))
 
-    def _reduce(self):
-        """Sums every gradient on its owners (what backward has not started yet starts now)."""
+    def _reduce(self, gather=False):
+        """Sums every gradient on its owners (what backward has not started yet starts now).
+
+        Args:
+            gather: the step gathers the sums (:meth:`allreduce_grads`): joined
+                ranks must take part.
+        """
         if self._reduced:
             return
         for i in range(len(self._params)):
@@ -212,19 +230,25 @@ class Trainer:
             self._launch(b)
         self.kvstore.wait(self._handles)
         self._handles = []
-        self._agree_on_status()
+        self._agree_on_status(gather)
         self._reduced = True
 
-    def _agree_on_status(self):
-        """One small sum over the ranks: who wrote gradients late, who left some unused."""
+    def _agree_on_status(self, gather):
+        """One small sum over the ranks: who wrote gradients late, who left some
+        unused, who has joined and whether the step gathers the gradients."""
         unused = [i for i in range(len(self._params)) if not self._touched[i]]
         status = self._status
         status[:] = 0
         row = status.reshape(-1, _ROW)[self.kvstore.rank]
         row[0], row[1] = len(unused), len(self._late)
         row[2:2 + len(unused[:_NAMED])] = [i + 1 for i in unused[:_NAMED]]
+        row[_JOIN], row[_GATHER] = self._joined, gather
         self._control.pushpull(STATUS_KEY, status)
         rows = status.reshape(-1, _ROW)
+        self._joined_round = bool(rows[:, _JOIN].any())
+        # The same on every rank: from now on until a step with no rank joined.
+        self._rule.hyper_agreed = not self._joined_round
+        self._gathering = bool(rows[:, _GATHER].any())
         late = [r for r in range(len(rows)) if rows[r, 1]]
         if late:
             self._rule.discard()
@@ -249,7 +273,7 @@ class Trainer:
         changed in between (clipped, say): ``.grad`` holds the average over the
         ranks, whole, on every rank.
         """
-        self._reduce()
+        self._reduce(gather=True)
         for keys in self._bucket_keys:
             self.kvstore.gather_gradients(keys)
         scale = 1.0 / self.kvstore.num_workers
@@ -286,17 +310,93 @@ class Trainer:
     def _apply(self):
         """The owners' update and the gathering of the weights (``optimizer.step``)."""
         self._reduce()
-        if isinstance(self._rule, MXNetRule) and self._rule.inner.lr_scheduler is None:
-            self._rule.inner.lr = float(self.optimizer.param_groups[0]["lr"])
         scale = self._scale
         if scale is None:  # optimizer.step() called directly: as update()
             scale = 1.0 if self._scaled else 1.0 / self.kvstore.num_workers
+        if self._joined_round:
+            scale = self._share_hyperparameters(scale)
+            if self._gathering:
+                self._share_gradients()
+        if isinstance(self._rule, MXNetRule) and self._rule.inner.lr_scheduler is None:
+            self._rule.inner.lr = float(self.optimizer.param_groups[0]["lr"])
         self._rule.apply(scale)
         self._cuda_ready()
         self._scale = None
         self._pull_weights()
         self.num_update += 1
         self._start_step()
+
+    def _share_hyperparameters(self, scale):
+        """Joined ranks take the gradient scale and hyperparameters of the first rank
+        still training (their own schedulers no longer step); returns the scale."""
+        hyper, kv = self._hyper, self.kvstore
+        rows = hyper.reshape(kv.num_workers, -1)
+        hyper[:] = 0
+        if not self._joined:
+            rows[kv.rank] = [scale, *_hyper_values(self.optimizer.param_groups,
+                                                   self._hyper_fields)]
+        self._control.pushpull(HYPER_KEY, hyper)
+        if not self._joined:
+            return scale
+        first = rows[self._first_training_rank()]
+        _set_hyper_values(self.optimizer.param_groups, self._hyper_fields, first[1:])
+        return float(first[0])
+
+    def _first_training_rank(self):
+        return int(np.flatnonzero(self._status.reshape(-1, _ROW)[:, _JOIN] == 0)[0])
+
+    def _share_gradients(self):
+        """Every rank takes the first training rank's gradients, as changed (clipped)
+        between :meth:`allreduce_grads` and :meth:`update`: joined ranks did not
+        change theirs, and they own parts too."""
+        comm, root = self.kvstore.comm, self._first_training_rank()
+        self._cuda_ready()
+        for arrays in self._grad_arrays:
+            for grad in arrays:
+                comm.Bcast(grad, root=root)
+
+    def join(self):
+        """Takes part in the other ranks' steps with zero gradients until every rank has joined.
+
+        For uneven data (as :meth:`mpikv.KVStore.join`, and Horovod's
+        ``join``): a rank that has run out of batches calls it; until every
+        rank has, it adds zeros to each step's gradients, updates the parts it
+        owns with the gradient scale and hyperparameters of the ranks still
+        training, and gathers the weights, so its model stays equal to
+        theirs. Those ranks must only make training steps (``step``, or
+        ``allreduce_grads`` and ``update``) until they call ``join``
+        themselves. Gradients are averaged over all ranks, joined or not (as
+        DDP's ``Join`` does by default).
+
+        Returns:
+            int: the rank that joined last (of ranks that joined at the same
+            step, the highest).
+        """
+        self._between_steps()
+        self._joined = self.num_update + 1   # later joins: larger tickets
+        try:
+            while True:
+                with torch.no_grad():
+                    for grad in self._grads:
+                        grad.zero_()
+                self._touched = [True] * len(self._params)
+                for b in range(len(self._buckets)):
+                    self._launch(b)
+                try:
+                    self._reduce()
+                except errors.GradientError:
+                    continue   # the ranks still training raised it: nothing was applied
+                rows = self._status.reshape(-1, _ROW)
+                if rows[:, _JOIN].all():
+                    tickets = [(rows[r, _JOIN], r) for r in range(len(rows))]
+                    return max(tickets)[1]
+                if self._gathering:
+                    self.allreduce_grads()
+                self._apply()
+        finally:
+            self._joined = 0
+            self._rule.discard()
+            self._start_step()
 
     def _pull_weights(self):
         """Every bucket's owners' parts, gathered in place into the parameters."""
@@ -498,6 +598,35 @@ def _make_rule(optimizer, optimizer_params, hyper_groups, names, group_of):
         raise errors.OptimizerError("param groups with their own hyperparameters need a "
                                     "torch.optim class (mpikv optimizers use lr_mult/wd_mult)")
     return MXNetRule(optimizer, names), [{"lr": optimizer.lr}]
+
+
+def _numeric(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _hyper_fields(param_groups):
+    """``(group index, name)`` of every number (or tuple of numbers) in the param groups."""
+    return [(index, name) for index, group in enumerate(param_groups) for name in sorted(group)
+            if name != "params" and (_numeric(group[name]) or (
+                isinstance(group[name], tuple) and all(map(_numeric, group[name]))))]
+
+
+def _hyper_values(param_groups, fields):
+    """The numbers of ``fields``, flat."""
+    values = []
+    for index, name in fields:
+        value = param_groups[index][name]
+        values.extend(map(float, value) if isinstance(value, tuple) else [float(value)])
+    return values
+
+
+def _set_hyper_values(param_groups, fields, values):
+    """Writes :func:`_hyper_values` output back, keeping each number's type."""
+    it = iter(values)
+    for index, name in fields:
+        value = param_groups[index][name]
+        param_groups[index][name] = (tuple(type(v)(next(it)) for v in value)
+                                     if isinstance(value, tuple) else type(value)(next(it)))
 
 
 def _few(items, limit=_NAMED, more=None):

@@ -26,6 +26,34 @@ def test_trainer_equals_one_process_with_the_global_batch(comm, name):
             assert (other[n] == everyone[0][n]).all(), n
 
 
+@pytest.mark.parametrize("extra", [1, 2, 3])
+@pytest.mark.parametrize("name", cases.JOIN_CASES)
+def test_join_with_uneven_data_equals_the_zero_padded_steps(comm, name, extra):
+    joined = []
+    got = cases.train(name, "dist_sync", comm.rank, comm.size, extra=extra, joined=joined)
+    cases.assert_close(got, cases.reference(name, comm.size, extra=extra))
+    # The rank with the extra batches joined last (at one rank, rank 0 alone).
+    assert joined == [extra % comm.size]
+    everyone = comm.allgather(got)
+    for other in everyone[1:]:
+        for n in got:
+            assert (other[n] == everyone[0][n]).all(), n
+
+
+def test_join_ends_even_when_no_rank_has_extra_data(comm):
+    net, trainer = _net_and_trainer(comm)
+    x, y = cases.data(0, 0)
+    cases._loss(cases.settings("sgd"), net(x, False), y).backward()
+    trainer.step()
+    assert trainer.join() == comm.size - 1
+    assert trainer.num_update == 1
+    # Training goes on after a join.
+    trainer.zero_grad()
+    cases._loss(cases.settings("sgd"), net(x, False), y).backward()
+    trainer.step()
+    assert trainer.num_update == 2
+
+
 def _net_and_trainer(comm, **options):
     net = cases.Net()
     named = [(n, p) for n, p in net.named_parameters() if not n.startswith("spare")]
