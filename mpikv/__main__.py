@@ -9,6 +9,7 @@ commands:
   info [--json]      versions, MPI library, ranks per host, CUDA-aware MPI, settings
   bench WHAT [...]   benchmarks against raw mpi4py (python -m mpikv bench -h)
   tune [...]         measure every reduction strategy here, cache the table (mpikv tune -h)
+  trace DIR          merge the flight recorders a job ended by mpikv wrote to MPIKV_TRACE_DIR
 
 Run under mpiexec for a distributed view, e.g.
   scripts/mpirun.sh -n 2 python -m mpikv info"""
@@ -30,6 +31,9 @@ def main(argv=None):
     if command == "tune":
         from .tune import main as tune_main
         return tune_main(rest)
+    if command == "trace":
+        from .flight import main as trace_main
+        return trace_main(rest)
     if command == "bench":
         from .bench import main as bench_main
         return bench_main(rest)

@@ -555,7 +555,7 @@ class Engine:
             run()
         except BaseException:
             # Only this owner knows; its copy and the others' now disagree.
-            from .transport._deadline import EXCEPTION_EXIT_CODE, abort
+            from .deadline import EXCEPTION_EXIT_CODE, abort
             abort(f"mpikv: rank {self.transport.rank}: the update of key {key!r} raised; "
                   f"the store cannot stay consistent, ending the job\n"
                   f"{traceback.format_exc()}", EXCEPTION_EXIT_CODE)

@@ -8,11 +8,13 @@ rank and changes nothing.
 """
 
 
+import atexit
+import itertools
 import operator
 
 import numpy as np
 
-from . import backends, checkpoint, config, errors, tuning
+from . import backends, checkpoint, config, errors, flight, tuning
 from ._logging import get_logger
 from .agreement import explain, fingerprint, keys_blob, record
 from .calls import Call, CallReader
@@ -90,6 +92,7 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
         except ValueError as exc:
             options, failure = config.Options(), str(exc)
         transport = make_transport(kind, comm, options)
+        _drain_at_exit()
         _agree_on_options(transport, options, failure)
     table = tuning.resolve(transport, options.reducer, options.autotune)
     store = KVStore(name.lower(), transport, options, table)
@@ -103,6 +106,21 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
             options.bigarray_bound, "on a worker thread" if transport.threaded
             else "run inline (MPI is not THREAD_MULTIPLE)")
     return store
+
+
+_drain_registered = False
+
+
+def _drain_at_exit():
+    """Background calls finish at exit before shared windows are freed and MPI
+    finalizes: registered after both (atexit runs the last registered first)."""
+    global _drain_registered
+    if not _drain_registered:
+        import importlib
+        importlib.import_module(".transport.shm", __package__)  # registers its hook first
+        from ._executor import drain_all
+        atexit.register(drain_all)
+        _drain_registered = True
 
 
 #: options that change which collectives a store calls: they must be equal on every rank
@@ -143,6 +161,10 @@ class KVStore:
                               device="device" in name, direct_bytes=options.direct_bytes,
                               table=table)
         self._executor = Executor(transport.threaded, self._background_error)
+        # The flight recorder numbers distributed stores in creation order (the same
+        # on every rank: creation is collective) and their calls in call order.
+        self._trace_id = next(_DIST_STORES) if transport.size > 1 else None
+        self._calls = 0
         self._zero_copy = {}   # (op, keys) -> _ZeroCopyCall
         self._one_key = {}     # (op, key, out None, out is value) -> OneKeyCall
         self._reader = CallReader(self._lookup, lambda: self._engine.key_type)
@@ -296,12 +318,20 @@ class KVStore:
         ticket = ((t.agreements + 1) << _RANK_BITS) | t.rank
         what = ("join", [])
         while True:
+            entry = self._begin("join", [], 0, 0)
             active, last = t.wait_joined(ticket, what)
+            flight.agreed(entry)
             if not active:
+                flight.ended(entry)
                 return last & ((1 << _RANK_BITS) - 1)
             records = t.allgather_records(None, what)
+            rec = next(r for r in records if r is not None)
+            flight.relabel(entry, f"join: {rec['op']}", [k for k, _, _ in rec["keys"]],
+                           sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
+                               for _, shape, dtype in rec["keys"]))
             if explain(records) is None:
-                self._replay(next(r for r in records if r is not None))
+                self._replay(rec)
+            flight.ended(entry)
 
     def _replay(self, rec):
         """A joined rank's part in another rank's call (its ``record``): zeros in."""
@@ -499,7 +529,7 @@ class KVStore:
         self._collective(call, lambda: self._engine.gather_grads(call.op, call.keys))
 
     def _background_error(self, text):
-        from .transport._deadline import EXCEPTION_EXIT_CODE, abort
+        from .deadline import EXCEPTION_EXIT_CODE, abort
         abort(f"mpikv: rank {self.rank}: {text}", EXCEPTION_EXIT_CODE)
 
     def _install_optimizer(self, optimizer):
@@ -589,16 +619,19 @@ class KVStore:
         Returns:
             what ``action`` returns.
         """
-        self._agree(call, call.blob)
+        entry = self._agree(call, call.blob)
         self._executor.drain()
-        return action()
+        result = action()
+        flight.ended(entry)
+        return result
 
     def _run(self, call, push=False, pull=False, remember=None):
         """A data call (push, pull, pushpull): agreed, then run after earlier
         background calls, on this thread."""
-        self._agree(call, call.blob)
+        entry = self._agree(call, call.blob)
         job = self._job(call, push, pull, self._executor.busy)
         self._executor.run(job, (call.op, call.keys))
+        flight.ended(entry)
         if remember is not None and type(remember[0]) in (int, str):
             self._remember_one_key(call, *remember)
 
@@ -613,12 +646,15 @@ class KVStore:
         fast = self._one_key.get((op, key, out is None, out is value))
         if fast is None or self._executor.busy or not fast.accepts(value, out):
             return False
+        entry = self._begin(op, fast.what[1], (out if value is None else value).nbytes, priority)
         verdict = self._transport.agree(fast.digest(priority), False, fast.what)
         if verdict != AGREED:
             call = (self._pull_call(key, out, priority) if op == "pull" else
                     self._push_call(op, key, value, priority, None if out is value else out))
-            self._disagree(call, verdict == JOINED)
+            self._disagree(call, verdict == JOINED, entry)
+        flight.agreed(entry)
         fast.run(value, out)
+        flight.ended(entry)
         return True
 
     def _remember_one_key(self, call, key, out):
@@ -640,8 +676,13 @@ class KVStore:
                 e, call, route)
 
     def _submit(self, call, push=False, pull=False):
-        self._agree(call, call.blob)
+        entry = self._agree(call, call.blob)
         job = self._job(call, push, pull, self._executor.threaded)
+        if entry is not None:
+            def traced(run=job):
+                run()
+                flight.ended(entry)
+            job = traced
         return self._executor.submit(job, (call.op, call.keys))
 
     def _push_settings(self, priority):
@@ -655,11 +696,22 @@ class KVStore:
     def _agree(self, call, blob=None):
         """Raises the same MPIKVError on every rank unless all ranks made this call right."""
         what = (call.op, call.keys)
+        entry = self._begin(call.op, call.keys, _nbytes(call.items),
+                            call.settings.get("priority", 0))
         verdict = self._transport.agree(fingerprint(call, blob), bool(call.errors), what)
         if verdict != AGREED:
-            self._disagree(call, verdict == JOINED)
+            self._disagree(call, verdict == JOINED, entry)
+        flight.agreed(entry)
+        return entry
 
-    def _disagree(self, call, joined=False):
+    def _begin(self, op, keys, nbytes, priority):
+        """The call's flight-recorder entry (None for a local store)."""
+        if self._trace_id is None:
+            return None
+        self._calls += 1
+        return flight.RECORDER.begin(self._trace_id, self._calls, op, keys, nbytes, priority)
+
+    def _disagree(self, call, joined=False, entry=None):
         """After an agreement that failed, or that found joined ranks: every rank's
         record; one message, raised everywhere, or (joined ranks) the call goes on."""
         what = (call.op, call.keys)
@@ -675,6 +727,7 @@ class KVStore:
         if verdict is None:  # fingerprints differed in a way explain() does not name
             verdict = (errors.MismatchError, f"{call.op}: ranks made different calls")
         cls, message = verdict
+        flight.failed(entry, cls.__name__)
         raise cls(f"{message}; nothing was applied")
 
     def __repr__(self):
@@ -708,6 +761,18 @@ class _ZeroCopyCall:
 
 #: the low bits of a join ticket hold the rank
 _RANK_BITS = 20
+#: numbers the distributed stores of this process for the flight recorder
+_DIST_STORES = itertools.count()
+
+
+def _nbytes(items):
+    """The bytes of a call: each key's first value (or output)."""
+    total = 0
+    for item in items:
+        arrays = item.values or item.outs
+        if arrays:
+            total += arrays[0].nbytes
+    return total
 
 
 def _arrays(items):

@@ -14,7 +14,8 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
-from ._deadline import TIMEOUT_EXIT_CODE, Watchdog, abort, format_what, install_exception_hook
+from ..deadline import (TIMEOUT_EXIT_CODE, Watchdog, abort, format_what, install_exception_hook,
+                        start_listener)
 from .base import AGREED, DIFFER, JOINED, Transport
 
 _AGREE_TAG = 7
@@ -65,7 +66,7 @@ class MPITransport(Transport):
         if options.abort_on_exception:
             install_exception_hook()
         self._nodes = None
-        _drain_at_exit()
+        start_listener()   # answers the flight-recorder requests of a rank ending the job
 
     # -- node-local shared memory --------------------------------------------
     @property
@@ -301,17 +302,3 @@ class MPITransport(Transport):
         facts["cuda"] = cuda.describe(self._cuda) if self._cuda is not None else "no device buffer yet"
         facts["timeout_s"] = self.timeout
         return facts
-
-
-_drain_registered = False
-
-
-def _drain_at_exit():
-    """Background calls finish before MPI_Finalize (registered after mpi4py's own
-    exit hook, so it runs first)."""
-    global _drain_registered
-    if not _drain_registered:
-        import atexit
-        from .._executor import drain_all
-        atexit.register(drain_all)
-        _drain_registered = True

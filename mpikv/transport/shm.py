@@ -20,11 +20,10 @@ _live = []
 
 
 @atexit.register
-def _free_all():
-    # Windows must be freed before MPI_Finalize, which mpi4py runs at exit after
-    # this, and only once no background call still uses them.
-    from .._executor import drain_all
-    drain_all()
+def free_all():
+    """Frees every window (collective). Windows must be freed before MPI_Finalize,
+    which mpi4py runs at exit after this (it registered first), and only once no
+    background call still uses them: stores drain their calls before this runs."""
     for arena in list(_live):
         arena.free()
 

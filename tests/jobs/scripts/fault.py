@@ -19,6 +19,13 @@ def main(case, timeout):
         raise RuntimeError("boom on purpose")
     if case == "stuck" and kv.rank == last:
         time.sleep(300)
+    if case == "other_store":
+        # Every rank makes a second store; rank 1 then calls it while the others
+        # push on the first: each side waits for the other.
+        other = mpikv.create("dist_sync", timeout=timeout)
+        kv.pushpull(["b", "w"], [np.ones(3), np.ones(3)])
+        if kv.rank == 1:
+            other.barrier()
     if case == "stuck_root" and kv.rank == 0:
         time.sleep(300)
     if case == "stuck_in_data" and kv.rank == last:

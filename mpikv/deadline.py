@@ -2,19 +2,34 @@
 
 MPI has no timeouts, and an exception on one rank leaves the others waiting
 in a collective forever. These helpers end the whole job with ``MPI_Abort``
-after saying why on standard error.
+after saying why on standard error, and after every rank has shown its flight
+recorder (:mod:`mpikv.flight`): the rank that ends the job asks the others
+(a small message on ``COMM_WORLD``, answered by a listener thread), so that
+its message says which call each rank was last in.
 """
 
+import atexit
+import os
 import sys
 import threading
 import time
 import traceback
 
+from . import flight
+
 #: Exit codes passed to MPI_Abort.
 EXCEPTION_EXIT_CODE = 1
 TIMEOUT_EXIT_CODE = 3
 
+#: tags of the flight-recorder exchange on COMM_WORLD (high: clear of users' usual tags)
+_ASK, _ANSWER = 32011, 32012
+#: how long the ending rank waits for the others' last calls
+ANSWER_WAIT = 3.0
+
 _hook_installed = False
+_aborting = threading.Lock()
+_shown = threading.Lock()      # a rank shows its ring once
+_listener = None
 
 
 def format_what(what):
@@ -28,11 +43,103 @@ def format_what(what):
 
 
 def abort(message, code):
-    """Prints ``message`` and aborts every process of the job."""
+    """Prints ``message``, shows every rank's flight recorder, and aborts the job."""
     from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    if not _aborting.acquire(blocking=False):
+        time.sleep(ANSWER_WAIT + 5)   # another thread of this rank is ending the job
+        world.Abort(code)
     sys.stderr.write(message.rstrip("\n") + "\n")
     sys.stderr.flush()
-    MPI.COMM_WORLD.Abort(code)
+    try:
+        text = _last_calls(world, message.split("\n", 1)[0])
+    except Exception as exc:  # noqa: BLE001 - the report must never stop the abort
+        text = f"mpikv: (the flight recorder could not be shown: {exc!r})"
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+    world.Abort(code)
+
+
+def _show_ring(rank, reason):
+    """Prints this rank's ring, or writes it under ``MPIKV_TRACE_DIR`` (once)."""
+    calls = flight.RECORDER.entries()
+    if not _shown.acquire(blocking=False):
+        return calls
+    directory = os.environ.get("MPIKV_TRACE_DIR")
+    if directory:
+        try:
+            path = flight.write(directory, rank, calls, reason)
+            sys.stderr.write(f"[rank {rank}] mpikv: flight recorder written to {path}\n")
+        except OSError as exc:
+            sys.stderr.write(f"[rank {rank}] mpikv: cannot write the flight recorder "
+                             f"under {directory}: {exc}\n{flight.format_ring(rank, calls)}\n")
+    else:
+        sys.stderr.write(flight.format_ring(rank, calls) + "\n")
+    sys.stderr.flush()
+    return calls
+
+
+def _last_calls(world, reason):
+    """Shows this rank's ring, asks every other rank to show its own, and returns
+    the lines that say which call each rank was last in."""
+    rank, size = world.Get_rank(), world.Get_size()
+    lasts = {rank: flight.last_call(_show_ring(rank, reason))}
+    if size > 1 and _listener is not None:
+        sent = [world.isend((rank, reason), dest=r, tag=_ASK) for r in range(size) if r != rank]
+        deadline = time.monotonic() + ANSWER_WAIT
+        while len(lasts) < size and time.monotonic() < deadline:
+            message = world.improbe(tag=_ANSWER)
+            if message is not None:
+                r, line = message.recv()
+                lasts[r] = line
+                continue
+            _answer(world, rank)   # another rank may be ending the job at the same time
+            time.sleep(0.01)
+        for request in sent:   # kept until here: an unsent request must stay alive
+            request.Test()
+    where = (f"written under {os.environ['MPIKV_TRACE_DIR']} (merge them: mpikv trace DIR)"
+             if os.environ.get("MPIKV_TRACE_DIR") else "printed with [rank N] prefixes")
+    lines = [f"mpikv: the last call of each rank (flight recorders {where}):"]
+    for r in range(size):
+        lines.append(f"  rank {r}: {lasts.get(r, f'no answer within {ANSWER_WAIT:g} s')}")
+    return "\n".join(lines)
+
+
+def _answer(world, rank):
+    """Answers a request for this rank's last call, if one came; returns whether one did."""
+    message = world.improbe(tag=_ASK)
+    if message is None:
+        return False
+    asker, reason = message.recv()
+    calls = _show_ring(rank, f"asked by rank {asker}: {reason}")
+    world.isend((rank, flight.last_call(calls)), dest=asker, tag=_ANSWER).Wait()
+    return True
+
+
+def start_listener():
+    """Starts this process's thread that answers flight-recorder requests (once;
+    MPI must allow calls from several threads). It stops before MPI finalizes."""
+    global _listener
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    if _listener is not None or world.Get_size() == 1 or \
+            MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        return
+    stop = threading.Event()
+    rank = world.Get_rank()
+
+    def listen():
+        while not stop.wait(0.25):
+            if not MPI.Is_finalized():
+                _answer(world, rank)
+
+    _listener = threading.Thread(target=listen, name="mpikv-flight-recorder", daemon=True)
+    _listener.start()
+
+    @atexit.register   # registered after mpi4py's finalizer: runs before it
+    def _stop():
+        stop.set()
+        _listener.join()
 
 
 def install_exception_hook():
