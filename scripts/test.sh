@@ -29,6 +29,10 @@ cache=$(mktemp -d)
 trap 'rm -rf "$cache"' EXIT
 export MPIKV_CACHE_DIR=$cache
 
+# Daemons and launchers running now; any other still running at the end was left by the suite.
+daemons() { ps -eo pid=,comm= | awk '$2 ~ /^(slurmctld|slurmd|munged|prterun|prted|mpiexec)$/ {print $1}' | sort; }
+before=$(daemons)
+
 echo "== unit, local-store and job tests"
 timeout -k 10 900 "$py" -m pytest tests/unit tests/jobs -q --color=no -p no:randomly || status=1
 
@@ -46,5 +50,12 @@ done
 echo "== system tests: a real SLURM cluster and two network-namespace hosts (root; skipped otherwise)"
 timeout -k 10 600 "$py" -m pytest tests/system -q --color=no -p no:randomly || status=1
 
+sleep 1   # launchers of killed jobs take a moment to exit
+left=$(comm -13 <(echo "$before") <(daemons))
+if [ -n "$left" ]; then
+  echo "the suite left these running:"; ps -o pid,comm,args -p $(echo $left | tr ' ' ,); status=1
+else
+  echo "== no daemon or launcher the suite started is still running"
+fi
 echo "== whole suite: $((SECONDS - start)) s, $([ $status = 0 ] && echo passed || echo FAILED)"
 exit $status
