@@ -5,24 +5,30 @@ Host (numpy) arrays here; GPU values go through :mod:`mpikv.backends`.
 
 import numpy as np
 
-from .dtypes import VALUE_DTYPES
+from .dtypes import HALF_DTYPES, VALUE_DTYPES
 from .errors import DTypeError, ValueTypeError
 
-_ACCUMULATE = {np.dtype("float16"): np.dtype("float32")}
+_ACCUMULATE = {dtype: np.dtype("float32") for dtype in HALF_DTYPES}
 
 
 def accumulate_dtype(dtype):
     """The dtype sums of ``dtype`` are computed and sent in.
 
-    MPI has no half-precision type, and summing in float16 loses precision
-    at every step, so float16 sums run in float32 and round once at the end.
+    MPI has no half-precision types (Open MPI has no bfloat16 at all), and
+    summing in 16 bits loses precision at every step, so float16 and bfloat16
+    sums run in float32 and round once at the end.
     """
     return _ACCUMULATE.get(np.dtype(dtype), np.dtype(dtype))
 
 
+def is_half(dtype):
+    """Whether ``dtype`` is a 16-bit float (float16 or bfloat16)."""
+    return np.dtype(dtype) in _ACCUMULATE
+
+
 def wire_view(array):
-    """A view MPI can move bit for bit (float16 travels as uint16)."""
-    if array.dtype == np.float16:
+    """A view MPI can move bit for bit (16-bit floats travel as uint16)."""
+    if array.dtype in _ACCUMULATE:
         return array.view(np.uint16)
     return array
 
@@ -32,6 +38,8 @@ def check_dtype(dtype, what="a value"):
     # By dtype, not name: a byte-swapped float32 is not a value the store holds.
     if np.dtype(dtype) not in VALUE_DTYPES.values():
         names = ", ".join(VALUE_DTYPES)
+        if np.dtype(dtype).name == "bfloat16" or str(dtype) == "bfloat16":
+            names += "; bfloat16 needs the ml_dtypes package: pip install mpikv[bf16]"
         raise DTypeError(f"{what} has dtype {np.dtype(dtype)}, which the store cannot hold "
                          f"(use one of {names})")
 

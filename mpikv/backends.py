@@ -29,6 +29,7 @@ import numpy as np
 
 from . import cuda
 from ._logging import get_logger
+from .dtypes import HALF_DTYPES
 from .errors import DTypeError, ValueTypeError
 
 NUMPY = "numpy"
@@ -202,6 +203,8 @@ def _safe_device(value):
 
 
 def _host_view(value, kind, what):
+    if kind == "torch-cpu" and str(value.dtype) == "torch.bfloat16":
+        return _bfloat16_view(value.detach(), what)
     try:
         if isinstance(value, np.ndarray):
             return value
@@ -213,9 +216,20 @@ def _host_view(value, kind, what):
         return np.from_dlpack(value)
     except (BufferError, TypeError, RuntimeError, ValueError) as exc:
         if "bfloat16" in str(getattr(value, "dtype", "")).lower():
-            raise DTypeError(f"{what} is bfloat16, which the store does not take yet "
-                             f"(float32, float64 and float16 it does)") from None
+            raise DTypeError(f"{what} is bfloat16 in a form numpy cannot view "
+                             f"(a torch tensor or an ml_dtypes array can be)") from None
         raise ValueTypeError(f"{what} cannot be viewed on the host without a copy: {exc}") from None
+
+
+def _bfloat16_view(tensor, what):
+    """A numpy bfloat16 (ml_dtypes) view of a CPU torch bfloat16 tensor: the same memory."""
+    from .dtypes import BFLOAT16
+    if BFLOAT16 is None:
+        raise DTypeError(f"{what} is bfloat16, which needs the ml_dtypes package "
+                         f"(pip install mpikv[bf16])")
+    import torch
+    # numpy has no bfloat16: the bits go through as int16, then get their dtype back.
+    return tensor.view(torch.int16).numpy().view(BFLOAT16)
 
 
 def _device_view(value, kind, what):
@@ -237,6 +251,9 @@ def _device_view(value, kind, what):
             return cp.asarray(value)
         return cp.from_dlpack(value)
     except (BufferError, TypeError, RuntimeError, ValueError) as exc:
+        if "bfloat16" in str(getattr(value, "dtype", "")).lower():
+            raise DTypeError(f"{what} is a bfloat16 GPU array: the store takes bfloat16 on "
+                             f"the host only so far (cupy has no bfloat16)") from None
         raise ValueTypeError(f"{what} cannot be viewed by cupy without a copy: {exc}") from None
 
 
@@ -310,7 +327,7 @@ def sum_into(out, arrays):
         arrays: arrays with ``out.size`` elements each.
     """
     mod = np if isinstance(out, np.ndarray) else xp(CUPY)
-    if out.dtype == np.float16 and len(arrays) > 1:
+    if out.dtype in HALF_DTYPES and len(arrays) > 1:
         wide = mod.empty(out.size, np.float32) if mod is np else _empty_like_on(mod, out, np.float32)
         sum_into(wide, arrays)
         copyto(out, wide, casting="unsafe")

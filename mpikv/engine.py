@@ -15,6 +15,7 @@ import numpy as np
 
 from . import backends, reducers, tuning
 from ._arrays import accumulate_dtype, wire_view
+from .dtypes import is_floating
 from .errors import DTypeError
 from .fusion import DEFAULT_BUCKET_BYTES, plan_buckets
 from .plan import OwnershipPlan, sort_key
@@ -226,7 +227,7 @@ class Engine:
     def _note_keys(self, keys_and_dtypes):
         """Records new keys' integer dtypes and the store's key type."""
         for key, dtype in keys_and_dtypes:
-            if np.dtype(dtype).kind != "f":
+            if not is_floating(dtype):
                 self._int_keys.add(key)
             if self._key_type is None:
                 self._key_type = type(key)

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import backends, checkpoint, config, errors, flight, tuning
 from ._logging import get_logger
+from ._arrays import is_half
 from .agreement import explain, fingerprint, keys_blob, record
 from .calls import Call, CallReader
 from ._executor import Executor, Handle
@@ -476,10 +477,10 @@ class KVStore:
         key_list = [keys] if single else list(keys)
         call = self._read("gradient_buffers", key_list,
                           settings={"shared": self._options.shared_memory})
-        if any((self._engine.lookup(i.key) or (None, None))[1] == np.float16
+        if any(is_half((self._engine.lookup(i.key) or (None, np.float32))[1])
                for i in call.items):
-            call.fail(errors.DTypeError, None, "float16 keys are summed in float32: they have "
-                      "no zero-copy buffers")
+            call.fail(errors.DTypeError, None, "float16 and bfloat16 keys are summed in "
+                      "float32: they have no zero-copy buffers")
         views = self._collective(call, lambda: self._engine.gradient_buffers(
             call.keys, self._options.shared_memory))
         out = [views[k] for k in call.user_keys]

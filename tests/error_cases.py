@@ -192,7 +192,7 @@ CASES = [
                  lambda kv: kv.init(2, np.zeros(3))),
          errors.DTypeError,
          r"^init: {at}value for key 2 has dtype complex64, which the store cannot hold "
-         r"\(use one of float16, float32, float64, int32, int64\)" + _END, ONE_RANK,
+         r"\(use one of float16, float32, float64, int32, int64(, bfloat16)?\)" + _END, ONE_RANK,
          after=_key_two_still_free),
     Case("non-array value",
          _either(lambda kv: kv.push(1, [[1, 2, 3], [4, 5, 6]]), _push_ones),

@@ -16,6 +16,7 @@ import warnings
 import numpy as np
 
 from .. import backends
+from ..dtypes import is_floating
 from ..errors import OptimizerError
 from . import _checks
 from .schedulers import LRScheduler, lr_scheduler_from_config
@@ -114,7 +115,7 @@ def compute_dtype(weight):
     """
     if not isinstance(weight, np.ndarray) and backends.native_kind(weight) != backends.CUPY:
         raise TypeError(f"weight must be a numpy or cupy array, not {type(weight).__name__}")
-    if weight.dtype.kind != "f":
+    if not is_floating(weight.dtype):
         raise TypeError(f"weight must have a floating dtype, not {weight.dtype}")
     return np.dtype(np.float32) if weight.dtype.itemsize < 4 else weight.dtype
 

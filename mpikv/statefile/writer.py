@@ -81,7 +81,8 @@ def write_part(path: PathLike, generation: str, rank: int,
         if not isinstance(array, np.ndarray):
             raise InputError(f"{where}: value is a {type(array).__name__}, "
                              "not a numpy array")
-        if array.dtype.name not in DTYPES or array.dtype.kind not in "fiub":
+        known = DTYPES.get(array.dtype.name)
+        if known is None or array.dtype.kind != known.kind:
             raise DTypeError(f"{where}: dtype {array.dtype} is not one of "
                              f"{sorted(DTYPES)}")
         if array.shape != (stop - start,):

@@ -202,9 +202,24 @@ def test_torch_non_contiguous_is_a_view():
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason=NO_TORCH)
-def test_torch_bfloat16_refused():
+def test_torch_bfloat16_is_viewed_as_ml_dtypes_bfloat16_without_a_copy():
     import torch
-    with pytest.raises(DTypeError, match="is bfloat16, which the store does not take yet"):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    t = torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16)
+    _, view = backends.as_native(t, writable=True)
+    assert view.dtype == np.dtype(ml_dtypes.bfloat16)
+    assert view.astype(np.float32).tolist() == [1.5, -2.0, 3.25]
+    view[1] = 7
+    assert t.tolist() == [1.5, 7.0, 3.25]   # the same memory
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason=NO_TORCH)
+def test_torch_bfloat16_without_ml_dtypes_names_the_package(monkeypatch):
+    import torch
+    from mpikv import dtypes
+    monkeypatch.setattr(dtypes, "BFLOAT16", None)
+    with pytest.raises(DTypeError, match=r"bfloat16, which needs the ml_dtypes package "
+                                         r"\(pip install mpikv\[bf16\]\)"):
         backends.as_native(torch.zeros(2, dtype=torch.bfloat16))
 
 

@@ -8,13 +8,26 @@ from mpikv._arrays import check_dtype
 from mpikv.errors import DTypeError, StateFileError
 
 VALUES = ["float16", "float32", "float64", "int32", "int64"]
+# bfloat16 where ml_dtypes (the bf16 extra) is installed; numpy has no name for it.
+BF16 = ["bfloat16"] if dtypes.BFLOAT16 is not None else []
+
+
+def _dtype(name):
+    return dtypes.BFLOAT16 if name == "bfloat16" else np.dtype(name)
 
 
 def test_value_and_file_dtypes():
-    assert list(dtypes.VALUE_DTYPES) == VALUES
-    assert list(dtypes.FILE_DTYPES) == VALUES + ["uint8", "int8", "bool"]
+    assert list(dtypes.VALUE_DTYPES) == VALUES + BF16
+    assert list(dtypes.FILE_DTYPES) == VALUES + BF16 + ["uint8", "int8", "bool"]
     for name, dtype in dtypes.FILE_DTYPES.items():
-        assert dtype == np.dtype(name) and dtype.isnative
+        assert dtype == _dtype(name) and dtype.isnative
+
+
+def test_floating_and_half_dtypes():
+    assert dtypes.is_floating(np.float16) and not dtypes.is_floating(np.int32)
+    assert dtypes.HALF_DTYPES == tuple(_dtype(n) for n in ["float16"] + BF16)
+    if BF16:
+        assert dtypes.is_floating(dtypes.BFLOAT16)
 
 
 def test_by_name():
@@ -32,11 +45,12 @@ def test_state_files_hold_the_file_dtypes_little_endian():
 
 
 def test_store_refuses_what_is_not_a_value_dtype():
-    for name in VALUES:
-        check_dtype(np.dtype(name))
+    for name in VALUES + BF16:
+        check_dtype(_dtype(name))
+    names = ", ".join(VALUES + BF16)
     for bad in ("uint8", "bool", "complex64", np.dtype(">f4" if np.little_endian else "<f4")):
-        with pytest.raises(DTypeError, match=r"which the store cannot hold \(use one of "
-                           r"float16, float32, float64, int32, int64\)"):
+        with pytest.raises(DTypeError, match=rf"which the store cannot hold \(use one of "
+                           rf"{names}\)"):
             check_dtype(bad, "x")
 
 

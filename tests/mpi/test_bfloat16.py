@@ -1,0 +1,89 @@
+"""bfloat16 values (ml_dtypes arrays and torch tensors) at 1-4 ranks: sums in float32,
+rounded once, equal on every rank; split keys; exact in checkpoints."""
+
+import numpy as np
+import pytest
+
+import mpikv
+
+from .conftest import TEST_TIMEOUT
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+pytestmark = pytest.mark.mpi
+
+
+def contribution(rank, size, seed):
+    """Each rank's bfloat16 values: random, with enough mantissa to round."""
+    rng = np.random.default_rng(seed + rank)
+    return rng.standard_normal(size).astype(np.float32).astype(BF16)
+
+
+def reference(n, size, seed):
+    """The float32 sum of every rank's bfloat16 values, in rank order, rounded once."""
+    total = np.zeros(size, np.float32)
+    for r in range(n):
+        total += contribution(r, size, seed).astype(np.float32)
+    return total.astype(BF16)
+
+
+@pytest.mark.parametrize("size", [7, 300])   # 300: split over the owners (bound 100)
+@pytest.mark.parametrize("op", ["push_pull", "pushpull"])
+def test_bfloat16_sums_are_float32_sums_rounded_once(comm, size, op):
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=100)
+    kv.init(["x", "f"], [np.zeros(size, BF16), np.zeros(3, np.float32)])
+    mine = contribution(kv.rank, size, seed=size)
+    out = np.zeros(size, BF16)
+    if op == "push_pull":
+        kv.push(["x", "f"], [mine, np.ones(3, np.float32)])
+        kv.pull("x", out=out)
+    else:
+        kv.pushpull("x", mine, out=out)
+    want = reference(comm.size, size, seed=size)
+    assert out.dtype == BF16
+    np.testing.assert_array_equal(out.view(np.uint16), want.view(np.uint16))
+    everyone = comm.allgather(out.tobytes())
+    assert all(e == everyone[0] for e in everyone)
+
+
+def test_two_device_values_per_rank_sum_once(comm):
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv.init("x", np.zeros(5, BF16))
+    a, b = contribution(kv.rank, 5, 1), contribution(kv.rank + 100, 5, 1)
+    kv.push("x", [a, b])
+    out = np.zeros(5, BF16)
+    kv.pull("x", out=out)
+    total = np.zeros(5, np.float32)
+    for r in range(comm.size):
+        total += contribution(r, 5, 1).astype(np.float32) + contribution(r + 100, 5, 1).astype(
+            np.float32)
+    np.testing.assert_array_equal(out.view(np.uint16), total.astype(BF16).view(np.uint16))
+
+
+def test_torch_bfloat16_tensors_without_copies(comm):
+    torch = pytest.importorskip("torch")
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv.init("t", torch.zeros(6, dtype=torch.bfloat16))
+    mine = torch.from_numpy(contribution(kv.rank, 6, 2).view(np.int16)).view(torch.bfloat16)
+    kv.pushpull("t", mine)   # the sum lands in the tensor itself
+    want = reference(comm.size, 6, 2)
+    np.testing.assert_array_equal(mine.view(torch.int16).numpy().view(np.uint16),
+                                  want.view(np.uint16))
+
+
+def test_bfloat16_values_and_adam_states_round_trip_a_checkpoint(comm, tmp_path_factory):
+    path = comm.bcast(str(tmp_path_factory.mktemp("bf16")) if comm.rank == 0 else None)
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=100)
+    kv.init(["x", "y"], [contribution(0, 300, 3), contribution(0, 9, 4)])
+    kv.set_optimizer(mpikv.optimizer.Adam(learning_rate=0.01))
+    kv.push(["x", "y"], [contribution(kv.rank, 300, 5), contribution(kv.rank, 9, 6)])
+    kv.save_checkpoint(f"{path}/ck")
+    before = [np.zeros(300, BF16), np.zeros(9, BF16)]
+    kv.pull(["x", "y"], out=before)
+    other = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=100)
+    other.load_checkpoint(f"{path}/ck")
+    after = [np.zeros(300, BF16), np.zeros(9, BF16)]
+    other.pull(["x", "y"], out=after)
+    for b, a in zip(before, after):
+        assert a.dtype == BF16
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
