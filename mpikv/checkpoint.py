@@ -187,13 +187,13 @@ def load(store, fname, kind, with_values):
         use = opt if opt is not None else (
             from_config(meta["optimizer"]) if meta.get("optimizer") else None)
         if use is not None:
-            expect = {_STATE + n for n in use.state_names}
             for key in saved:
+                need = use.state_names_for(saved[key][1])
                 names = set(states_of.get(key, ()))
-                if names and names != expect:
+                if names and names != {_STATE + n for n in need}:
                     raise StateFileError(
                         f"key {key!r} has states {sorted(n[len(_STATE):] for n in names)} in "
-                        f"{fname!r}, but {use.name} needs {sorted(use.state_names)}")
+                        f"{fname!r}, but {use.name} needs {sorted(need)}")
         wanted = []
         for key, shard in plan.owned_by(t.rank):
             if key not in saved:
@@ -278,7 +278,7 @@ def _prepare(store, plan, got, meta, saved, new, with_values):
         whole = shard.stop - shard.start == entry.flat.size and not entry.placement.split
         view_shape = entry.array.shape if whole else (shard.stop - shard.start,)
         state = {}
-        for name in opt.state_names:
+        for name in opt.state_names_for(entry.array.dtype):
             saved_part = got[(key, _STATE + name, *((0, 1) if name == COUNT
                                                      else (shard.start, shard.stop)))]
             if name == COUNT or isinstance(entry.arena, np.ndarray):

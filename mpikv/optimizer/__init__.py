@@ -9,8 +9,8 @@ expressions as on the host); their ``"t"`` entry, the key's update count,
 is a numpy array even for GPU weights.
 """
 
-from .base import (COUNT, Optimizer, PendingUpdate, compute_dtype, create, from_config,
-                   register)
+from .base import (COUNT, MASTER, Optimizer, PendingUpdate, compute_dtype, create,
+                   from_config, register)
 from .sgd import NAG, SGD
 from .adam import Adam, AdamW
 from .rmsprop import RMSProp
@@ -20,7 +20,7 @@ from .schedulers import (CosineScheduler, FactorScheduler, LRScheduler, MultiFac
 from .updater import Updater, get_updater
 
 __all__ = [
-    "COUNT", "Optimizer", "PendingUpdate", "compute_dtype", "create", "from_config",
+    "COUNT", "MASTER", "Optimizer", "PendingUpdate", "compute_dtype", "create", "from_config",
     "register", "SGD", "NAG", "Adam", "AdamW", "RMSProp", "LAMB", "LRScheduler",
     "FactorScheduler", "MultiFactorScheduler", "CosineScheduler", "PolyScheduler",
     "lr_scheduler_from_config", "Updater", "get_updater",

@@ -16,13 +16,15 @@ import warnings
 import numpy as np
 
 from .. import backends
-from ..dtypes import is_floating
+from ..dtypes import HALF_DTYPES, is_floating
 from ..errors import OptimizerError
 from . import _checks
 from .schedulers import LRScheduler, lr_scheduler_from_config
 
 #: Name of the per-key update count in a state dict (int64, one element).
 COUNT = "t"
+#: the state name of the float32 master copy of a 16-bit weight (``multi_precision``)
+MASTER = "weight32"
 
 _REGISTRY = {}
 
@@ -163,6 +165,12 @@ class Optimizer:
         lr_scheduler: An :class:`LRScheduler` called with ``num_update``.
         begin_num_update: Count every key starts from, and the initial
             ``num_update``.
+        multi_precision: For float16 and bfloat16 weights, keep a float32
+            copy of the weight in the state (:data:`MASTER`, on the owner of
+            each part), update it in float32, and round it once into the
+            weight (MXNet's ``multi_precision``). Without it, such weights are
+            read into float32 and rounded back at every step, so updates
+            smaller than their rounding are lost.
 
     Attributes:
         num_update: Largest key update count seen (at least
@@ -177,7 +185,7 @@ class Optimizer:
     num_partials = 0
 
     def __init__(self, learning_rate=None, wd=0.0, rescale_grad=1.0, clip_gradient=None,
-                 lr_scheduler=None, begin_num_update=0):
+                 lr_scheduler=None, begin_num_update=0, multi_precision=False):
         if lr_scheduler is not None and not isinstance(lr_scheduler, LRScheduler):
             raise TypeError(f"lr_scheduler must be an LRScheduler, not "
                             f"{type(lr_scheduler).__name__}")
@@ -195,6 +203,10 @@ class Optimizer:
         self.clip_gradient = _checks.optional_real("clip_gradient", clip_gradient)
         self.begin_num_update = _checks.integer("begin_num_update", begin_num_update, low=0)
         self.num_update = self.begin_num_update
+        if not isinstance(multi_precision, (bool, np.bool_)):
+            raise TypeError(f"multi_precision must be a bool, not "
+                            f"{type(multi_precision).__name__}")
+        self.multi_precision = bool(multi_precision)
         self.lr_mult = {}
         self.wd_mult = {}
 
@@ -226,6 +238,7 @@ class Optimizer:
             "begin_num_update": int(self.begin_num_update),
             "lr_mult": _to_pairs(self.lr_mult),
             "wd_mult": _to_pairs(self.wd_mult),
+            **({"multi_precision": True} if self.multi_precision else {}),
             **self._hyperparams(),
         }
 
@@ -281,6 +294,17 @@ class Optimizer:
         """All state names: the elementwise ones, then the per-key count ``"t"``."""
         return self.elementwise_state_names + (COUNT,)
 
+    def keeps_master(self, dtype):
+        """Whether weights of ``dtype`` get a float32 master copy (:data:`MASTER`)."""
+        return self.multi_precision and np.dtype(dtype) in HALF_DTYPES
+
+    def state_names_for(self, dtype):
+        """The state names of a weight of ``dtype``: :attr:`state_names`, and the
+        master copy where :meth:`keeps_master`."""
+        if self.keeps_master(dtype):
+            return self.elementwise_state_names + (MASTER, COUNT)
+        return self.state_names
+
     def create_state(self, key, weight):
         """A fresh state for ``weight`` (or for a shard of it).
 
@@ -299,16 +323,19 @@ class Optimizer:
         xp = backends.module_of(weight)
         with backends.on(weight):
             state = {name: xp.zeros(weight.shape, dtype) for name in self.elementwise_state_names}
+            if self.keeps_master(weight.dtype):
+                state[MASTER] = weight.astype(np.float32)
         state[COUNT] = np.full(1, self.begin_num_update, dtype=np.int64)
         return state
 
     def _check_state(self, state, weight, dtype, xp):
         if not isinstance(state, dict):
             raise OptimizerError(f"state must be a dict of arrays, not {type(state).__name__}")
-        if set(state) != set(self.state_names):
+        names = self.state_names_for(weight.dtype)
+        if set(state) != set(names):
             raise OptimizerError(f"state has arrays {sorted(state)} but {self.name} needs "
-                                 f"{sorted(self.state_names)}")
-        for name in self.elementwise_state_names:
+                                 f"{sorted(names)}")
+        for name in names[:-1]:
             arr = state[name]
             if (not isinstance(arr, xp.ndarray) or arr.shape != weight.shape
                     or arr.dtype != dtype):
@@ -366,16 +393,17 @@ class Optimizer:
         count[0] = t
         self.num_update = max(self.num_update, t)
         lr, wd = self._get_lr(key), self._get_wd(key)
-        w = weight.astype(dtype, copy=False)
+        master = state.get(MASTER)
+        w = weight.astype(dtype, copy=False) if master is None else master
         g = grad.astype(dtype, copy=False)
         partials, result = self._begin(w, g, state, lr, wd, t)
         if partials is None:
-            xp.copyto(weight, result, casting="same_kind")
+            _store(xp, weight, master, result)
             return PendingUpdate(None, key, None, None)
 
         def finish(totals):
             with backends.on(weight):
-                xp.copyto(weight, result(totals), casting="same_kind")
+                _store(xp, weight, master, result(totals))
 
         return PendingUpdate(self, key, partials, finish)
 
@@ -441,6 +469,15 @@ class Optimizer:
     def _scaled_grad(self, g):
         """``clip(rescale_grad * g)``, a new array."""
         return self._clipped(self.rescale_grad * g)
+
+
+def _store(xp, weight, master, new):
+    """Writes a new weight: into the master copy in float32, then rounded once into
+    the weight."""
+    if master is not None:
+        xp.copyto(master, new)
+        new = master
+    xp.copyto(weight, new, casting="same_kind")
 
 
 def sum_of_squares(a):

@@ -54,11 +54,15 @@ class Updater:
         Raises:
             OptimizerError: A state's array names do not fit the optimizer.
         """
-        expected = set(self.optimizer.state_names)
+        opt = self.optimizer
+        # A 16-bit weight's state may hold its master copy too (multi_precision).
+        allowed = ({frozenset(opt.state_names)} | (
+            {frozenset(opt.state_names_for(np.float16))} if opt.multi_precision else set()))
         copied = {}
         for key, state in states.items():
-            if not isinstance(state, dict) or set(state) != expected:
-                raise OptimizerError(f"state of key {key!r} must have arrays {sorted(expected)}")
+            if not isinstance(state, dict) or frozenset(state) not in allowed:
+                raise OptimizerError(f"state of key {key!r} must have arrays "
+                                     f"{sorted(opt.state_names)}")
             copied[key] = {name: _copy(arr) for name, arr in state.items()}
         self.states = copied
 
