@@ -16,13 +16,16 @@ import torch
 from torch.optim import adam as _adam
 from torch.optim import sgd as _sgd
 
+from ..dtypes import BFLOAT16, HALF_DTYPES
 from ..errors import OptimizerError
-from ..optimizer.base import COUNT, Optimizer, PendingUpdate, register
+from ..optimizer.base import COUNT, MASTER, Optimizer, PendingUpdate, register
 
 
 def as_tensor(array):
     """A torch tensor sharing ``array``'s memory (numpy, or a GPU array via DLPack)."""
     if isinstance(array, np.ndarray):
+        if array.dtype == BFLOAT16:   # ml_dtypes: torch reads the bits as int16
+            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(array)
     return torch.from_dlpack(array)
 
@@ -56,6 +59,10 @@ class Deferred(Optimizer):
         return PendingUpdate(None, key, None, None)
 
     def _record(self, key, weight, grad, state):
+        if weight.dtype in HALF_DTYPES:
+            # A 16-bit key's sums come in a scratch buffer that the next bucket
+            # reuses: the owned part is kept (in float32, as summed).
+            grad = grad.copy()
         self._parts.append((key, weight, grad, state))
 
     def _count(self, parts):
@@ -109,12 +116,13 @@ class _TorchRule(Deferred):
     #: the hyperparameters carried, with torch's names
     hyper = ()
 
-    def __init__(self, groups, key_groups, begin_num_update=0, keys=None):
+    def __init__(self, groups, key_groups, begin_num_update=0, keys=None,
+                 multi_precision=False):
         self._key_group = {k: int(g) for k, g in key_groups}
         self._groups = [dict(g) for g in groups]
         super().__init__(keys if keys is not None else list(self._key_group),
                          learning_rate=float(self._groups[0]["lr"]) if self._groups else 0.0,
-                         begin_num_update=begin_num_update)
+                         begin_num_update=begin_num_update, multi_precision=multi_precision)
         self._live = None
 
     def bind(self, param_groups):
@@ -131,22 +139,35 @@ class _TorchRule(Deferred):
         return {"name": self.name, "begin_num_update": int(self.begin_num_update),
                 "groups": ([self._group(i) for i in range(len(self._groups))]
                            if self.hyper_agreed else None),
-                "key_groups": [[k, g] for k, g in self._key_group.items()]}
+                "key_groups": [[k, g] for k, g in self._key_group.items()],
+                **({"multi_precision": True} if self.multi_precision else {})}
 
     def create_state(self, key, weight):
-        # torch keeps its state in the parameter's dtype.
+        # torch keeps its state in the parameter's dtype; with a master copy, in float32.
         xp = np if isinstance(weight, np.ndarray) else __import__("cupy")
-        state = {name: xp.zeros(weight.shape, weight.dtype)
-                 for name in self.elementwise_state_names}
+        master = self.keeps_master(weight.dtype)
+        dtype = np.float32 if master else weight.dtype
+        state = {name: xp.zeros(weight.shape, dtype) for name in self.elementwise_state_names}
+        if master:
+            state[MASTER] = weight.astype(np.float32)
         state[COUNT] = np.full(1, self.begin_num_update, dtype=np.int64)
         return state
 
     def _run(self, parts):
+        # 16-bit weights: the step runs on the float32 masters (or, without them, in
+        # the weight's dtype), then the masters are rounded once into the weights.
+        steps = [(key, state[MASTER] if MASTER in state else weight,
+                  grad.astype(np.float32 if MASTER in state else weight.dtype, copy=False),
+                  state) for key, weight, grad, state in parts]
         by_group = {}
-        for part in parts:
+        for part in steps:
             by_group.setdefault(self._key_group[part[0]], []).append(part)
         for index, group_parts in sorted(by_group.items()):
             self._step(self._group(index), group_parts)
+        with torch.no_grad():
+            for _, weight, _, state in parts:
+                if MASTER in state:
+                    as_tensor(weight).copy_(as_tensor(state[MASTER]))
 
     def _step(self, hyper, parts):
         raise NotImplementedError
@@ -239,6 +260,9 @@ class MXNetRule(Deferred):
     @property
     def elementwise_state_names(self):
         return self.inner.elementwise_state_names
+
+    def state_names_for(self, dtype):
+        return self.inner.state_names_for(dtype)
 
     def create_state(self, key, weight):
         return self.inner.create_state(key, weight)

@@ -53,6 +53,10 @@ class Trainer:
         lr_scheduler: a callable that takes :attr:`optimizer` and returns a
             torch LR scheduler; it becomes :attr:`lr_scheduler` and is saved in
             checkpoints.
+        multi_precision: keep float32 master copies of float16 and bfloat16
+            parameters (and their optimizer state in float32) on the owners,
+            update them there and round once into the parameters; default: on
+            when the model has 16-bit parameters.
 
     Attributes:
         kvstore: the store.
@@ -65,7 +69,8 @@ class Trainer:
     """
 
     def __init__(self, params, optimizer, optimizer_params=None, kvstore=None, *,
-                 bucket_bytes=8 << 20, unused_parameters="zeros", lr_scheduler=None):
+                 bucket_bytes=8 << 20, unused_parameters="zeros", lr_scheduler=None,
+                 multi_precision=None):
         if unused_parameters not in ("zeros", "error"):
             raise ValueError(f"unused_parameters must be 'zeros' or 'error', "
                              f"not {unused_parameters!r}")
@@ -81,13 +86,11 @@ class Trainer:
         # Small sums the ranks must agree on (errors found on some ranks only).
         self._control = _control_store(kv)
         self._control.init(STATUS_KEY, self._status)
-        half = [n for n, p in zip(self._names, self._params)
-                if p.dtype in (torch.float16, torch.bfloat16)]
-        self._all_or_none(half and f"parameters {_few(half)} are 16-bit floats: the Trainer "
-                          f"takes float32 and float64 parameters (mixed precision comes "
-                          f"later)", errors.DTypeError)
+        half = any(p.dtype in _HALF for p in self._params)
+        if multi_precision is None:
+            multi_precision = half
         rule, groups = _make_rule(optimizer, optimizer_params or {}, hyper_groups, self._names,
-                                  self._group_of)
+                                  self._group_of, bool(multi_precision))
         self._rule = rule
         kv.set_optimizer(rule)
         self.optimizer = _OwnersOptimizer(self, [
@@ -96,6 +99,7 @@ class Trainer:
         if hasattr(rule, "bind"):
             rule.bind(self.optimizer.param_groups)
         self._wire(bucket_bytes)
+        self._half_buckets = any(self._params[m[0]].dtype in _HALF for m in self._buckets)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.num_update = 0
         self._scale = None
@@ -115,8 +119,11 @@ class Trainer:
         """Makes every parameter's storage and gradient views into the store's buffers."""
         kv, params = self.kvstore, self._params
         sizes = [p.numel() * p.element_size() for p in params]
-        self._buckets = backward_buckets(sizes, bucket_bytes, first_bytes=min(bucket_bytes,
-                                                                              1 << 20))
+        # A bucket holds 16-bit parameters only, or none: those have no zero-copy
+        # gradient buffers (the store sums them in float32).
+        self._buckets = [part for members in backward_buckets(
+                             sizes, bucket_bytes, first_bytes=min(bucket_bytes, 1 << 20))
+                         for part in _by_precision(members, params)]
         self._bucket_of = [0] * len(params)
         self._bucket_keys, self._grad_arrays, self._value_arrays = [], [], []
         self._grads = [None] * len(params)
@@ -129,13 +136,17 @@ class Trainer:
             # them (nothing is moved later), and frees each parameter's own memory
             # before the next bucket is made: at most one bucket exists twice.
             kv.init(keys, [params[i].detach() for i in members])
-            self._grad_arrays.append(kv.gradient_buffers(keys))
+            if params[members[0]].dtype in _HALF:
+                # Pushed from torch's own gradients (copied in, summed in float32).
+                self._grad_arrays.append([torch.zeros_like(params[i]) for i in members])
+            else:
+                self._grad_arrays.append(kv.gradient_buffers(keys))
             self._value_arrays.append(kv.value_buffers(keys))
             for i, grad, value in zip(members, self._grad_arrays[b], self._value_arrays[b]):
                 p = params[i]
                 with torch.no_grad():
                     p.data = as_tensor(value)
-                    self._grads[i] = as_tensor(grad)
+                    self._grads[i] = grad if isinstance(grad, torch.Tensor) else as_tensor(grad)
                 p.grad = self._grads[i]
 
     # -- the step ------------------------------------------------------------
@@ -273,6 +284,11 @@ class Trainer:
         changed in between (clipped, say): ``.grad`` holds the average over the
         ranks, whole, on every rank.
         """
+        if self._half_buckets:
+            self._between_steps()
+            raise errors.DTypeError(
+                "allreduce_grads with float16 or bfloat16 parameters is not supported yet "
+                "(their sums are not in gradient buffers); use step(); nothing was applied")
         self._reduce(gather=True)
         for keys in self._bucket_keys:
             self.kvstore.gather_gradients(keys)
@@ -572,7 +588,7 @@ def _control_store(kv):
                         timeout=None)
 
 
-def _make_rule(optimizer, optimizer_params, hyper_groups, names, group_of):
+def _make_rule(optimizer, optimizer_params, hyper_groups, names, group_of, multi_precision):
     """The store's optimizer and the full hyperparameters of each param group."""
     from .. import optimizer as mx_optimizer
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
@@ -585,7 +601,8 @@ def _make_rule(optimizer, optimizer_params, hyper_groups, names, group_of):
             if any(g.get(flag) for g in groups):
                 raise errors.OptimizerError(f"{flag}=True is not supported on the owners")
         hyper = [{k: g[k] for k in rule_class.hyper} for g in groups]
-        return rule_class(hyper, [[n, g] for n, g in zip(names, group_of)]), hyper
+        return rule_class(hyper, [[n, g] for n, g in zip(names, group_of)],
+                          multi_precision=multi_precision), hyper
     if isinstance(optimizer, str):
         optimizer = mx_optimizer.create(optimizer, **optimizer_params)
     elif optimizer_params:
@@ -597,7 +614,24 @@ def _make_rule(optimizer, optimizer_params, hyper_groups, names, group_of):
     if len(hyper_groups) > 1 or any(hyper_groups):
         raise errors.OptimizerError("param groups with their own hyperparameters need a "
                                     "torch.optim class (mpikv optimizers use lr_mult/wd_mult)")
+    if multi_precision:
+        optimizer.multi_precision = True
     return MXNetRule(optimizer, names), [{"lr": optimizer.lr}]
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _by_precision(members, params):
+    """Splits a bucket's members into runs of 16-bit and other parameters, in order."""
+    runs = []
+    for i in members:
+        half = params[i].dtype in _HALF
+        if runs and runs[-1][0] == half:
+            runs[-1][1].append(i)
+        else:
+            runs.append((half, [i]))
+    return [run for _, run in runs]
 
 
 def _numeric(value):

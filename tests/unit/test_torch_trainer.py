@@ -183,10 +183,23 @@ def test_optimizers_the_trainer_cannot_run_are_refused(optimizer, kw, match):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_16_bit_parameters_are_refused_with_the_reason(dtype):
-    with pytest.raises(mpikv.DTypeError, match="16-bit floats"):
-        mpikv.torch.Trainer(torch.nn.Linear(4, 4).to(dtype), torch.optim.SGD, {"lr": 0.1},
-                            "local")
+def test_16_bit_parameters_train_on_float32_masters(dtype):
+    if dtype == torch.bfloat16:
+        pytest.importorskip("ml_dtypes")
+    net = torch.nn.Linear(4, 4).to(dtype)
+    start = net.weight.detach().float().clone()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 1e-4}, "local")
+    for _ in range(30):   # each step is under half a 16-bit step of most weights
+        trainer.zero_grad()
+        net(torch.ones(2, 4, dtype=dtype)).float().sum().backward()
+        trainer.step()
+    state = trainer.kvstore._engine.states[("weight", 0)]
+    assert sorted(state) == ["t", "weight32"]
+    master = torch.from_numpy(state["weight32"])
+    torch.testing.assert_close(master, start - 30 * 1e-4 * 2, rtol=0, atol=1e-6)
+    assert torch.equal(net.weight, master.to(dtype))   # rounded once from the master
+    with pytest.raises(mpikv.DTypeError, match="allreduce_grads with float16 or bfloat16"):
+        trainer.allreduce_grads()
 
 
 def test_the_store_takes_torch_bfloat16_tensors():
