@@ -218,3 +218,33 @@ def test_a_save_that_cannot_be_written_raises_and_leaves_nothing(tmp_path):
     assert not (tmp_path / "missing").exists()
     trainer.save_checkpoint(tmp_path / "ck")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "ck.parts", "ck.trainer.json"]
+
+
+def test_a_bfloat16_trainer_resumes_with_its_masters(tmp_path):
+    pytest.importorskip("ml_dtypes")
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                   torch.nn.Linear(16, 4)).to(torch.bfloat16)
+
+    x, y = torch.randn(12, 8).to(torch.bfloat16), torch.randn(12, 4).to(torch.bfloat16)
+
+    def run(steps, trainer, net):
+        for i in steps:
+            trainer.zero_grad()
+            ((net(x * (i + 1)) - y).float() ** 2).mean().backward()
+            trainer.step()
+
+    whole = make()
+    run(range(4), mpikv.torch.Trainer(whole, torch.optim.AdamW, {"lr": 0.01}, "local"), whole)
+    first = make()
+    trainer = mpikv.torch.Trainer(first, torch.optim.AdamW, {"lr": 0.01}, "local")
+    run(range(2), trainer, first)
+    trainer.save_checkpoint(tmp_path / "ck")
+    resumed = make()
+    trainer = mpikv.torch.Trainer(resumed, torch.optim.AdamW, {"lr": 0.01}, "local")
+    trainer.load_checkpoint(tmp_path / "ck")
+    run(range(2, 4), trainer, resumed)
+    for a, b in zip(whole.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
