@@ -305,11 +305,13 @@ def resolve(transport, reducer="auto", autotune=True):
         return forced("allreduce", "one rank: nothing to tune")
     key = cache_key(transport)
     memo = (json.dumps(key, sort_keys=True), bool(autotune))
-    if memo in _resolved:
-        return _resolved[memo]
     comm = transport.comm
     path = cache_path(key)
-    table = read_cache(path, key) if transport.rank == 0 else None
+    table = None
+    if transport.rank == 0:
+        # Only rank 0's memo counts: another rank may not have met this layout yet
+        # (a store on a sub-communicator), and the bcast below must run everywhere.
+        table = _resolved.get(memo) or read_cache(path, key)
     found = comm.bcast(None if table is None else (table.to_json(), table.source), root=0)
     if found is not None:
         table = Table.from_json(found[0], found[1])

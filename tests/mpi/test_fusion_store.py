@@ -376,3 +376,30 @@ def test_columns_naming_different_strategies_still_match(comm, tmp_path_factory,
             got = np.zeros(n, np.float32)
             kv.pushpull("w", value, out=got)   # into the store, then out
         assert (got == total).all(), step
+
+
+def test_stores_on_sub_communicators_whose_layout_only_some_ranks_have_met(comm, monkeypatch):
+    """Rank 0 has resolved the tuning table of a 2-rank layout (with rank 2), rank 1
+    has not: a store on ranks 0 and 1 must still be made (rank 0 once skipped the
+    table's broadcast, and rank 1 waited in it forever)."""
+    from mpikv import tuning
+    if comm.size < 3:
+        pytest.skip("needs three ranks")
+    monkeypatch.setattr(tuning, "_resolved", {})
+    first = comm.Split(0 if comm.rank in (0, 2) else MPI_UNDEFINED(), comm.rank)
+    if comm.rank in (0, 2):
+        mpikv.create("dist_sync", comm=first, timeout=20, autotune=False).barrier()
+    second = comm.Split(0 if comm.rank in (0, 1) else MPI_UNDEFINED(), comm.rank)
+    if comm.rank in (0, 1):
+        kv = mpikv.create("dist_sync", comm=second, timeout=20, autotune=False)
+        kv.init("a", np.zeros(2))
+        kv.pushpull("a", np.ones(2))
+        out = np.zeros(2)
+        kv.pull("a", out=out)
+        assert out.tolist() == [2.0, 2.0]
+    comm.Barrier()
+
+
+def MPI_UNDEFINED():
+    from mpi4py import MPI
+    return MPI.UNDEFINED
