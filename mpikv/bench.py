@@ -20,6 +20,8 @@ Subcommands (``python -m mpikv bench`` and ``python -m mpikv.bench`` are the sam
     scripts/mpirun.sh -n 2 python -m mpikv bench gpu --workload resnet50
     # train: ResNet-18 and BERT steps, mpikv's torch Trainer against DDP (bench train -h)
     scripts/mpirun.sh -n 2 python -m mpikv bench train
+    # compression: bytes moved and time per push, none / 2bit / fp16 / bf16 (-h for options)
+    scripts/mpirun.sh -n 2 python -m mpikv bench compression
 
 Workloads: ``resnet50`` and ``bert_base`` (real parameter shapes, float32),
 ``big64`` (one 64 MiB key), ``small1000`` (1000 keys of 4 KiB). Modes:
@@ -692,6 +694,9 @@ def main(argv=None):
     if argv[:1] == ["train"]:  # a training loop with options of its own (needs torch)
         from .bench_train import main as train_main
         return train_main(argv[1:])
+    if argv[:1] == ["compression"]:  # bytes and time of compressed pushes (options of its own)
+        from .bench_compression import main as compression_main
+        return compression_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m mpikv.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", nargs="?", default="workloads", choices=list(COMMANDS))

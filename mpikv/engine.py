@@ -98,6 +98,8 @@ class Engine:
         self._layouts = {}
         self._scratch = {}
         self.epoch = 0   # bumped whenever stored values move or the updater changes
+        #: the :class:`mpikv._compressed.CompressedPush` once compression is set, else None
+        self.compressed = None
 
     # -- state, read -----------------------------------------------------
     @property
@@ -171,6 +173,15 @@ class Engine:
         self.privatize()
         self._optimizer, self._states = optimizer, {}
         self._updater, self._updater_kind = None, "optimizer"
+
+    def set_compression(self, config, per_device):
+        """Compresses every later push (see :mod:`mpikv._compressed`); residuals stay."""
+        if self.compressed is None:
+            from ._compressed import CompressedPush
+            self.compressed = CompressedPush(self, config, per_device)
+        else:
+            self.compressed.configure(config)
+        self.epoch += 1   # remembered one-key routes do not compress: they end here
 
     def follow_optimizer(self, config):
         """Takes the other ranks' optimizer hyperparameters (a joined rank, which did not
@@ -363,8 +374,13 @@ class Engine:
             opt.num_update = max(opt.num_update, max(self.counts[k] for k in keys))
         pending = []
         summed_in_place = set()
+        compressed = self.compressed
         for index, bucket in _ordered(layout.buckets, order):
             what = (op, bucket.keys)
+            if compressed is not None:
+                if compressed.push_bucket(layout, index, bucket, by_key, zero_copy, what, pending):
+                    summed_in_place.add(bucket.keys[0])
+                continue
             arena = layout.shared[index] if layout.shared else None
             if arena is not None and self.updater_kind is None:
                 # Node-local shared memory: every rank's gradients in its own segment.
@@ -711,7 +727,7 @@ class Engine:
         own dtype; valid while :attr:`epoch` stays. A key list with zero-copy
         buffers has none: its pushes may go through shared memory.
         """
-        if self.updater_kind is not None or self.on_gpu:
+        if self.updater_kind is not None or self.on_gpu or self.compressed is not None:
             return None
         layout = self.layout([key])
         stored = layout.stored[0]

@@ -398,6 +398,46 @@ class KVStore:
                       f"mpikv.optimizer.Optimizer, not {type(optimizer).__name__}")
         self._collective(call, lambda: self._install_optimizer(optimizer))
 
+    def set_gradient_compression(self, compression_params):
+        """Compresses the gradients of every later push and pushpull; collective.
+
+        MXNet 1.9's 2-bit compression, ``{'type': '2bit', 'threshold': t}``
+        (``threshold`` defaults to 0.5): each sender adds its gradient to its
+        residual, sends ``+t`` where that reaches ``t``, ``-t`` where it reaches
+        ``-t``, 0 elsewhere (2 bits a value, 16 per 32-bit word), and keeps the
+        rest for its next push. ``{'type': 'fp16'}`` and ``{'type': 'bf16'}``
+        send float32 gradients as 16 bits, summed in float32 and rounded once.
+        ``init`` and ``pull`` are never compressed. As in MXNet, a ``local``
+        store refuses; a ``device`` store compresses each device's values, a
+        distributed store each rank's (summed over its devices). Only float32
+        keys can then be pushed. Every rank must pass the same parameters.
+
+        Args:
+            compression_params: a dict with ``'type'`` and, for 2bit, optionally
+                ``'threshold'`` (> 0); other keys are ignored, as in MXNet.
+
+        Raises:
+            InputError: a bad parameter or a store type that does not compress,
+                on every rank, with nothing set.
+            MismatchError: the ranks gave different parameters.
+        """
+        from . import compression
+        call = Call("set_gradient_compression")
+        config = None
+        try:
+            config = compression.parse_params(compression_params)
+        except errors.MPIKVError as exc:
+            call.fail(type(exc), None, str(exc))
+        except Exception as exc:  # noqa: BLE001 - nothing may escape before the ranks agree
+            call.fail(errors.InputError, None, f"compression_params cannot be read "
+                      f"({type(exc).__name__}: {exc})")
+        if not compression.supports(self._type):
+            call.fail(errors.InputError, None, f"{compression.NOT_SUPPORTED} ({self._type!r}; "
+                      f"use 'device' or a dist_* store)")
+        call.settings["compression"] = compression.describe(config)
+        self._collective(call, lambda: self._engine.set_compression(
+            config, per_device=self._type == "device"))
+
     def is_capable(self, capability):
         """Whether the store supports ``capability`` ("optimizer" is the one MXNet asks)."""
         return capability.lower() == "optimizer"
@@ -561,6 +601,12 @@ class KVStore:
             if bad:
                 call.fail(errors.OptimizerError, bad[0], f"key {bad[0]!r} holds integers; "
                           f"optimizers update floating-point values only")
+        if e.compressed is not None and not call.errors:
+            bad = next((i for i in call.items if i.dtype != np.float32), None)
+            if bad is not None:
+                from .compression import FLOAT32_ONLY
+                call.fail(errors.DTypeError, bad.key, f"key {bad.key!r} holds {bad.dtype}: "
+                          f"{FLOAT32_ONLY}")
         if remember and not call.errors:
             self._remember_zero_copy(op, key, value, call)
         return call
@@ -692,6 +738,8 @@ class KVStore:
         if e.optimizer is not None:
             # Ranks that changed hyperparameters differently would drift apart.
             settings["optimizer"] = e.optimizer.get_config()
+        if e.compressed is not None:
+            settings["compression"] = e.compressed.setting
         return settings
 
     def _agree(self, call, blob=None):

@@ -76,6 +76,15 @@ class Transport(ABC):
     def barrier(self, what):
         """Waits until every rank has arrived."""
 
+    def alltoallv(self, send, scounts, sdispls, recv, rcounts, rdispls, what):
+        """Rank r gets ``send[sdispls[r]:+scounts[r]]`` of every rank s, at
+        ``recv[rdispls[s]:+rcounts[s]]`` (host buffers of one dtype; counts in elements).
+
+        Only compressed pushes use it (:mod:`mpikv._compressed`). One rank sends
+        its block to itself.
+        """
+        recv[rdispls[0]:rdispls[0] + rcounts[0]] = send[sdispls[0]:sdispls[0] + scounts[0]]
+
     # Out of place: ``src`` is read, ``dst`` written. The defaults copy, then run
     # in place (a local store's collectives are identities anyway).
     def reduce(self, src, dst, root, what):

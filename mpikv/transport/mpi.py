@@ -295,6 +295,12 @@ class MPITransport(Transport):
         with self._watchdog.watch(what):
             self.comm.Barrier()
 
+    def alltoallv(self, send, scounts, sdispls, recv, rcounts, rdispls, what):
+        kind = from_numpy_dtype(send.dtype)
+        with self._watchdog.watch(what):
+            self.comm.Alltoallv([send, (list(scounts), list(sdispls)), kind],
+                                [recv, (list(rcounts), list(rdispls)), kind])
+
     def describe(self):
         facts = super().describe()
         facts["mpi_library"] = self.library
