@@ -284,19 +284,57 @@ class Trainer:
         changed in between (clipped, say): ``.grad`` holds the average over the
         ranks, whole, on every rank.
         """
-        if self._half_buckets:
-            self._between_steps()
-            raise errors.DTypeError(
-                "allreduce_grads with float16 or bfloat16 parameters is not supported yet "
-                "(their sums are not in gradient buffers); use step(); nothing was applied")
         self._reduce(gather=True)
-        for keys in self._bucket_keys:
-            self.kvstore.gather_gradients(keys)
         scale = 1.0 / self.kvstore.num_workers
+        for b, keys in enumerate(self._bucket_keys):
+            if not self._is_half(b):
+                self.kvstore.gather_gradients(keys)
         with torch.no_grad():
-            for grad in self._grads:
-                grad.mul_(scale)
+            for i, grad in enumerate(self._grads):
+                if not self._is_half(self._bucket_of[i]):
+                    grad.mul_(scale)
+        if self._half_buckets:
+            self._gather_half(scale)
         self._scaled = True
+
+    def _is_half(self, bucket):
+        return self._params[self._buckets[bucket][0]].dtype in _HALF
+
+    def _owned_half(self):
+        """``(parameter index, flat offset, float32 gradient part)`` of each part of a
+        16-bit parameter this rank owns (the rule keeps its sums)."""
+        index = {name: i for i, name in enumerate(self._names)}
+        for key, weight, grad, _ in self._rule.owned_parts():
+            i = index.get(key)
+            if i is None or self._params[i].dtype not in _HALF:
+                continue
+            # The part is a view of the parameter's storage: its offset is the distance.
+            p = self._params[i]
+            offset = (weight.__array_interface__["data"][0] - p.data_ptr()) // p.element_size()
+            yield i, offset, grad.reshape(-1)
+
+    def _gather_half(self, scale):
+        """The averaged sums of the 16-bit parameters into their ``.grad`` on every rank:
+        each owner puts in its parts, zeros elsewhere, one float32 sum (exact)."""
+        totals = {i: np.zeros(self._params[i].numel(), np.float32)
+                  for b, members in enumerate(self._buckets) if self._is_half(b) for i in members}
+        for i, offset, grad in self._owned_half():
+            totals[i][offset:offset + grad.size] = grad
+        comm = self.kvstore.comm
+        with torch.no_grad():
+            for i, total in totals.items():
+                if comm is not None:
+                    comm.Allreduce(_in_place(), total)
+                total *= scale
+                self._grads[i].copy_(torch.from_numpy(total).view(self._params[i].shape))
+
+    def _half_grads_back(self):
+        """The owners' parts of 16-bit gradients become ``.grad`` as changed (clipped)
+        after :meth:`allreduce_grads`."""
+        with torch.no_grad():
+            for i, offset, grad in self._owned_half():
+                flat = self._grads[i].reshape(-1)[offset:offset + grad.size]
+                grad[...] = flat.float().numpy()
 
     def update(self, batch_size=None):
         """The owners update their parts; the weights land back in the parameters.
@@ -333,6 +371,8 @@ class Trainer:
             scale = self._share_hyperparameters(scale)
             if self._gathering:
                 self._share_gradients()
+        if self._scaled and self._half_buckets:
+            self._half_grads_back()
         if isinstance(self._rule, MXNetRule) and self._rule.inner.lr_scheduler is None:
             self._rule.inner.lr = float(self.optimizer.param_groups[0]["lr"])
         self._rule.apply(scale)
@@ -369,6 +409,8 @@ class Trainer:
         self._cuda_ready()
         for arrays in self._grad_arrays:
             for grad in arrays:
+                if isinstance(grad, torch.Tensor):   # a 16-bit parameter's own gradient
+                    grad = grad.view(torch.int16).numpy()
                 comm.Bcast(grad, root=root)
 
     def join(self):
@@ -620,6 +662,11 @@ def _make_rule(optimizer, optimizer_params, hyper_groups, names, group_of, multi
 
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+def _in_place():
+    from mpi4py import MPI
+    return MPI.IN_PLACE
 
 
 def _by_precision(members, params):

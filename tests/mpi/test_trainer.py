@@ -58,7 +58,8 @@ def test_join_ends_even_when_no_rank_has_extra_data(comm):
 @pytest.mark.parametrize("opt,kw", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
                                     (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.01})],
                          ids=["sgd", "adamw"])
-def test_a_16_bit_model_with_float32_masters_equals_one_process(comm, dtype, opt, kw):
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_a_16_bit_model_with_float32_masters_equals_one_process(comm, dtype, opt, kw, clip):
     if dtype == "bfloat16":
         pytest.importorskip("ml_dtypes")
     dt = getattr(torch, dtype)
@@ -85,15 +86,25 @@ def test_a_16_bit_model_with_float32_masters_equals_one_process(comm, dtype, opt
         trainer.zero_grad()
         loss(net, x[comm.rank * per:(comm.rank + 1) * per],
              y[comm.rank * per:(comm.rank + 1) * per]).backward()
-        trainer.step()
+        if clip:   # the averaged 16-bit gradients, clipped, then the update
+            trainer.allreduce_grads()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+            trainer.update()
+        else:
+            trainer.step()
         sums = [torch.zeros_like(m) for m in masters]
         for r in range(comm.size):
             ref.zero_grad()
             loss(ref, x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]).backward()
             for total, p in zip(sums, ref.parameters()):
                 total += p.grad.float()
-        for m, total in zip(masters, sums):
+        for m, p, total in zip(masters, ref.parameters(), sums):
             m.grad = total * (1.0 / comm.size)
+            p.grad = m.grad.to(dt)
+        if clip:   # as the ranks do: on the 16-bit gradients
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            for m, p in zip(masters, ref.parameters()):
+                m.grad = p.grad.float()
         ref_opt.step()
         with torch.no_grad():
             for p, m in zip(ref.parameters(), masters):
