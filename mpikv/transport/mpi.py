@@ -66,6 +66,10 @@ class MPITransport(Transport):
         if options.abort_on_exception:
             install_exception_hook()
         self._nodes = None
+        if self.size > 1:
+            # Made now, on every rank: a first use decided by one rank's own state
+            # (which route a call takes) must never be the collective that makes it.
+            self.nodes  # noqa: B018
         start_listener()   # answers the flight-recorder requests of a rank ending the job
 
     # -- node-local shared memory --------------------------------------------
