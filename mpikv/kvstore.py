@@ -17,8 +17,8 @@ import numpy as np
 from . import backends, checkpoint, config, errors, flight, tuning
 from ._logging import get_logger
 from ._arrays import is_half
-from .agreement import explain, fingerprint, keys_blob, record
-from .calls import Call, CallReader
+from .agreement import explain, fingerprint, format_ranks, keys_blob, record
+from .calls import Call, CallReader, Item
 from ._executor import Executor, Handle
 from .engine import Engine
 from .transport import make_transport
@@ -131,7 +131,6 @@ AGREED_OPTIONS = ("bigarray_bound", "bucket_bytes", "direct_bytes", "shared_memo
 
 def _agree_on_options(transport, options, failure):
     """Raises the same error on every rank if an option was bad, or differs, on any rank."""
-    from .agreement import format_ranks
     mine = {"error": failure, **{name: getattr(options, name) for name in AGREED_OPTIONS}}
     everyone = transport.allgather_records(mine, ("create", []))
     bad = [(r, o["error"]) for r, o in enumerate(everyone) if o["error"]]
@@ -319,7 +318,7 @@ class KVStore:
         ticket = ((t.agreements + 1) << _RANK_BITS) | t.rank
         what = ("join", [])
         while True:
-            entry = self._begin("join", [], 0, 0)
+            entry = self._begin("join", [], 0)
             active, last = t.wait_joined(ticket, what)
             flight.agreed(entry)
             if not active:
@@ -347,7 +346,6 @@ class KVStore:
         if op == "gather_gradients":
             engine.gather_grads(op, keys)
             return
-        from .calls import Item
         # Zeros pushed from the key list's own gradient buffers, if it has them, leave
         # the owned sums there, as a zero-copy push does on the other ranks.
         bufs = None if op == "pull" else engine.zero_copy_views(keys)
@@ -693,7 +691,7 @@ class KVStore:
         fast = self._one_key.get((op, key, out is None, out is value))
         if fast is None or self._executor.busy or not fast.accepts(value, out):
             return False
-        entry = self._begin(op, fast.what[1], (out if value is None else value).nbytes, priority)
+        entry = self._begin(op, fast.what[1], priority, out if value is None else value)
         verdict = self._transport.agree(fast.digest(priority), False, fast.what)
         if verdict != AGREED:
             call = (self._pull_call(key, out, priority) if op == "pull" else
@@ -745,19 +743,23 @@ class KVStore:
     def _agree(self, call, blob=None):
         """Raises the same MPIKVError on every rank unless all ranks made this call right."""
         what = (call.op, call.keys)
-        entry = self._begin(call.op, call.keys, _nbytes(call.items),
-                            call.settings.get("priority", 0))
+        entry = self._begin(call.op, call.keys, call.settings.get("priority", 0), call.items)
         verdict = self._transport.agree(fingerprint(call, blob), bool(call.errors), what)
         if verdict != AGREED:
             self._disagree(call, verdict == JOINED, entry)
         flight.agreed(entry)
         return entry
 
-    def _begin(self, op, keys, nbytes, priority):
-        """The call's flight-recorder entry (None for a local store)."""
+    def _begin(self, op, keys, priority, data=()):
+        """The call's flight-recorder entry (None for a local store).
+
+        ``data``: the call's items, or its one array; their bytes are counted
+        only when the store records.
+        """
         if self._trace_id is None:
             return None
         self._calls += 1
+        nbytes = data.nbytes if isinstance(data, np.ndarray) else _nbytes(data)
         return flight.RECORDER.begin(self._trace_id, self._calls, op, keys, nbytes, priority)
 
     def _disagree(self, call, joined=False, entry=None):
@@ -767,7 +769,6 @@ class KVStore:
         records = self._transport.allgather_records(record(call), what)
         verdict = explain(records)
         if verdict is None and joined and call.op not in JOINABLE:
-            from .agreement import format_ranks
             verdict = (errors.MismatchError, (
                 f"{call.op}: {format_ranks([r for r, rec in enumerate(records) if rec is None])} "
                 f"joined (kv.join()); until every rank has, only {', '.join(JOINABLE)} can run"))

@@ -321,10 +321,12 @@ class Trainer:
         for i, offset, grad in self._owned_half():
             totals[i][offset:offset + grad.size] = grad
         comm = self.kvstore.comm
+        if comm is not None:
+            from mpi4py import MPI
         with torch.no_grad():
             for i, total in totals.items():
                 if comm is not None:
-                    comm.Allreduce(_in_place(), total)
+                    comm.Allreduce(MPI.IN_PLACE, total)
                 total *= scale
                 self._grads[i].copy_(torch.from_numpy(total).view(self._params[i].shape))
 
@@ -662,11 +664,6 @@ def _make_rule(optimizer, optimizer_params, hyper_groups, names, group_of, multi
 
 
 _HALF = (torch.float16, torch.bfloat16)
-
-
-def _in_place():
-    from mpi4py import MPI
-    return MPI.IN_PLACE
 
 
 def _by_precision(members, params):

@@ -87,3 +87,17 @@ def test_bfloat16_values_and_adam_states_round_trip_a_checkpoint(comm, tmp_path_
     for b, a in zip(before, after):
         assert a.dtype == BF16
         np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def test_torch_bfloat16_without_ml_dtypes_is_an_error_on_every_rank(comm, monkeypatch):
+    torch = pytest.importorskip("torch")
+    from mpikv import dtypes
+    from .conftest import raises_everywhere
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    if comm.rank == comm.size - 1:   # one rank lacks the package
+        monkeypatch.setattr(dtypes, "BFLOAT16", None)
+    message = raises_everywhere(comm, mpikv.DTypeError,
+                                lambda: kv.init("t", torch.zeros(3, dtype=torch.bfloat16)))
+    assert "bfloat16, which needs the ml_dtypes package (pip install mpikv[bf16])" in message
+    assert message.endswith("nothing was applied")
+    kv.init("t", np.zeros(3, BF16))   # nothing was created: the key is still free

@@ -112,6 +112,29 @@ def test_2bit_holds_small_values_back_until_they_cross(comm):
     np.testing.assert_array_equal(out["big"], np.full((5, 7), step, F))
 
 
+def push_and_pull(kv, how, keys, mine, bufs):
+    """Pushes this rank's values ``mine`` one way (``how``); returns the arrays that
+    then hold the result."""
+    outs = [np.zeros(v.shape, F) for v in mine]
+    if how == "push_pull":
+        kv.push(keys, mine)
+        kv.pull(keys, out=outs)
+    elif how == "pushpull":
+        kv.pushpull(keys, mine)
+        outs = mine
+    elif how == "pushpull_out":
+        kv.pushpull(keys, mine, out=outs)
+    elif how == "zero_copy":
+        for b, g in zip(bufs, mine):
+            b[...] = g
+        kv.pushpull(keys, bufs)
+        outs = bufs
+    else:
+        kv.wait(kv.push_async(keys, mine))
+        kv.wait(kv.pull_async(keys, out=outs))
+    return outs
+
+
 @pytest.mark.parametrize("how", ["push_pull", "pushpull", "pushpull_out", "zero_copy",
                                  "async"])
 def test_2bit_sums_are_every_ranks_dequantised_values(comm, how):
@@ -125,23 +148,7 @@ def test_2bit_sums_are_every_ranks_dequantised_values(comm, how):
     bufs = kv.gradient_buffers(keys) if how == "zero_copy" else None
     for step in range(4):
         mine = [grad(kv.rank, s, step, seed=i) for i, s in enumerate(SHAPES.values())]
-        outs = [np.zeros(s, F) for s in SHAPES.values()]
-        if how == "push_pull":
-            kv.push(keys, mine)
-            kv.pull(keys, out=outs)
-        elif how == "pushpull":
-            kv.pushpull(keys, mine)
-            outs = mine
-        elif how == "pushpull_out":
-            kv.pushpull(keys, mine, out=outs)
-        elif how == "zero_copy":
-            for b, g in zip(bufs, mine):
-                b[...] = g
-            kv.pushpull(keys, bufs)
-            outs = bufs
-        else:
-            kv.wait(kv.push_async(keys, mine))
-            kv.wait(kv.pull_async(keys, out=outs))
+        outs = push_and_pull(kv, how, keys, mine, bufs)
         for i, k in enumerate(keys):
             want = sims[k].push([grad(r, SHAPES[k], step, seed=i) for r in range(comm.size)])
             np.testing.assert_array_equal(outs[i], want)
@@ -215,18 +222,7 @@ def test_sixteen_bit_equals_cast_sum_cast(comm, kind, how):
         # Values with low bits to round away, some large enough for float16 to overflow.
         mine = [grad(kv.rank, s, step, seed=i) * F(10.0 ** (i + 2 * step))
                 for i, s in enumerate(SHAPES.values())]
-        outs = [np.zeros(s, F) for s in SHAPES.values()]
-        if how == "push_pull":
-            kv.push(keys, mine)
-            kv.pull(keys, out=outs)
-        elif how == "pushpull":
-            kv.pushpull(keys, mine)
-            outs = mine
-        else:
-            for b, g in zip(bufs, mine):
-                b[...] = g
-            kv.pushpull(keys, bufs)
-            outs = bufs
+        outs = push_and_pull(kv, how, keys, mine, bufs)
         for i, s in enumerate(SHAPES.values()):
             with np.errstate(over="ignore"):
                 want = cast_sum_cast(kind, [grad(r, s, step, seed=i) * F(10.0 ** (i + 2 * step))
