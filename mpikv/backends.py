@@ -27,7 +27,7 @@ import threading
 
 import numpy as np
 
-from . import cuda
+from . import cuda, halfbits
 from ._logging import get_logger
 from .dtypes import HALF_DTYPES
 from .errors import DTypeError, ValueTypeError
@@ -239,6 +239,8 @@ def _device_view(value, kind, what):
                              f"installed or cannot load: {INSTALL_HINT}")
     if isinstance(value, cp.ndarray):
         return value
+    if kind == "torch-cuda" and str(value.dtype) == "torch.bfloat16":
+        return _device_bfloat16_view(cp, value.detach(), what)
     try:
         if kind == "torch-cuda":
             source = value.detach()
@@ -252,9 +254,34 @@ def _device_view(value, kind, what):
         return cp.from_dlpack(value)
     except (BufferError, TypeError, RuntimeError, ValueError) as exc:
         if "bfloat16" in str(getattr(value, "dtype", "")).lower():
-            raise DTypeError(f"{what} is a bfloat16 GPU array: the store takes bfloat16 on "
-                             f"the host only so far (cupy has no bfloat16)") from None
+            raise DTypeError(f"{what} is a bfloat16 GPU array that cupy cannot view "
+                             f"({exc}); pass a CUDA torch tensor or a cupy array") from None
         raise ValueTypeError(f"{what} cannot be viewed by cupy without a copy: {exc}") from None
+
+
+def cupy_has_bfloat16(cp):
+    """Whether ``cp`` can hold arrays of ml_dtypes' bfloat16 (cupy 14 and later, with
+    ml_dtypes installed). mpikv runs no bfloat16 kernel: see :mod:`mpikv.halfbits`."""
+    from .dtypes import BFLOAT16
+    if BFLOAT16 is None:
+        return False
+    try:
+        cp.empty(0, BFLOAT16)
+    except Exception:  # cupy before 14 refuses the dtype
+        return False
+    return True
+
+
+def _device_bfloat16_view(cp, tensor, what):
+    """A cupy bfloat16 view of a CUDA torch bfloat16 tensor: the same memory."""
+    if not cupy_has_bfloat16(cp):
+        raise DTypeError(f"{what} is a bfloat16 GPU tensor, which needs cupy 14 or later "
+                         f"and the ml_dtypes package (pip install mpikv[bf16] cupy-cuda12x>=14)")
+    import torch
+    from .dtypes import BFLOAT16
+    # The bits go through DLPack as int16 (older cupy cannot import bfloat16 DLPack);
+    # DLPack still orders torch's stream before cupy's.
+    return cp.from_dlpack(tensor.view(torch.int16)).view(BFLOAT16)
 
 
 # -- arrays --------------------------------------------------------------
@@ -297,10 +324,14 @@ def empty(kind, size, dtype, device=None):
 
 
 def zeros(kind, size, dtype, device=None):
-    """As :func:`empty`, filled with zeros."""
-    out = empty(kind, size, dtype, device)
-    out.fill(0)
-    return out
+    """As :func:`empty`, filled with zeros (a memset: no kernel of ``dtype`` runs)."""
+    mod = xp(kind)
+    if mod is np:
+        if device not in (None, "cpu"):
+            raise ValueError(f"numpy arrays live on the host, not on device {device!r}")
+        return np.zeros(size, dtype)
+    with _device_context(mod, device):
+        return mod.zeros(size, dtype)
 
 
 def module_of(array):
@@ -319,8 +350,8 @@ def sum_into(out, arrays):
 
     The sum runs where ``out`` lives: on its GPU for a cupy ``out`` (host or
     other-GPU inputs are copied there first), on the host for numpy (device
-    inputs are copied down). A float16 ``out`` is summed in float32 and
-    rounded once, as :mod:`mpikv._arrays` does.
+    inputs are copied down). A float16 or bfloat16 ``out`` is summed in
+    float32 and rounded once, as :mod:`mpikv._arrays` does.
 
     Args:
         out: a flat numpy or cupy array.
@@ -348,9 +379,12 @@ def sum_into(out, arrays):
             else:
                 inputs.append(mod.asarray(a))
                 uploaded = True
-        mod.copyto(out, inputs[0].reshape(-1), casting="unsafe")
+        _copy_on_gpu(mod, out, inputs[0].reshape(-1), "unsafe")
         for other in inputs[1:]:
-            mod.add(out, other.reshape(-1), out=out, casting="unsafe")
+            other = other.reshape(-1)
+            if halfbits.is_bfloat16(other.dtype):  # no bfloat16 kernel runs: widen it first
+                other = halfbits.astype(other, out.dtype)
+            mod.add(out, other, out=out, casting="unsafe")
         if uploaded:
             # Host-to-device copies may still read the caller's arrays, which
             # the caller may change as soon as we return.
@@ -378,6 +412,8 @@ def concatenate_into(out, arrays):
                              and a.device.id == device for a in arrays):
         return False
     with out.device:
+        if halfbits.is_bfloat16(out.dtype):  # bits, not values: no bfloat16 kernel runs
+            out, arrays = out.view(np.uint16), [a.view(np.uint16) for a in arrays]
         cp.concatenate(arrays, axis=None, out=out)
     return True
 
@@ -410,11 +446,11 @@ def copyto(dst, src, casting="same_kind"):
         np.copyto(dst, src, casting=casting)
         return
     cp = xp(CUPY)
-    plain = (dst.shape == src.shape and dst.dtype == src.dtype and _c_contiguous(dst)
-             and _c_contiguous(src))
+    plain = (dst.shape == src.shape and dst.dtype == src.dtype and contiguous(dst)
+             and contiguous(src))
     if dst_dev and src_dev:
         with dst.device:
-            cp.copyto(dst, src if _same_gpu(dst, src) else src.copy(), casting=casting)
+            _copy_on_gpu(cp, dst, src if _same_gpu(dst, src) else src.copy(), casting)
         return
     if src_dev:  # device -> host
         with src.device:
@@ -424,17 +460,31 @@ def copyto(dst, src, casting="same_kind"):
             else:
                 np.copyto(dst, src.get(), casting=casting)
         return
+    if src.dtype != dst.dtype and (halfbits.is_bfloat16(src.dtype)
+                                   or halfbits.is_bfloat16(dst.dtype)):
+        # ml_dtypes casts on the host; the device gets the result's bits.
+        src = np.asarray(src).astype(dst.dtype)
+        plain = dst.shape == src.shape and contiguous(dst)
     with dst.device:  # host -> device
         stream = cp.cuda.get_current_stream()
         if plain:
             dst.set(src, stream=stream)
         else:
-            cp.copyto(dst, cp.asarray(src), casting=casting)
+            _copy_on_gpu(cp, dst, cp.asarray(src), casting)
         # The copy may still be reading src; the caller may change it next.
         stream.synchronize()
 
 
-def _c_contiguous(array):
+def _copy_on_gpu(cp, dst, src, casting):
+    """``cupy.copyto`` on ``dst``'s GPU; casts to or from bfloat16 by :mod:`mpikv.halfbits`."""
+    if halfbits.is_bfloat16(src.dtype) or halfbits.is_bfloat16(dst.dtype):
+        halfbits.cast_into(dst, cp.broadcast_to(src, dst.shape))
+    else:
+        cp.copyto(dst, src, casting=casting)
+
+
+def contiguous(array):
+    """Whether ``array`` (numpy or cupy) is C-contiguous."""
     flags = array.flags
     return bool(flags.c_contiguous if hasattr(flags, "c_contiguous") else flags["C_CONTIGUOUS"])
 

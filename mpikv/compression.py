@@ -24,6 +24,7 @@ import numbers
 import numpy as np
 
 from .errors import InputError
+from .halfbits import from_bfloat16_bits, to_bfloat16_bits
 
 #: the types :func:`parse_params` takes: MXNet's 2bit, and two 16-bit casts
 TYPES = ("2bit", "fp16", "bf16")
@@ -209,43 +210,6 @@ def from_float16_bits(bits, out=None):
     """uint16 half bits -> float32 (exact)."""
     out = np.empty(bits.shape, np.float32) if out is None else out
     np.copyto(out, bits.view(np.float16))
-    return out
-
-
-def to_bfloat16_bits(x, out=None, scratch=None):
-    """float32 -> bfloat16, round to nearest even, as uint16 bits; NaN stays NaN (quiet).
-
-    bfloat16 is the top half of a float32: add half of the dropped half's range,
-    plus one if the kept part is odd (ties to even), and shift. A NaN whose
-    payload lies in the dropped half would round to infinity, so NaNs keep
-    their top half with the quiet bit set.
-
-    Args:
-        out / scratch: optional buffers to reuse: uint16 and uint32 of ``x.size``.
-    """
-    x = np.ascontiguousarray(x, np.float32)
-    u = x.view(np.uint32)
-    out = np.empty(x.shape, np.uint16) if out is None else out
-    tmp = np.empty(x.shape, np.uint32) if scratch is None else scratch
-    np.right_shift(u, np.uint32(16), out=tmp)
-    np.bitwise_and(tmp, np.uint32(1), out=tmp)
-    np.add(tmp, np.uint32(0x7FFF), out=tmp)
-    np.add(tmp, u, out=tmp)            # wraps only for negative NaNs, fixed below
-    np.right_shift(tmp, np.uint32(16), out=tmp)
-    np.copyto(out, tmp, casting="unsafe")
-    nan = np.isnan(x)
-    if nan.any():
-        out[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
-    return out
-
-
-def from_bfloat16_bits(bits, out=None):
-    """uint16 bfloat16 bits -> float32 (exact)."""
-    bits = np.asarray(bits, np.uint16)
-    out = np.empty(bits.shape, np.float32) if out is None else out
-    wide = out.view(np.uint32)
-    np.copyto(wide, bits)
-    np.left_shift(wide, np.uint32(16), out=wide)
     return out
 
 

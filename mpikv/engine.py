@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from . import backends, reducers, tuning
+from . import backends, halfbits, reducers, tuning
 from ._arrays import accumulate_dtype, wire_view
 from .dtypes import is_floating
 from .errors import DTypeError
@@ -562,8 +562,7 @@ class Engine:
         if self._optimizer is not None:
             run = lambda: self._optimize(key, seg, grad, stored, bucket, pending)  # noqa: E731
         else:
-            if grad.dtype != stored.dtype:
-                grad = grad.astype(stored.dtype)
+            grad = halfbits.astype(grad, stored.dtype)
             run = lambda: self._updater(key, grad, stored)  # noqa: E731
         if self.transport.size == 1:
             run()

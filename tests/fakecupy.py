@@ -11,6 +11,10 @@ what catches bugs on a machine without a GPU:
   shape, dtype and contiguous memory;
 * every array belongs to a device, an operation needs its operands on the
   current device, and ``copy()`` copies to the current device;
+* bfloat16 arrays (ml_dtypes' dtype, as cupy 14 holds them) are raw 16-bit
+  memory: they may be made, viewed, copied and moved, but no kernel computes
+  on them (no arithmetic, no cast to or from them), so mpikv's own integer
+  casts (:mod:`mpikv.halfbits`) are what the tests exercise;
 * ``__cuda_array_interface__`` exposes the memory, so mpi4py passes it to
   MPI as a "device pointer" (host memory here, so any MPI moves it);
 * streams are per thread and per device, and every kernel or copy stays
@@ -206,11 +210,24 @@ def _wrap(result, device=None):
     return result
 
 
+def _is_bfloat16(dtype):
+    return np.dtype(dtype).name == "bfloat16"
+
+
+def _no_bfloat16_kernel(what, dtypes):
+    """Raises unless ``what`` only moves bfloat16 bits (every dtype the same)."""
+    dtypes = [np.dtype(d) for d in dtypes]
+    if any(_is_bfloat16(d) for d in dtypes) and (what not in _MOVES or len(set(dtypes)) > 1):
+        raise TypeError(f"the stand-in runs no bfloat16 kernel ({getattr(what, '__name__', what)} "
+                        f"on {', '.join(map(str, dtypes))}): mpikv must cast bits itself")
+
+
 def _call(fn, args, kwargs):
     found = []
     args = _unwrap(args, found)
     out = kwargs.get("out")
     kwargs = {k: _unwrap(v, found) for k, v in kwargs.items()}
+    _no_bfloat16_kernel(fn, [a.dtype for a in found])
     _check_device(found)
     for a in found:
         if a is not out:
@@ -336,6 +353,8 @@ class ndarray:  # noqa: N801 - cupy's name
         index = _unwrap(index, found)
         value = _unwrap(value, found)
         _check_device(found)
+        _no_bfloat16_kernel("setitem", [self.dtype] + [a.dtype for a in found[1:]]
+                            + ([] if found[1:] else [np.float64]))
         for a in found[1:]:
             _check_read(a, "kernel")
         self._a[index] = value
@@ -352,6 +371,7 @@ class ndarray:  # noqa: N801 - cupy's name
 
     def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
         _check_device([self])
+        _no_bfloat16_kernel("astype", [self.dtype, dtype])
         b = self._a.astype(dtype, copy=copy)
         if b is self._a:
             return self
@@ -361,6 +381,7 @@ class ndarray:  # noqa: N801 - cupy's name
 
     def fill(self, value):
         _check_device([self])
+        _no_bfloat16_kernel("fill", [self.dtype, np.float64])
         self._a.fill(value)
         _wrote(self)
 
@@ -445,15 +466,20 @@ def asnumpy(a, stream=None, out=None):
 def copyto(dst, src, casting="same_kind", where=None):
     if not isinstance(dst, ndarray):
         raise TypeError(f"dst must be a cupy array, not {type(dst)}")
-    _call(_copy_into, (src,), {"casting": casting, "out": dst})
+    _call(_copy_into, (src,), {"casting": casting, "out": dst,
+                               **({} if where is None else {"where": where})})
 
 
-def _copy_into(src, casting, out):
-    np.copyto(out, src, casting=casting)
+def _copy_into(src, casting, out, where=True):
+    np.copyto(out, src, casting=casting, where=where)
 
 
 def from_dlpack(obj):
     raise TypeError("the stand-in takes no DLPack producers")
+
+
+#: What may touch bfloat16 arrays: moves of bits, all of one dtype.
+_MOVES = {_copy_into, np.concatenate, np.broadcast_to, np.empty_like, np.zeros_like}
 
 
 def get_array_module(*args):

@@ -15,7 +15,7 @@ import warnings
 
 import numpy as np
 
-from .. import backends
+from .. import backends, halfbits
 from ..dtypes import HALF_DTYPES, is_floating
 from ..errors import OptimizerError
 from . import _checks
@@ -324,7 +324,7 @@ class Optimizer:
         with backends.on(weight):
             state = {name: xp.zeros(weight.shape, dtype) for name in self.elementwise_state_names}
             if self.keeps_master(weight.dtype):
-                state[MASTER] = weight.astype(np.float32)
+                state[MASTER] = halfbits.astype(weight, np.float32)  # a new array: 16 bits in
         state[COUNT] = np.full(1, self.begin_num_update, dtype=np.int64)
         return state
 
@@ -394,8 +394,9 @@ class Optimizer:
         self.num_update = max(self.num_update, t)
         lr, wd = self._get_lr(key), self._get_wd(key)
         master = state.get(MASTER)
-        w = weight.astype(dtype, copy=False) if master is None else master
-        g = grad.astype(dtype, copy=False)
+        # bfloat16 is widened by integer kernels (cupy may have no bfloat16 ones).
+        w = halfbits.astype(weight, dtype) if master is None else master
+        g = halfbits.astype(grad, dtype)
         partials, result = self._begin(w, g, state, lr, wd, t)
         if partials is None:
             _store(xp, weight, master, result)
@@ -477,7 +478,10 @@ def _store(xp, weight, master, new):
     if master is not None:
         xp.copyto(master, new)
         new = master
-    xp.copyto(weight, new, casting="same_kind")
+    if weight.dtype != new.dtype and halfbits.is_bfloat16(weight.dtype):
+        halfbits.cast_into(weight, new)
+    else:
+        xp.copyto(weight, new, casting="same_kind")
 
 
 def sum_of_squares(a):

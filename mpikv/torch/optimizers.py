@@ -16,16 +16,17 @@ import torch
 from torch.optim import adam as _adam
 from torch.optim import sgd as _sgd
 
-from ..dtypes import BFLOAT16, HALF_DTYPES
+from .. import halfbits
+from ..dtypes import HALF_DTYPES
 from ..errors import OptimizerError
 from ..optimizer.base import COUNT, MASTER, Optimizer, PendingUpdate, register
 
 
 def as_tensor(array):
     """A torch tensor sharing ``array``'s memory (numpy, or a GPU array via DLPack)."""
+    if halfbits.is_bfloat16(array.dtype):   # ml_dtypes: torch reads the bits as int16
+        return as_tensor(array.view(np.int16)).view(torch.bfloat16)
     if isinstance(array, np.ndarray):
-        if array.dtype == BFLOAT16:   # ml_dtypes: torch reads the bits as int16
-            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(array)
     return torch.from_dlpack(array)
 
@@ -149,7 +150,7 @@ class _TorchRule(Deferred):
         dtype = np.float32 if master else weight.dtype
         state = {name: xp.zeros(weight.shape, dtype) for name in self.elementwise_state_names}
         if master:
-            state[MASTER] = weight.astype(np.float32)
+            state[MASTER] = halfbits.astype(weight, np.float32)
         state[COUNT] = np.full(1, self.begin_num_update, dtype=np.int64)
         return state
 
@@ -157,7 +158,7 @@ class _TorchRule(Deferred):
         # 16-bit weights: the step runs on the float32 masters (or, without them, in
         # the weight's dtype), then the masters are rounded once into the weights.
         steps = [(key, state[MASTER] if MASTER in state else weight,
-                  grad.astype(np.float32 if MASTER in state else weight.dtype, copy=False),
+                  halfbits.astype(grad, np.float32 if MASTER in state else weight.dtype),
                   state) for key, weight, grad, state in parts]
         by_group = {}
         for part in steps:

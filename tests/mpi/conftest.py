@@ -3,6 +3,9 @@
 import pytest
 
 import mpikv
+from mpikv import backends, cuda
+
+from .. import fakecupy
 
 # A bug must end a test job quickly, not hang it for the default 10 minutes.
 TEST_TIMEOUT = 120
@@ -36,3 +39,25 @@ def raises_everywhere(comm, exc, call):
     assert all(m is not None for m in everyone), everyone
     assert len(set(everyone)) == 1, everyone
     return everyone[0]
+
+
+# -- GPU values: real cupy where a GPU is, else tests/fakecupy.py, staged or direct ----
+WAYS = ["cupy", "stand-in-staged", "stand-in-direct"]
+
+
+@pytest.fixture(params=WAYS)
+def cp(request, comm, monkeypatch):
+    """cupy, three ways (see ``tests/mpi/test_gpu.py``), on GPU ``rank % device_count``."""
+    if request.param == "cupy":
+        if not backends.cupy_available():
+            pytest.skip("cupy not installed / no GPU")
+        import cupy
+    else:
+        cupy = fakecupy.install(monkeypatch)
+        monkeypatch.setenv(cuda.ENV, "1" if request.param.endswith("direct") else "0")
+        monkeypatch.setattr(cuda, "FALLBACK", cuda.Fallback())
+    device = cupy.cuda.Device(comm.rank % cupy.cuda.runtime.getDeviceCount())
+    with device:
+        yield cupy
+    if request.param != "cupy":  # nothing was read before the GPU had finished writing it
+        assert fakecupy.races() == []

@@ -385,25 +385,6 @@ def test_init_is_exact_and_sixteen_bit_keeps_residual_free(comm):
 
 
 # -- GPU values (the cupy stand-in of tests/fakecupy.py; real cupy where a GPU is) --------
-@pytest.fixture(params=["cupy", "stand-in"])
-def cp(request, comm, monkeypatch):
-    from mpikv import backends, cuda
-
-    from .. import fakecupy
-    if request.param == "cupy":
-        if not backends.cupy_available():
-            pytest.skip("cupy not installed / no GPU")
-        import cupy
-    else:
-        cupy = fakecupy.install(monkeypatch)
-        monkeypatch.setenv(cuda.ENV, "0")
-        monkeypatch.setattr(cuda, "FALLBACK", cuda.Fallback())
-    with cupy.cuda.Device(comm.rank % cupy.cuda.runtime.getDeviceCount()):
-        yield cupy
-    if request.param != "cupy":
-        assert fakecupy.races() == []
-
-
 @pytest.mark.parametrize("kind", ["2bit", "bf16"])
 def test_gpu_values_are_encoded_on_the_host(comm, cp, kind):
     kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=10)

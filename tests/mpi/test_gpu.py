@@ -26,26 +26,6 @@ from .conftest import TEST_TIMEOUT
 
 pytestmark = pytest.mark.mpi
 
-WAYS = ["cupy", "stand-in-staged", "stand-in-direct"]
-
-
-@pytest.fixture(params=WAYS)
-def cp(request, comm, monkeypatch):
-    if request.param == "cupy":
-        if not backends.cupy_available():
-            pytest.skip("cupy not installed / no GPU")
-        import cupy
-    else:
-        cupy = fakecupy.install(monkeypatch)
-        monkeypatch.setenv(cuda.ENV, "1" if request.param.endswith("direct") else "0")
-        monkeypatch.setattr(cuda, "FALLBACK", cuda.Fallback())
-    device = cupy.cuda.Device(comm.rank % cupy.cuda.runtime.getDeviceCount())
-    with device:
-        yield cupy
-    if request.param != "cupy":  # nothing was read before the GPU had finished writing it
-        assert fakecupy.races() == []
-
-
 @pytest.fixture
 def gkv(cp):
     return mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT)
