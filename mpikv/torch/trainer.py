@@ -57,6 +57,12 @@ class Trainer:
             parameters (and their optimizer state in float32) on the owners,
             update them there and round once into the parameters; default: on
             when the model has 16-bit parameters.
+        compression: gradient compression of the pushes, as
+            :meth:`mpikv.KVStore.set_gradient_compression` takes it:
+            ``{"type": "2bit", "threshold": t}`` (MXNet's, with the residual
+            kept on each rank), ``{"type": "fp16"}`` or ``{"type": "bf16"}``.
+            float32 parameters only; :meth:`allreduce_grads` gathers the
+            owners' sums uncompressed. Default: none.
 
     Attributes:
         kvstore: the store.
@@ -70,7 +76,7 @@ class Trainer:
 
     def __init__(self, params, optimizer, optimizer_params=None, kvstore=None, *,
                  bucket_bytes=8 << 20, unused_parameters="zeros", lr_scheduler=None,
-                 multi_precision=None):
+                 multi_precision=None, compression=None):
         if unused_parameters not in ("zeros", "error"):
             raise ValueError(f"unused_parameters must be 'zeros' or 'error', "
                              f"not {unused_parameters!r}")
@@ -80,8 +86,12 @@ class Trainer:
         self._group_of = [g for _, _, g in named]
         self._cuda = any(p.is_cuda for p in self._params)
         self._error_unused = unused_parameters == "error"
-        self.kvstore = _make_store(kvstore, self._params)
+        if compression is not None:
+            _check_compressible(self._names, self._params)
+        self.kvstore = _make_store(kvstore, self._params, compression is not None)
         kv = self.kvstore
+        if compression is not None:
+            kv.set_gradient_compression(compression)
         self._status = torch.zeros(kv.num_workers * _ROW, dtype=torch.float64).numpy()
         # Small sums the ranks must agree on (errors found on some ranks only).
         self._control = _control_store(kv)
@@ -610,14 +620,27 @@ class _OwnersOptimizer(torch.optim.Optimizer):
         self._trainer.zero_grad()
 
 
-def _make_store(kvstore, params):
+def _check_compressible(names, params):
+    """Raises InputError unless every trained parameter is float32 (the same on every
+    rank: the ranks hold the same model)."""
+    other = [f"{n} ({str(p.dtype).replace('torch.', '')})"
+             for n, p in zip(names, params) if p.dtype != torch.float32]
+    if other:
+        raise errors.InputError(f"gradient compression takes float32 parameters only (as MXNet's); "
+                                f"these are not: {', '.join(other[:5])}"
+                                f"{' and more' if len(other) > 5 else ''}")
+
+
+def _make_store(kvstore, params, compressed=False):
     import mpikv
     if kvstore is not None and not isinstance(kvstore, str):
         return kvstore
     on_gpu = any(p.is_cuda for p in params)
     if kvstore is None:
         from mpi4py import MPI
-        kvstore = "dist_sync" if MPI.COMM_WORLD.Get_size() > 1 else "local"
+        # A local store does not compress (MXNet's rule): one rank still gets a dist one.
+        single = MPI.COMM_WORLD.Get_size() == 1 and not compressed
+        kvstore = "local" if single else "dist_sync"
     if on_gpu and "device" not in kvstore:
         kvstore = "device" if kvstore == "local" else "dist_sync_device"
     return mpikv.create(kvstore)
