@@ -314,24 +314,22 @@ def empty(kind, size, dtype, device=None):
         device: for cupy, a GPU id or ``cupy.cuda.Device`` (default: the
             current one); must be None for numpy.
     """
-    mod = xp(kind)
-    if mod is np:
-        if device not in (None, "cpu"):
-            raise ValueError(f"numpy arrays live on the host, not on device {device!r}")
-        return np.empty(size, dtype)
-    with _device_context(mod, device):
-        return mod.empty(size, dtype)
+    return _make("empty", kind, size, dtype, device)
 
 
 def zeros(kind, size, dtype, device=None):
     """As :func:`empty`, filled with zeros (a memset: no kernel of ``dtype`` runs)."""
+    return _make("zeros", kind, size, dtype, device)
+
+
+def _make(how, kind, size, dtype, device):
     mod = xp(kind)
     if mod is np:
         if device not in (None, "cpu"):
             raise ValueError(f"numpy arrays live on the host, not on device {device!r}")
-        return np.zeros(size, dtype)
+        return getattr(np, how)(size, dtype)
     with _device_context(mod, device):
-        return mod.zeros(size, dtype)
+        return getattr(mod, how)(size, dtype)
 
 
 def module_of(array):

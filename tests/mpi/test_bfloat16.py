@@ -27,23 +27,29 @@ def reference(n, size, seed):
     return total.astype(BF16)
 
 
+def check_sums(comm, kv, put, size, op):
+    """Pushes each rank's bfloat16 values through ``put`` (host or GPU); checks the sum."""
+    kv.init(["x", "f"], [put(np.zeros(size, BF16)), put(np.zeros(3, np.float32))])
+    mine = put(contribution(kv.rank, size, seed=size))
+    out = put(np.zeros(size, BF16))
+    if op == "push_pull":
+        kv.push(["x", "f"], [mine, put(np.ones(3, np.float32))])
+        kv.pull("x", out=out)
+    else:
+        kv.pushpull("x", mine, out=out)
+    assert out.dtype == BF16
+    got = out if isinstance(out, np.ndarray) else out.get()
+    want = reference(comm.size, size, seed=size)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    everyone = comm.allgather(got.tobytes())
+    assert all(e == everyone[0] for e in everyone)
+
+
 @pytest.mark.parametrize("size", [7, 300])   # 300: split over the owners (bound 100)
 @pytest.mark.parametrize("op", ["push_pull", "pushpull"])
 def test_bfloat16_sums_are_float32_sums_rounded_once(comm, size, op):
     kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=100)
-    kv.init(["x", "f"], [np.zeros(size, BF16), np.zeros(3, np.float32)])
-    mine = contribution(kv.rank, size, seed=size)
-    out = np.zeros(size, BF16)
-    if op == "push_pull":
-        kv.push(["x", "f"], [mine, np.ones(3, np.float32)])
-        kv.pull("x", out=out)
-    else:
-        kv.pushpull("x", mine, out=out)
-    want = reference(comm.size, size, seed=size)
-    assert out.dtype == BF16
-    np.testing.assert_array_equal(out.view(np.uint16), want.view(np.uint16))
-    everyone = comm.allgather(out.tobytes())
-    assert all(e == everyone[0] for e in everyone)
+    check_sums(comm, kv, lambda a: a, size, op)
 
 
 def test_two_device_values_per_rank_sum_once(comm):

@@ -13,7 +13,7 @@ import mpikv
 
 from . import test_multi_precision as mp
 from .conftest import TEST_TIMEOUT
-from .test_bfloat16 import contribution
+from .test_bfloat16 import check_sums, contribution
 from .test_bfloat16 import reference as sum_reference
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -29,18 +29,7 @@ def _bits(a):
 @pytest.mark.parametrize("op", ["push_pull", "pushpull"])
 def test_device_bfloat16_sums_are_float32_sums_rounded_once(cp, comm, size, op):
     kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=100)
-    kv.init(["x", "f"], [cp.zeros(size, BF16), cp.zeros(3, cp.float32)])
-    mine = cp.asarray(contribution(kv.rank, size, seed=size))
-    out = cp.zeros(size, BF16)
-    if op == "push_pull":
-        kv.push(["x", "f"], [mine, cp.ones(3, cp.float32)])
-        kv.pull("x", out=out)
-    else:
-        kv.pushpull("x", mine, out=out)
-    assert out.dtype == BF16
-    np.testing.assert_array_equal(_bits(out), sum_reference(comm.size, size, seed=size).view(np.uint16))
-    everyone = comm.allgather(out.get().tobytes())
-    assert all(e == everyone[0] for e in everyone)
+    check_sums(comm, kv, cp.asarray, size, op)
 
 
 def test_several_gpus_bfloat16_values_are_summed_once(cp, comm):
