@@ -168,6 +168,7 @@ class KVStore:
         self._zero_copy = {}   # (op, keys) -> _ZeroCopyCall
         self._one_key = {}     # (op, key, out None, out is value) -> OneKeyCall
         self._reader = CallReader(self._lookup, lambda: self._engine.key_type)
+        self._failure = None   # (error class, message) of fail_next_call, or None
 
     # -- properties ------------------------------------------------------
     @property
@@ -204,6 +205,32 @@ class KVStore:
     def plan(self):
         """The :class:`mpikv.plan.OwnershipPlan`: who owns each key or shard."""
         return self._engine.plan
+
+    @property
+    def optimizer(self):
+        """The :class:`mpikv.optimizer.Optimizer` run on the owners, or None.
+
+        The live object: changing its hyperparameters (``set_learning_rate``)
+        changes the next push's updates; every rank must change them alike
+        (checked at each push).
+        """
+        return self._engine.optimizer
+
+    def fail_next_call(self, exc_class, message):
+        """Makes this rank's next collective call fail on every rank, nothing applied.
+
+        For adapters (:mod:`mpikv.mxnet`) whose own checks of a call's
+        arguments run before the store reads them: a failure found on one rank
+        then reaches every rank through the call's agreement, as the store's
+        own input errors do, instead of leaving the others waiting.
+
+        Args:
+            exc_class: an :class:`~mpikv.errors.MPIKVError` subclass.
+            message: the error's text (every rank's message names this rank).
+        """
+        if not (isinstance(exc_class, type) and issubclass(exc_class, errors.MPIKVError)):
+            raise TypeError(f"exc_class must be an MPIKVError subclass, not {exc_class!r}")
+        self._failure = (exc_class, str(message))
 
     # -- collective operations ------------------------------------------
     def init(self, key, value):
@@ -686,7 +713,8 @@ class KVStore:
         The agreement is the general path's (same fingerprint), so ranks that
         take different paths still agree, or all raise the same error.
         """
-        if type(key) is not int and type(key) is not str or type(priority) is not int:
+        if (type(key) is not int and type(key) is not str or type(priority) is not int
+                or self._failure is not None):
             return False
         fast = self._one_key.get((op, key, out is None, out is value))
         if fast is None or self._executor.busy or not fast.accepts(value, out):
@@ -743,6 +771,9 @@ class KVStore:
     def _agree(self, call, blob=None):
         """Raises the same MPIKVError on every rank unless all ranks made this call right."""
         what = (call.op, call.keys)
+        if self._failure is not None:  # an adapter's check failed (fail_next_call)
+            (cls, message), self._failure = self._failure, None
+            call.errors.insert(0, (cls.__name__, None, message))
         entry = self._begin(call.op, call.keys, call.settings.get("priority", 0), call.items)
         verdict = self._transport.agree(fingerprint(call, blob), bool(call.errors), what)
         if verdict != AGREED:
