@@ -18,11 +18,44 @@ from .. import optimizer as mpikv_optimizer
 from ..optimizer import _checks
 from ..optimizer import schedulers as mpikv_schedulers
 
+
+
+@mpikv_optimizer.register
+class MXNetNAG(mpikv_optimizer.NAG):
+    """Nesterov momentum as MXNet 1.9.1's ``mx.optimizer.NAG`` runs it.
+
+    Its ``nag_mom_update`` is called with ``out=weight``: the kernel writes the
+    new weight first, then updates the momentum from the same memory, so the
+    momentum's weight-decay term reads the *new* weight::
+
+        g = clip(rescale_grad * grad, clip_gradient)
+        mom = momentum * mom
+        w_new = w - mom + (momentum + 1) * (mom - lr * (g + wd * w))
+        mom = mom - lr * (g + wd * w_new)
+
+    (mpikv's :class:`~mpikv.optimizer.NAG` uses ``w`` there, as the kernel
+    reads out of place; the two agree when ``wd`` or ``momentum`` is 0.) The
+    state is the same ``"mom"``.
+    """
+
+    name = "nag_mxnet"
+
+    def _step(self, w, g, state, lr, wd, t):
+        g = self._scaled_grad(g)
+        if self.momentum == 0:
+            return w - lr * (g + wd * w)
+        mom = state["mom"]
+        mom *= self.momentum
+        new = w - mom + (self.momentum + 1.0) * (mom - lr * (g + wd * w))
+        mom -= lr * (g + wd * new)
+        return new
+
+
 #: MXNet optimizer class -> (mpikv optimizer name, [(MXNet attribute, mpikv argument)])
 KINDS = {
     "SGD": ("sgd", [("momentum", "momentum"), ("lazy_update", "lazy_update")]),
     "ccSGD": ("sgd", [("momentum", "momentum"), ("lazy_update", "lazy_update")]),
-    "NAG": ("nag", [("momentum", "momentum")]),
+    "NAG": ("nag_mxnet", [("momentum", "momentum")]),
     "Adam": ("adam", [("beta1", "beta1"), ("beta2", "beta2"), ("epsilon", "epsilon"),
                       ("lazy_update", "lazy_update")]),
     "RMSProp": ("rmsprop", [("gamma1", "rho"), ("gamma2", "momentum"), ("epsilon", "epsilon"),
@@ -35,7 +68,8 @@ KINDS = {
 COMMON = [("wd", "wd"), ("rescale_grad", "rescale_grad"), ("clip_gradient", "clip_gradient"),
           ("begin_num_update", "begin_num_update"), ("multi_precision", "multi_precision")]
 #: the MXNet class an mpikv optimizer comes back as (state files, load_optimizer_states)
-MXNET_CLASS = {"sgd": "SGD", "nag": "NAG", "adam": "Adam", "rmsprop": "RMSProp", "lamb": "LAMB"}
+MXNET_CLASS = {"sgd": "SGD", "nag_mxnet": "NAG", "nag": "NAG", "adam": "Adam",
+               "rmsprop": "RMSProp", "lamb": "LAMB"}
 SCHEDULERS = ("FactorScheduler", "MultiFactorScheduler", "PolyScheduler", "CosineScheduler")
 SUPPORTED = "SGD, NAG, Adam, RMSProp, LAMB"
 
