@@ -219,9 +219,10 @@ def to_mxnet(config, like=None):
     kwargs = {theirs: config[mine] for theirs, mine in (*COMMON, *pairs) if mine in config}
     kwargs.setdefault("multi_precision", False)
     sched = scheduler_to_mxnet(config.get("lr_scheduler"))
-    if sched is None:
-        kwargs["learning_rate"] = config["learning_rate"]
-    else:
+    # With a schedule too: MXNet sets the schedule's base_lr to learning_rate, whose
+    # default is not None for Adam, RMSProp and LAMB (0.001).
+    kwargs["learning_rate"] = config["learning_rate"]
+    if sched is not None:
         kwargs["lr_scheduler"] = sched
     if like is not None and like.idx2name:
         kwargs["param_idx2name"] = dict(like.idx2name)

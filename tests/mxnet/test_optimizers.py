@@ -148,3 +148,14 @@ def test_mxnets_nag_in_place():
         plain.update(0, w_plain, g, s_plain)
         np.testing.assert_allclose(w, ref.asnumpy(), rtol=1e-6, atol=1e-7)
     assert np.abs(w_plain - ref.asnumpy()).max() > 1e-4
+
+
+def test_a_schedule_comes_back_with_its_rate():
+    """MXNet's Adam sets a schedule's base_lr to its learning_rate (default 0.001): the
+    rebuilt optimizer must pass the schedule's own rate."""
+    mx_opt = mx.optimizer.Adam(learning_rate=0.01,
+                               lr_scheduler=mx.lr_scheduler.FactorScheduler(2, 0.7))
+    back = optimizers.to_mxnet(optimizers.to_mpikv(mx_opt).get_config())
+    assert back.lr_scheduler.base_lr == 0.01
+    back.num_update = 6
+    assert back.learning_rate == pytest.approx(0.01 * 0.7 ** 2)
