@@ -170,18 +170,19 @@ def reference(name, size, extra=0):
                 # Clipping sees the average over the ranks, whatever the loss.
                 average = s["clip"] or not s["batch_size"]
                 (loss / (size if average else GLOBAL_BATCH)).backward()
-        for _, p in named:  # the Trainer sums zeros for a parameter no rank used
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        # A parameter no rank used keeps grad None: torch's optimizers skip it, as
+        # the Trainer does (its momentum, decay and count stay as they are).
         if s["clip"]:
             torch.nn.utils.clip_grad_norm_([p for _, p in named], s["clip"])
             if s["batch_size"]:  # update(batch_size): sum / batch_size
                 for _, p in named:
-                    p.grad *= size / GLOBAL_BATCH
+                    if p.grad is not None:
+                        p.grad *= size / GLOBAL_BATCH
         if s["opt"] == "mx":
             with torch.no_grad():
                 for n, p in named:
-                    updater(n, p.grad.numpy(), p.detach().numpy())
+                    if p.grad is not None:
+                        updater(n, p.grad.numpy(), p.detach().numpy())
         else:
             opt.step()
             if sched is not None:

@@ -81,13 +81,16 @@ class Deferred(Optimizer):
         """Forgets the recorded parts (a step that raised applies nothing)."""
         self._parts = []
 
-    def apply(self, scale):
+    def apply(self, scale, skip=frozenset()):
         """Updates every recorded part, gradients first multiplied by ``scale``.
 
         Args:
             scale: a float; 1.0 leaves the gradients as they are.
+            skip: keys left as they are, their state and count too (no rank gave
+                them a gradient: torch's optimizers skip a parameter whose
+                ``.grad`` is None).
         """
-        parts, self._parts = self._parts, []
+        parts, self._parts = [p for p in self._parts if p[0] not in skip], []
         if not parts:
             return
         if scale != 1.0:

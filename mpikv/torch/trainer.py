@@ -92,7 +92,9 @@ class Trainer:
         kv = self.kvstore
         if compression is not None:
             kv.set_gradient_compression(compression)
-        self._status = torch.zeros(kv.num_workers * _ROW, dtype=torch.float64).numpy()
+        # A row per rank, then per parameter the number of ranks that gave it a gradient.
+        self._status = torch.zeros(kv.num_workers * _ROW + len(self._params),
+                                   dtype=torch.float64).numpy()
         # Small sums the ranks must agree on (errors found on some ranks only).
         self._control = _control_store(kv)
         self._control.init(STATUS_KEY, self._status)
@@ -173,6 +175,7 @@ class Trainer:
         self._scaled = False
         self._joined_round = False   # some rank has joined (known after the status sum)
         self._gathering = False      # the step gathers the gradients (likewise)
+        self._unused_everywhere = frozenset()   # keys no rank gave a gradient (likewise)
 
     def _hook(self, index):
         def hook(param):
@@ -254,18 +257,25 @@ class Trainer:
         self._agree_on_status(gather)
         self._reduced = True
 
+    def _rows(self):
+        """The status vector's row per rank (a view)."""
+        return self._status[:self.kvstore.num_workers * _ROW].reshape(-1, _ROW)
+
     def _agree_on_status(self, gather):
         """One small sum over the ranks: who wrote gradients late, who left some
         unused, who has joined and whether the step gathers the gradients."""
         unused = [i for i in range(len(self._params)) if not self._touched[i]]
         status = self._status
         status[:] = 0
-        row = status.reshape(-1, _ROW)[self.kvstore.rank]
+        row = self._rows()[self.kvstore.rank]
         row[0], row[1] = len(unused), len(self._late)
         row[2:2 + len(unused[:_NAMED])] = [i + 1 for i in unused[:_NAMED]]
         row[_JOIN], row[_GATHER] = self._joined, gather
+        used = status[self.kvstore.num_workers * _ROW:]
+        used[:] = 0 if self._joined else self._touched   # a joined rank adds zeros only
         self._control.pushpull(STATUS_KEY, status)
-        rows = status.reshape(-1, _ROW)
+        rows = self._rows()
+        self._unused_everywhere = frozenset(self._names[i] for i in np.flatnonzero(used == 0))
         self._joined_round = bool(rows[:, _JOIN].any())
         # The same on every rank: from now on until a step with no rank joined.
         self._rule.hyper_agreed = not self._joined_round
@@ -387,7 +397,7 @@ class Trainer:
             self._half_grads_back()
         if isinstance(self._rule, MXNetRule) and self._rule.inner.lr_scheduler is None:
             self._rule.inner.lr = float(self.optimizer.param_groups[0]["lr"])
-        self._rule.apply(scale)
+        self._rule.apply(scale, skip=self._unused_everywhere)
         self._cuda_ready()
         self._scale = None
         self._pull_weights()
@@ -411,7 +421,7 @@ class Trainer:
         return float(first[0])
 
     def _first_training_rank(self):
-        return int(np.flatnonzero(self._status.reshape(-1, _ROW)[:, _JOIN] == 0)[0])
+        return int(np.flatnonzero(self._rows()[:, _JOIN] == 0)[0])
 
     def _share_gradients(self):
         """Every rank takes the first training rank's gradients, as changed (clipped)
@@ -456,7 +466,7 @@ class Trainer:
                     self._reduce()
                 except errors.GradientError:
                     continue   # the ranks still training raised it: nothing was applied
-                rows = self._status.reshape(-1, _ROW)
+                rows = self._rows()
                 if rows[:, _JOIN].all():
                     tickets = [(rows[r, _JOIN], r) for r in range(len(rows))]
                     return max(tickets)[1]

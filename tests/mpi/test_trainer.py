@@ -134,6 +134,37 @@ def _weights(net):
     return {n: p.detach().clone() for n, p in net.named_parameters()}
 
 
+def test_a_parameter_no_rank_used_is_skipped_as_torch_skips_it(comm):
+    # Weight decay and momentum do not move it; used later (on one rank only), its first
+    # step is a first step: torch's SGD on the same gradient, momentum starting fresh.
+    net = cases.Net()
+    kw = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, kw, mpikv.create("dist_sync", timeout=120))
+    start = _weights(net)
+    x, y = cases.data(0, 0)
+    for _ in range(3):
+        trainer.zero_grad()
+        net(x, False).sum().backward()
+        trainer.step()
+    after = _weights(net)
+    for name in ("spare.weight", "spare.bias", "head.weight", "head.bias"):
+        assert torch.equal(after[name], start[name]), name
+    assert not torch.equal(after["fc1.weight"], start["fc1.weight"])
+    trainer.zero_grad()
+    if comm.rank == 0:
+        net.spare(torch.ones(1, 4, dtype=torch.float64)).sum().backward()
+    trainer.step()
+    ref = torch.nn.Linear(4, 4, dtype=torch.float64)
+    with torch.no_grad():
+        ref.weight.copy_(start["spare.weight"])
+        ref.bias.copy_(start["spare.bias"])
+    ref_opt = torch.optim.SGD(ref.parameters(), **kw)
+    (ref(torch.ones(1, 4, dtype=torch.float64)).sum() / comm.size).backward()
+    ref_opt.step()
+    torch.testing.assert_close(net.spare.weight.detach(), ref.weight.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(net.spare.bias.detach(), ref.bias.detach(), rtol=1e-12, atol=1e-12)
+
+
 def test_unused_parameter_is_an_error_on_every_rank_when_asked(comm):
     net, trainer = _net_and_trainer(comm, unused_parameters="error")
     before = _weights(net)
