@@ -7,9 +7,6 @@ run that never stopped, bit for bit (see scripts/resume.py for why sums are
 exact on any number of ranks).
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,20 +14,14 @@ import pytest
 
 pytest.importorskip("mxnet", reason="MXNet 1.9.1 is not installed (scripts/setup_mxnet.sh)")
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = str(Path(__file__).parent / "scripts" / "resume.py")
+from .jobs import run_job as _run  # noqa: E402
+
+SCRIPT = Path(__file__).parent / "scripts" / "resume.py"
 STEPS = 6
 
 
-def run_job(n, *args, timeout=180):
-    """Runs ``resume.py ARGS`` on ``n`` ranks with this environment's Python and MPI."""
-    cmd = ["timeout", "-k", "5", str(timeout), str(ROOT / "scripts" / "mpirun.sh"), "-n", str(n),
-           sys.executable, SCRIPT, *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MPIKV_VENV=sys.prefix, MPIKV_TIMEOUT="120",
-               MPIKV_AUTOTUNE="0", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-    out = (proc.stdout + proc.stderr).replace("\x00", "")
-    assert proc.returncode == 0, out
+def run_job(n, *args):
+    _run(n, SCRIPT, *args)
 
 
 def _weights(path):
