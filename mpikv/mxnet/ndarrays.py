@@ -144,14 +144,13 @@ def _convert_all(key, entries, writable, is_out, done, ignore_sparse, row_ids):
     pairs, many = _keys_and_entries(key, entries)
     if pairs is None:
         return entries
-    converted = []
-    for k, entry in pairs:
-        rows = None
-        if row_ids is not None:
-            rows = row_ids if not many else (row_ids[len(converted)]
-                                             if isinstance(row_ids, (list, tuple))
-                                             and len(row_ids) == len(pairs) else row_ids)
-        converted.append(_convert_entry(k, entry, writable, is_out, done, ignore_sparse, rows))
+    # row_ids as MXNet takes them: one per key (for a key list), then one per device.
+    if many and isinstance(row_ids, (list, tuple)) and len(row_ids) == len(pairs):
+        rows_of = list(row_ids)
+    else:
+        rows_of = [row_ids] * len(pairs)
+    converted = [_convert_entry(k, entry, writable, is_out, done, ignore_sparse, rows)
+                 for (k, entry), rows in zip(pairs, rows_of)]
     return converted if many else converted[0]
 
 

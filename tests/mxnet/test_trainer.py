@@ -235,3 +235,29 @@ def test_module_fit(comm):
     close([got[k] for k in sorted(got)], [want[k] for k in sorted(want)])
     # MXNet's default: no weight decay for biases (by name), followed per key.
     assert mod._kvstore.kvstore.optimizer.wd_mult == {"fc1_bias": 0.0, "fc2_bias": 0.0}
+
+
+@pytest.mark.parametrize("make", [
+    lambda: mx.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=0.01, multi_precision=True),
+    lambda: mx.optimizer.SGD(learning_rate=0.001, multi_precision=True),
+    lambda: mx.optimizer.NAG(learning_rate=0.1, momentum=0.9, multi_precision=True),
+    lambda: mx.optimizer.Adam(learning_rate=0.01, multi_precision=True)],
+    ids=["sgd-momentum", "sgd-small-steps", "nag", "adam"])
+def test_float16_weights_with_float32_masters(comm, make):
+    """multi_precision=True: float32 master copies on the owners, as MXNet keeps them in
+    its updater; float16 weights equal MXNet's bit for bit (CPU MXNet trains no float16
+    layers, so this drives the store directly)."""
+    rng = np.random.default_rng(3)
+    w0 = rng.standard_normal((6, 5)).astype(np.float16)
+    grads = [rng.standard_normal((6, 5)).astype(np.float16) for _ in range(4)]
+    kv = mpikv.mxnet.create("dist_sync")
+    kv.init(0, mx.nd.array(w0, dtype="float16"))
+    kv.set_optimizer(make())
+    updater = mx.optimizer.get_updater(make())
+    ref, out = mx.nd.array(w0, dtype="float16"), mx.nd.zeros((6, 5), dtype="float16")
+    for g in grads:
+        kv.push(0, mx.nd.array(g if comm.rank == 0 else np.zeros_like(g), dtype="float16"))
+        kv.pull(0, out=out)
+        updater(0, mx.nd.array(g, dtype="float16"), ref)
+    np.testing.assert_array_equal(out.asnumpy(), ref.asnumpy())
+    assert out.dtype == np.float16
