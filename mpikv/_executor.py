@@ -96,9 +96,21 @@ class Executor:
             while self._pending:
                 self._idle.wait()
 
+    def stop(self):
+        """Waits for every submitted call, then ends the worker thread (if it started)."""
+        self.drain()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        _live.discard(self)
+
     def _work(self):
         while True:
-            fn, handle = self._queue.get()
+            item = self._queue.get()
+            if item is None:   # stop()
+                return
+            fn, handle = item
             try:
                 fn()
             except BaseException:

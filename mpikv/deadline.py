@@ -188,6 +188,14 @@ class Watchdog:
         # [start, what, late] or None.
         self.agreement = None
         self._thread = None
+        self._stopped = threading.Event()
+
+    def stop(self):
+        """Ends the watchdog thread (the store is closed: nothing is armed any more)."""
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
     def watch(self, what, late=None):
         """A context manager that arms the deadline for one call.
@@ -201,14 +209,13 @@ class Watchdog:
         return _Watch(self, what, late)
 
     def _start(self):
-        if self._thread is None and self.timeout != float("inf"):
+        if self._thread is None and self.timeout != float("inf") and not self._stopped.is_set():
             self._thread = threading.Thread(target=self._run, name="mpikv-watchdog", daemon=True)
             self._thread.start()
 
     def _run(self):
         period = min(1.0, max(self.timeout / 10, 0.01))
-        while True:
-            time.sleep(period)
+        while not self._stopped.wait(period):
             now = time.monotonic()
             entries = list(self._armed.items())
             agreement = self.agreement

@@ -508,6 +508,17 @@ class Engine:
         layout.stored = [self._stored_view(b) for b in layout.buckets]
         layout.stored[index] = grads
 
+    def release(self):
+        """Lets go of the values, states, layouts and scratch buffers (the store is
+        closed; arrays handed out stay valid: they hold their own references)."""
+        self._entries.clear()
+        self._states.clear()
+        self._counts.clear()
+        self._layouts.clear()
+        self._scratch.clear()
+        self.compressed = None
+        self._moved()
+
     def privatize(self):
         """Gives stored values aliased to gradient buffers their own memory again
         (before an updater may change them in place)."""

@@ -169,6 +169,7 @@ class KVStore:
         self._one_key = {}     # (op, key, out None, out is value) -> OneKeyCall
         self._reader = CallReader(self._lookup, lambda: self._engine.key_type)
         self._failure = None   # (error class, message) of fail_next_call, or None
+        self._closed = False
 
     # -- properties ------------------------------------------------------
     @property
@@ -322,6 +323,40 @@ class KVStore:
         self._collective(Call("barrier"), lambda: self._transport.barrier(("barrier", [])))
 
     _barrier = barrier
+
+    def close(self):
+        """Ends the store on every rank (collective, as ``MPI_Comm_free``).
+
+        Waits for this rank's background calls, agrees with the other ranks,
+        then releases the store's worker and watchdog threads, its two
+        communicators, its optimizer states and scratch buffers. Arrays handed
+        out (:meth:`value_buffers`, :meth:`gradient_buffers`) stay valid: node
+        shared-memory windows are freed at exit, not here. Any later call
+        raises :class:`~mpikv.errors.InputError` on every rank; closing again
+        does nothing. ``with mpikv.create(...) as kv:`` closes on leaving the
+        block normally (after an exception the store is left open: the other
+        ranks may still be in a call).
+        """
+        if self._closed:
+            return
+        self._executor.drain()
+        self._collective(Call("close"), self._release)
+
+    def _release(self):
+        self._closed = True
+        self._one_key.clear()
+        self._zero_copy.clear()
+        self._executor.stop()
+        self._engine.release()
+        self._transport.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        return False
 
     def join(self):
         """Takes part in the other ranks' calls with zeros until every rank has joined.
@@ -714,7 +749,7 @@ class KVStore:
         take different paths still agree, or all raise the same error.
         """
         if (type(key) is not int and type(key) is not str or type(priority) is not int
-                or self._failure is not None):
+                or self._failure is not None or self._closed):
             return False
         fast = self._one_key.get((op, key, out is None, out is value))
         if fast is None or self._executor.busy or not fast.accepts(value, out):
@@ -771,6 +806,8 @@ class KVStore:
     def _agree(self, call, blob=None):
         """Raises the same MPIKVError on every rank unless all ranks made this call right."""
         what = (call.op, call.keys)
+        if self._closed:   # the same on every rank: close() is collective
+            raise errors.InputError(f"{call.op}: the store is closed (close() was called)")
         if self._failure is not None:  # an adapter's check failed (fail_next_call)
             (cls, message), self._failure = self._failure, None
             call.errors.insert(0, (cls.__name__, None, message))

@@ -88,6 +88,7 @@ class Trainer:
         self._error_unused = unused_parameters == "error"
         if compression is not None:
             _check_compressible(self._names, self._params)
+        self._owns_store = kvstore is None or isinstance(kvstore, str)
         self.kvstore = _make_store(kvstore, self._params, compression is not None)
         kv = self.kvstore
         if compression is not None:
@@ -434,6 +435,38 @@ class Trainer:
                 if isinstance(grad, torch.Tensor):   # a 16-bit parameter's own gradient
                     grad = grad.view(torch.int16).numpy()
                 comm.Bcast(grad, root=root)
+
+    def close(self):
+        """Ends the Trainer on every rank (collective).
+
+        Waits for the reductions backward started (nothing is applied), removes
+        the hooks, gives every parameter and gradient its own memory again (the
+        current values, no longer views of the store's buffers) and closes the
+        Trainer's stores: its status store, and :attr:`kvstore` if the Trainer
+        made it (a store passed in stays open). The model then trains on as
+        any torch model; the Trainer must not be used again.
+        """
+        if self._hooks is None:
+            return
+        self._between_steps()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = None
+        with torch.no_grad():
+            for p, grad in zip(self._params, self._grads):
+                p.data = p.data.clone()
+                p.grad = grad.clone()
+        self._control.close()
+        if self._owns_store:
+            self.kvstore.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        return False
 
     def join(self):
         """Takes part in the other ranks' steps with zero gradients until every rank has joined.

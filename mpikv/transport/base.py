@@ -33,6 +33,9 @@ class Transport(ABC):
             gathers the records to decide), else :data:`DIFFER`.
         """
 
+    def close(self):
+        """Releases what the transport holds (after every rank's last call on it)."""
+
     def wait_joined(self, ticket, what):
         """A joined rank's side of the next :meth:`agree` of the others.
 

@@ -295,6 +295,16 @@ class MPITransport(Transport):
         with self._watchdog.watch(what):
             gather(buf)
 
+    def close(self):
+        """Ends the watchdog and frees the two communicators. Node shared-memory
+        windows stay until exit (:func:`mpikv.transport.shm.free_all`): buffers
+        handed out from them may still be in use."""
+        self._watchdog.stop()
+        self._drain_announcements()
+        # MPI_Comm_free lets operations still pending (announcements) complete.
+        self.comm.Free()
+        self.agree_comm.Free()
+
     def barrier(self, what):
         with self._watchdog.watch(what):
             self.comm.Barrier()
