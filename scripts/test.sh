@@ -51,19 +51,20 @@ done
 # separate environment, .venv-mxnet (scripts/setup_mxnet.sh). CI runs them when setting
 # that environment up takes under 3 minutes (about 15 s from nothing here), and says
 # why it skipped them otherwise.
-echo "== MXNet tests (mpikv.mxnet) in .venv-mxnet"
-mxpy=.venv-mxnet/bin/python
+mxvenv=${MPIKV_MXNET_VENV:-.venv-mxnet}
+mxpy=$mxvenv/bin/python
+echo "== MXNet tests (mpikv.mxnet) in $mxvenv"
 if ! timeout -k 10 180 bash scripts/setup_mxnet.sh; then
-  echo "MXNet tests skipped: setting up .venv-mxnet failed or took over 3 minutes"
+  echo "MXNet tests skipped: setting up $mxvenv failed or took over 3 minutes"
 elif ! "$mxpy" -c "import mxnet" >/dev/null 2>&1; then
-  echo "MXNet tests skipped: mxnet does not import in .venv-mxnet"
+  echo "MXNet tests skipped: mxnet does not import in $mxvenv"
 else
   # One process: registration, views, optimizer mapping, the local store, and jobs that
   # resume on another number of ranks.
   OMP_NUM_THREADS=1 timeout -k 10 600 "$mxpy" -m pytest tests/mxnet -q --color=no -p no:randomly || status=1
   for n in 1 2 3 4; do
     echo "== MXNet collective tests on $n rank(s)"
-    OMP_NUM_THREADS=1 MPIKV_VENV=.venv-mxnet timeout -k 10 600 scripts/mpirun.sh -n "$n" sh -c '
+    OMP_NUM_THREADS=1 MPIKV_VENV=$mxvenv timeout -k 10 600 scripts/mpirun.sh -n "$n" sh -c '
       if [ "${PMIX_RANK:-${PMI_RANK:-0}}" = 0 ]; then
         exec "$0" -m pytest tests/mxnet --only-mpi -q --color=no -p no:randomly
       else
