@@ -299,6 +299,20 @@ class KVStore(mx.kv.KVStoreBase):
         """Loads :meth:`save_checkpoint` files on any number of ranks."""
         self._kv.load_checkpoint(fname)
 
+    def close(self):
+        """Ends the store on every rank (collective; see :meth:`mpikv.kvstore.KVStore.close`):
+        its threads and communicators are freed; later calls raise on every rank."""
+        self._kv.close()
+        self._updater = self._follower = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        return False
+
     def __repr__(self):
         return (f"<mpikv.mxnet.KVStore type={self._type!r} rank={self.rank} "
                 f"num_workers={self.num_workers}>")

@@ -211,3 +211,12 @@ def test_unknown_capability_and_store_type():
         mpikv.mxnet.create("dist_async")
     with pytest.raises(TypeError):
         mpikv.mxnet.create(3)
+
+
+def test_a_closed_store(comm):
+    with mpikv.mxnet.create("dist_sync") as kv:
+        kv.init(0, mx.nd.ones((3,)))
+        kv.set_optimizer(mx.optimizer.SGD())
+    assert kv.optimizer is None
+    msg = raises_everywhere(comm, mpikv.InputError, lambda: kv.push(0, mx.nd.ones((3,))))
+    assert "closed" in msg
