@@ -15,20 +15,28 @@ class _After(importlib.abc.MetaPathFinder):
     def __init__(self, name, fn):
         self.name = name
         self.fn = fn
+        self._finding = False
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name:
+        if fullname != self.name or self._finding:
             return None
-        sys.meta_path.remove(self)   # once; and the lookup below must not find us
-        spec = importlib.util.find_spec(fullname)
+        self._finding = True   # the lookup below passes us by
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._finding = False
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
-        run, fn = loader.exec_module, self.fn
+        run, fn, finder = loader.exec_module, self.fn, self
 
         def exec_module(module):
             run(module)
-            fn()
+            # Once, when the module has really been imported (a bare find_spec
+            # by someone else runs nothing and leaves us waiting).
+            if finder in sys.meta_path:
+                sys.meta_path.remove(finder)
+                fn()
         loader.exec_module = exec_module
         return spec
 

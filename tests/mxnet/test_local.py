@@ -30,6 +30,12 @@ def test_importing_does_not_import_mxnet_and_names_register_when_it_is():
                   "print(sorted(k for k in mx.kv.KVStoreBase.kv_registry if 'mpikv' in k))")
     assert out.splitlines() == ["False", "['mpikv_device', 'mpikv_dist_device_sync', "
                                 "'mpikv_dist_sync', 'mpikv_dist_sync_device', 'mpikv_local']"]
+    # someone looks MXNet up without importing it first: still registered at the import
+    out = _python("import importlib.util, mpikv.mxnet\n"
+                  "assert importlib.util.find_spec('mxnet') is not None\n"
+                  "import mxnet as mx\n"
+                  "print('mpikv_dist_sync' in mx.kv.KVStoreBase.kv_registry)")
+    assert out == "True"
     # MXNet imported first: registered at once
     out = _python("import mxnet as mx, mpikv.mxnet\n"
                   "print(type(mx.kv.create('mpikv_local')).__mro__[1].__name__)")
