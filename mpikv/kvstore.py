@@ -20,6 +20,7 @@ from ._arrays import is_half
 from .agreement import explain, fingerprint, format_ranks, keys_blob, record
 from .calls import Call, CallReader, Item
 from ._executor import Executor, Handle
+from ._closing import ClosesAfterWith
 from .engine import Engine
 from .transport import make_transport
 from .transport.base import AGREED, JOINED
@@ -150,7 +151,7 @@ def _agree_on_options(transport, options, failure):
                                    + "; ".join(differ) + "; no store was created")
 
 
-class KVStore:
+class KVStore(ClosesAfterWith):
     """A key-value store for data-parallel training (use :func:`create`)."""
 
     def __init__(self, name, transport, options, table):
@@ -349,14 +350,6 @@ class KVStore:
         self._executor.stop()
         self._engine.release()
         self._transport.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.close()
-        return False
 
     def join(self):
         """Takes part in the other ranks' calls with zeros until every rank has joined.

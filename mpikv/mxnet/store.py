@@ -13,6 +13,7 @@ import mxnet as mx
 
 import mpikv
 
+from .._closing import ClosesAfterWith
 from .. import errors
 from .. import optimizer as mpikv_optimizer
 from ..kvstore import STORE_TYPES
@@ -40,7 +41,7 @@ def store_type(name):
     return low[len(PREFIX):] if low.startswith(PREFIX) else low
 
 
-class KVStore(mx.kv.KVStoreBase):
+class KVStore(ClosesAfterWith, mx.kv.KVStoreBase):
     """An MXNet KVStore whose every rank is a worker and an owner (MPI, no servers).
 
     Create it with :func:`mpikv.mxnet.create`, or let MXNet create it by
@@ -304,14 +305,6 @@ class KVStore(mx.kv.KVStoreBase):
         its threads and communicators are freed; later calls raise on every rank."""
         self._kv.close()
         self._updater = self._follower = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.close()
-        return False
 
     def __repr__(self):
         return (f"<mpikv.mxnet.KVStore type={self._type!r} rank={self.rank} "

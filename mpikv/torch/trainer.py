@@ -7,6 +7,7 @@ import os
 import numpy as np
 import torch
 
+from .._closing import ClosesAfterWith
 from .. import errors
 from ._params import backward_buckets, named_groups
 from .optimizers import Deferred, MXNetRule, as_tensor, rule_for
@@ -26,7 +27,7 @@ _ROW = 4 + _NAMED
 CHECKPOINT_FORMAT = "mpikv.torch.Trainer/1"
 
 
-class Trainer:
+class Trainer(ClosesAfterWith):
     """Data-parallel training of a torch model on an mpikv store.
 
     Every parameter's storage and gradient are views into the store's
@@ -459,14 +460,6 @@ class Trainer:
         self._control.close()
         if self._owns_store:
             self.kvstore.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.close()
-        return False
 
     def join(self):
         """Takes part in the other ranks' steps with zero gradients until every rank has joined.

@@ -37,19 +37,6 @@ def shared_dir(comm):
         shutil.rmtree(path, ignore_errors=True)
 
 
-def raises_everywhere(comm, exc, call):
-    """Runs ``call``; asserts it raised ``exc`` with the same message on every rank."""
-    try:
-        call()
-        got = None
-    except exc as e:
-        got = f"{type(e).__name__}: {e}"
-    everyone = comm.allgather(got)
-    assert all(m is not None for m in everyone), everyone
-    assert len(set(everyone)) == 1, everyone
-    return everyone[0]
-
-
 def same_on_every_rank(comm, arrays):
     """Asserts every rank holds bit-identical arrays."""
     import numpy as np

@@ -10,7 +10,7 @@ import mpikv  # noqa: E402
 import mpikv.mxnet  # noqa: E402
 from mpikv.mxnet import ndarrays  # noqa: E402
 
-from .conftest import raises_everywhere  # noqa: E402
+from ..mpi.conftest import raises_everywhere  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 SUPPORTED = "SGD, NAG, Adam, RMSProp, LAMB"

@@ -18,7 +18,7 @@ from mxnet import gluon  # noqa: E402
 import mpikv  # noqa: E402
 import mpikv.mxnet  # noqa: E402,F401
 
-from .conftest import raises_everywhere  # noqa: E402
+from ..mpi.conftest import raises_everywhere  # noqa: E402
 from .helpers import make_net, rows, step, weights  # noqa: E402
 
 pytestmark = pytest.mark.mpi
