@@ -1,9 +1,10 @@
 """Whole MPI jobs started from a plain pytest run, with this environment's Python and MPI."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from ..jobs.conftest import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -15,7 +16,6 @@ def run_job(n, script, *args, timeout=180):
     # MPIKV_VENV: the mpiexec of this environment's Open MPI (the one its mpi4py uses).
     env = dict(os.environ, PYTHONUNBUFFERED="1", MPIKV_VENV=sys.prefix, MPIKV_TIMEOUT="120",
                MPIKV_AUTOTUNE="0", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-    out = (proc.stdout + proc.stderr).replace("\x00", "")
-    assert proc.returncode == 0, out
+    rc, out = launch(cmd, env)
+    assert rc == 0, out
     return out
