@@ -83,6 +83,19 @@ def same_everywhere(comm, array):
     assert all(e == everyone[0] for e in everyone)
 
 
+def assert_pulls_equal(kv, ref, keys, comm=None):
+    """Pulls ``keys`` (of :data:`SHAPES`) from ``kv`` and ``ref``; asserts equal values
+    and, given ``comm``, the same on every rank."""
+    outs = [np.zeros(SHAPES[k], F) for k in keys]
+    want = [np.zeros(SHAPES[k], F) for k in keys]
+    kv.pull(keys, out=outs)
+    ref.pull(keys, out=want)
+    for o, w in zip(outs, want):
+        np.testing.assert_array_equal(o, w)
+        if comm is not None:
+            same_everywhere(comm, o)
+
+
 # -- 2-bit: MXNet's behaviour --------------------------------------------------
 def test_2bit_holds_small_values_back_until_they_cross(comm):
     """MXNet's check_compr_residual: 0.4 is held back; + 0.1 crosses (t from every
@@ -200,13 +213,7 @@ def test_2bit_with_sgd_on_the_owners(comm, zero_copy):
         ref.push(keys, [sims[k].push([grad(r, SHAPES[k], step, seed=i)
                                       for r in range(comm.size)])
                         for i, k in enumerate(keys)])
-        outs = [np.zeros(s, F) for s in SHAPES.values()]
-        want = [np.zeros(s, F) for s in SHAPES.values()]
-        kv.pull(keys, out=outs)
-        ref.pull(keys, out=want)
-        for o, w in zip(outs, want):
-            np.testing.assert_array_equal(o, w)
-            same_everywhere(comm, o)
+        assert_pulls_equal(kv, ref, keys, comm)
 
 
 # -- 16-bit ----------------------------------------------------------------------
@@ -245,12 +252,7 @@ def test_sixteen_bit_with_sgd_on_the_owners(comm, kind):
         kv.push(keys, [grad(kv.rank, s, step, seed=i) for i, s in enumerate(SHAPES.values())])
         ref.push(keys, [cast_sum_cast(kind, [grad(r, s, step, seed=i) for r in range(comm.size)])
                         for i, s in enumerate(SHAPES.values())])
-    outs = [np.zeros(s, F) for s in SHAPES.values()]
-    want = [np.zeros(s, F) for s in SHAPES.values()]
-    kv.pull(keys, out=outs)
-    ref.pull(keys, out=want)
-    for o, w in zip(outs, want):
-        np.testing.assert_array_equal(o, w)
+    assert_pulls_equal(kv, ref, keys)
 
 
 # -- what moves ------------------------------------------------------------------
