@@ -319,6 +319,30 @@ class KVStore(ClosesAfterWith):
             self._engine.pull(call.op, call.items)
         self._collective(call, run)
 
+    def allreduce_(self, array):
+        """Sums ``array`` over the ranks, in place; collective.
+
+        For small sums beside the keys (the torch Trainer's per-step status):
+        no key, no updater or optimizer, never compressed, not in checkpoints.
+        Agreed, watched and recorded as every call; :meth:`fail_next_call`
+        applies to it. A rank in :meth:`join` does not take part.
+
+        Args:
+            array: a writable, contiguous numpy or cupy array (or a tensor
+                that views as one), of the same shape and dtype on every rank.
+        """
+        call = Call("allreduce_")
+        native = None
+        try:
+            native = backends.as_native(array, writable=True, what="allreduce_'s array")[1]
+        except errors.MPIKVError as exc:
+            call.fail(type(exc), None, str(exc))
+        if native is not None:
+            if not native.flags.c_contiguous:
+                call.fail(errors.ValueTypeError, None, "allreduce_'s array is not contiguous")
+            call.settings.update(shape=str(tuple(native.shape)), dtype=str(native.dtype))
+        self._collective(call, lambda: self._transport.allreduce_(native, (call.op, [])))
+
     def barrier(self):
         """Waits until every rank has called ``barrier`` (``MPI_Barrier``)."""
         self._collective(Call("barrier"), lambda: self._transport.barrier(("barrier", [])))
