@@ -5,12 +5,16 @@
         -o results/spy-$PMIX_RANK.txt -- .venv/bin/python examples/profile_pushpull.py'
 """
 
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 import mpikv
-from mpikv.bench import shapes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the clone's benchmarks/
+from benchmarks.common import shapes  # noqa: E402
 
 SECONDS = 8
 

@@ -1,13 +1,17 @@
 """``python -m mpikv COMMAND [ARGS]``: tools that come with mpikv."""
 
 import sys
+from pathlib import Path
+
+#: The benchmarks live beside the package in a clone (the repository's benchmarks/).
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 USAGE = """\
 usage: python -m mpikv COMMAND [ARGS]
 
 commands:
   info [--json]      versions, MPI library, ranks per host, CUDA-aware MPI, settings
-  bench WHAT [...]   benchmarks against raw mpi4py (python -m mpikv bench -h)
+  bench WHAT [...]   benchmarks against raw mpi4py, from a clone (python -m mpikv bench -h)
   tune [...]         measure every reduction strategy here, cache the table (mpikv tune -h)
   trace DIR          merge the flight recorders a job ended by mpikv wrote to MPIKV_TRACE_DIR
 
@@ -35,10 +39,26 @@ def main(argv=None):
         from .flight import main as trace_main
         return trace_main(rest)
     if command == "bench":
-        from .bench import main as bench_main
-        return bench_main(rest)
+        return _bench(rest)
     print(f"{USAGE}\n\npython -m mpikv: unknown command {command!r}", file=sys.stderr)
     return 2
+
+
+def _bench(argv):
+    """Runs the clone's ``benchmarks/bench.py``; without a clone, says where they live."""
+    if not (BENCHMARKS / "bench.py").is_file():
+        print(f"python -m mpikv bench: the benchmarks are not part of the installed package "
+              f"(no {BENCHMARKS}). They live in the benchmarks/ directory of mpikv's "
+              f"repository: clone it, then run python -m mpikv bench from the clone (with "
+              f"mpikv installed from it, pip install -e .) or python benchmarks/bench.py there.",
+              file=sys.stderr)
+        return 2
+    # First on the path: this clone's benchmarks, not another package of that name.
+    root = str(BENCHMARKS.parent)
+    if sys.path[:1] != [root]:
+        sys.path.insert(0, root)
+    from benchmarks.bench import main as bench_main
+    return bench_main(argv)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import numpy as np
 
 #: Default bucket size. Smaller than DDP's 25 MiB and Horovod's 128 MiB: on the
 #: test machine Open MPI summed 97 MiB 3.8 times faster as 4 MiB Allreduces
-#: than as one (``python -m mpikv.bench chunks``).
+#: than as one (``python -m mpikv bench chunks``).
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
 

@@ -1,4 +1,4 @@
-"""``python -m mpikv.bench gpu`` end to end, on the CPU stand-in of cupy.
+"""``python -m benchmarks gpu`` (as ``python -m mpikv bench gpu``) on the CPU stand-in of cupy.
 
 The stand-in's timings are not GPU figures (the output says so); this checks
 that the benchmark runs its cases and reports them, so a GPU session only
@@ -13,7 +13,7 @@ SCRIPT = "tests/jobs/scripts/stand_in.py"
 
 
 def _bench(n, env=None):
-    rc, out, _ = run_job(n, SCRIPT, "mpikv.bench", "gpu", "--workload", "small1000",
+    rc, out, _ = run_job(n, SCRIPT, "benchmarks", "gpu", "--workload", "small1000",
                          "--iterations", "2", "--json", env=env, timeout=180)
     assert rc == 0, out
     lines = [line for line in out.splitlines() if line.startswith("[{")]

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+from mpikv import __main__ as cli
 from mpikv import tuning
 from mpikv.info import cuda_aware
 
@@ -116,4 +117,12 @@ def test_no_command_prints_usage_and_bench_is_forwarded():
     proc = _module("nonsense")
     assert proc.returncode == 2 and "unknown command 'nonsense'" in proc.stderr
     proc = _module("bench", "--help")
-    assert proc.returncode == 0 and "python -m mpikv.bench" in proc.stdout
+    assert proc.returncode == 0 and "python -m mpikv bench" in proc.stdout
+
+
+def test_bench_finds_the_clone_or_says_where_the_benchmarks_live(monkeypatch, tmp_path, capsys):
+    assert cli.BENCHMARKS == ROOT / "benchmarks"  # beside the package: this clone's
+    monkeypatch.setattr(cli, "BENCHMARKS", tmp_path / "benchmarks")  # installed, no clone
+    assert cli.main(["bench", "--help"]) == 2
+    err = capsys.readouterr().err
+    assert "not part of the installed package" in err and "benchmarks/ directory" in err

@@ -1,6 +1,7 @@
 """Training benchmark: mpikv's torch Trainer against DDP (and Horovod) in a real loop.
 
-Usage (``python -m mpikv bench train`` and ``python -m mpikv.bench_train`` are the same)::
+Usage, from a clone of mpikv (``python -m mpikv bench train`` and ``python
+benchmarks/bench_train.py`` are the same)::
 
     scripts/mpirun.sh -n 2 python -m mpikv bench train                 # both models, time + memory
     scripts/mpirun.sh -n 2 python -m mpikv bench train --model resnet18 --time
@@ -8,9 +9,9 @@ Usage (``python -m mpikv bench train`` and ``python -m mpikv.bench_train`` are t
     scripts/mpirun.sh -n 2 python -m mpikv bench train --variants trainer-adam,ddp-adam \\
         --model bert --bert-layers 4 --bert-seq 32
 
-Models, written out here with plain ``torch.nn`` (the torchvision wheel may
-not import beside a CPU torch): ``resnet18`` (torchvision's layout, 10
-classes, 11,181,642 parameters in 62 tensors) on synthetic 3x32x32 images,
+Models, written out with plain ``torch.nn`` in ``benchmarks/models.py``:
+``resnet18`` (torchvision's layout, 10 classes, 11,181,642 parameters in 62
+tensors) on synthetic 3x32x32 images,
 and ``bert`` (BERT-base by default: embeddings, 12 encoder layers of width
 768, a pooler and a 2-class head; 109,483,778 parameters) on synthetic token
 ids. Every variant starts from the same weights and sees the same batches
@@ -59,6 +60,7 @@ import socket
 import sys
 import time
 import traceback
+from pathlib import Path
 
 # One thread per rank: the ranks share the cores (set before torch starts its pools).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -74,7 +76,11 @@ except ImportError:  # pragma: no cover - the test skips without torch
 
 import numpy as np
 
-from .bench import _library, _Timer
+if __package__ in (None, ""):  # run as a script: the clone's benchmarks and mpikv come first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import Timer, library  # noqa: E402
+from benchmarks.models import Bert, ResNet18  # noqa: E402
 
 MODELS = ("resnet18", "bert")
 VARIANTS = ("trainer-sgd", "trainer-adam", "ddp-sgd", "ddp-adam", "ddp-zero-adam",
@@ -89,82 +95,7 @@ GOALS = [("resnet18", "step time", "trainer-sgd", "ddp-sgd", 0.8),
          ("bert", "peak RSS", "trainer-adam", "model bytes", 3.0)]
 
 
-# -- the models --------------------------------------------------------------------------
-
-
-class _BasicBlock(nn.Module):
-    """torchvision's ``BasicBlock``: two 3x3 convolutions and a shortcut."""
-
-    def __init__(self, cin, cout, stride):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.downsample = None
-        if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                            nn.BatchNorm2d(cout))
-
-    def forward(self, x):
-        identity = x if self.downsample is None else self.downsample(x)
-        out = self.relu(self.bn1(self.conv1(x)))
-        return self.relu(self.bn2(self.conv2(out)) + identity)
-
-
-class ResNet18(nn.Module):
-    """torchvision's ``resnet18`` (same modules, order and initialisation)."""
-
-    def __init__(self, num_classes=10):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
-        self.bn1 = nn.BatchNorm2d(64)
-        self.relu = nn.ReLU(inplace=True)
-        self.maxpool = nn.MaxPool2d(3, 2, 1)
-        widths, cin = (64, 128, 256, 512), 64
-        for i, w in enumerate(widths):
-            stride = 1 if i == 0 else 2
-            setattr(self, f"layer{i + 1}",
-                    nn.Sequential(_BasicBlock(cin, w, stride), _BasicBlock(w, w, 1)))
-            cin = w
-        self.avgpool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(512, num_classes)
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-
-    def forward(self, x):
-        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.fc(torch.flatten(self.avgpool(x), 1))
-
-
-class Bert(nn.Module):
-    """A BERT-style encoder with a sequence-classification head (BERT-base by default)."""
-
-    def __init__(self, vocab=30522, hidden=768, layers=12, heads=12, ffn=3072, positions=512,
-                 classes=2, dropout=0.1):
-        super().__init__()
-        self.word = nn.Embedding(vocab, hidden)
-        self.position = nn.Embedding(positions, hidden)
-        self.token_type = nn.Embedding(2, hidden)
-        self.norm = nn.LayerNorm(hidden, eps=1e-12)
-        self.drop = nn.Dropout(dropout)
-        self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(hidden, heads, ffn, dropout, activation="gelu",
-                                       layer_norm_eps=1e-12, batch_first=True)
-            for _ in range(layers))
-        self.pooler = nn.Linear(hidden, hidden)
-        self.classifier = nn.Linear(hidden, classes)
-
-    def forward(self, ids):
-        pos = torch.arange(ids.shape[1])
-        x = self.word(ids) + self.position(pos) + self.token_type(torch.zeros_like(ids))
-        x = self.drop(self.norm(x))
-        for layer in self.layers:
-            x = layer(x)
-        return self.classifier(torch.tanh(self.pooler(x[:, 0])))
+# -- the models' inputs --------------------------------------------------------------------
 
 
 def build(model, args):
@@ -355,7 +286,8 @@ def spawn(child, model, variants, args, comm):
     from mpi4py import MPI
     res = None
     if comm.rank == 0:
-        child_args = ["-m", "mpikv.bench_train", "--child", child, "--model", model,
+        # This file by its path: the child finds the clone however the parent was started.
+        child_args = [str(Path(__file__).resolve()), "--child", child, "--model", model,
                       "--variants", ",".join(variants)] + _size_args(model, args)
         inter = MPI.COMM_SELF.Spawn(sys.executable, child_args, maxprocs=comm.size)
         while not inter.Iprobe(source=0):
@@ -448,7 +380,7 @@ def time_child(args, comm):
             current["batch"] = data[i]
             turn[v] = i + 1
         return (v, prepare, lambda: steppers[v](current["batch"]))
-    timer = _Timer(comm)
+    timer = Timer(comm)
     timer.run([case(v) for v in group], steps, warmup=warmup)
     flat = {v: nn.utils.parameters_to_vector(nets[v].parameters()).detach() for v in group}
     rows = {}
@@ -485,7 +417,7 @@ def run(args, comm):
         raise SystemExit(f"unknown variants {bad}; choose from {', '.join(VARIANTS)}")
     skipped = {v: why for v in asked if (why := unavailable(v))}
     variants = [v for v in asked if v not in skipped]
-    out = {"ranks": comm.size, "library": _library(), "torch": torch.__version__,
+    out = {"ranks": comm.size, "library": library(), "torch": torch.__version__,
            "threads_per_rank": torch.get_num_threads(), "skipped": skipped, "models": []}
     if comm.rank == 0 and not args.json:
         for v, why in skipped.items():

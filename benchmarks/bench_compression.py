@@ -1,6 +1,6 @@
 """``python -m mpikv bench compression``: bytes moved and time per push, compressed or not.
 
-::
+From a clone of mpikv (``python benchmarks/bench_compression.py`` takes the same options)::
 
     scripts/mpirun.sh -n 2 python -m mpikv bench compression                 # 1, 16, 64 MiB
     scripts/mpirun.sh -n 2 python -m mpikv bench compression --kib 256 --mode sgd --json
@@ -31,10 +31,14 @@ is slower than the encoding (several nodes, slow links).
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
-from .bench import _Timer, _library, _refill
+if __package__ in (None, ""):  # run as a script: the clone's benchmarks and mpikv come first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import Timer, library, refill  # noqa: E402
 
 CASES = ("none", "2bit", "fp16", "bf16")
 MODES = ("pushpull", "sgd")
@@ -93,9 +97,9 @@ def bench_compression(sizes_kib, mode, iterations, comm):
         counter.Allreduce(MPI.IN_PLACE, raw)
         moved["raw"] = pushed["raw"] = max(comm.allgather(counter.bytes))
 
-        cases = [("raw", _refill(raw, g), lambda: comm.Allreduce(MPI.IN_PLACE, raw))]
+        cases = [("raw", refill(raw, g), lambda: comm.Allreduce(MPI.IN_PLACE, raw))]
         cases += [(case, None, lambda kv=kv: call(kv)) for case, kv in stores.items()]
-        timer = _Timer(comm)
+        timer = Timer(comm)
         timer.run(cases, iterations)
         ms = {name: timer.median(name) * 1e3 for name, _, _ in cases}
         for name, _, _ in cases:
@@ -103,7 +107,7 @@ def bench_compression(sizes_kib, mode, iterations, comm):
                          "push bytes": pushed[name], "ms": ms[name],
                          "bytes vs none": moved["none"] / moved[name] if moved[name] else None,
                          "time vs none": ms["none"] / ms[name]})
-    return {"ranks": comm.size, "library": _library(), "iterations": iterations, "mode": mode,
+    return {"ranks": comm.size, "library": library(), "iterations": iterations, "mode": mode,
             "rows": rows}
 
 
@@ -127,6 +131,7 @@ def show(res):
 
 
 def main(argv=None):
+    """Parses the options, runs the cases, prints on rank 0."""
     parser = argparse.ArgumentParser(prog="python -m mpikv bench compression",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

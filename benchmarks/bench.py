@@ -1,6 +1,7 @@
 """Benchmark mpikv against raw mpi4py on the same bytes, in the same run.
 
-Subcommands (``python -m mpikv bench`` and ``python -m mpikv.bench`` are the same)::
+Subcommands, from a clone of mpikv (``python -m mpikv bench``, ``python -m benchmarks`` and
+``python benchmarks/bench.py`` are the same)::
 
     # workloads (the default): each mpikv case interleaved with the raw ways
     scripts/mpirun.sh -n 2 python -m mpikv bench                  # every workload and mode
@@ -56,89 +57,21 @@ line ends with the run's settings: ranks, MPI library, iterations.
 import argparse
 import json
 import os
-import resource
 import sys
-import time
-from importlib import resources
+from pathlib import Path
 
 import numpy as np
 
-from .fusion import DEFAULT_BUCKET_BYTES
+if __package__ in (None, ""):  # run as a script: the clone's benchmarks and mpikv come first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-WORKLOADS = ("resnet50", "bert_base", "big64", "small1000")
+from benchmarks.common import (  # noqa: E402
+    WORKLOADS, Timer, library, peak_mib, refill, settings, shapes)
+from mpikv.fusion import DEFAULT_BUCKET_BYTES  # noqa: E402
+
 MODES = ("pushpull", "sgd", "adam")
 #: The raw "in pieces" way sums pieces of mpikv's default bucket size (4 MiB).
 PIECE_BYTES = DEFAULT_BUCKET_BYTES
-
-
-def shapes(workload):
-    """The list of parameter shapes of a workload (all float32)."""
-    if workload == "big64":
-        return [(16 * 1024 * 1024,)]
-    if workload == "small1000":
-        return [(1024,)] * 1000
-    data = json.loads(resources.files("mpikv.workloads").joinpath(f"{workload}.json").read_text())
-    return [tuple(s["shape"]) for s in data["shapes"]]
-
-
-def _peak_mib():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _library():
-    """The MPI library, short: its version line up to the first comma."""
-    from mpi4py import MPI
-    first = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
-    return " ".join(first.split(",")[0].split())
-
-
-def _settings(res, iterations=None):
-    """The settings every result line carries: ``[2 ranks, Open MPI v5.0.1, 10 iterations]``."""
-    its = res["iterations"] if iterations is None else iterations
-    return f"[{res['ranks']} ranks, {res['library']}, {its} iterations]"
-
-
-class _Timer:
-    """Interleaves cases: each iteration runs every case once, in turn."""
-
-    def __init__(self, comm):
-        self.comm = comm
-        self.samples = {}
-
-    def run(self, cases, iterations, warmup=2):
-        """Times ``(name, prepare, fn)`` cases; ``prepare`` (untimed) refills inputs."""
-        for i in range(warmup + iterations):
-            for name, prepare, fn in cases:
-                if prepare is not None:
-                    prepare()
-                self.comm.Barrier()
-                t = time.perf_counter()
-                fn()
-                dt = time.perf_counter() - t
-                slowest = self.comm.allreduce(dt, op=_max())
-                if i >= warmup:
-                    self.samples.setdefault(name, []).append(slowest)
-
-    def median(self, name):
-        return float(np.median(self.samples[name]))
-
-
-def _max():
-    from mpi4py import MPI
-    return MPI.MAX
-
-
-def _refill(dst, src):
-    """A ``prepare`` that copies ``src`` into ``dst`` (arrays, or lists of arrays)."""
-    if isinstance(dst, list):
-        def run():
-            for d, s in zip(dst, src):
-                d[...] = s
-    else:
-        def run():
-            dst[...] = src
-    return run
-
 
 def _in_pieces(comm, buf, piece_bytes=PIECE_BYTES):
     """In-place ``Allreduce`` of a 1-d buffer, one piece of ``piece_bytes`` at a time."""
@@ -154,7 +87,7 @@ def _raw_ways(comm, flat, grads):
     raw = flat.copy()              # summed in place: refilled from flat before each call
     recv = np.empty_like(flat)     # out of place: flat is the send buffer, never written
     key_bufs = [g.copy() for g in grads]
-    refill_raw = _refill(raw, flat)
+    refill_raw = refill(raw, flat)
 
     def reduce_bcast():
         comm.Reduce(flat, recv, root=0)
@@ -166,7 +99,7 @@ def _raw_ways(comm, flat, grads):
             (f"raw Allreduce in place, {mib} MiB pieces", refill_raw,
              lambda: _in_pieces(comm, raw)),
             ("raw Reduce+Bcast out of place (one buffer)", None, reduce_bcast),
-            ("raw Allreduce in place per key", _refill(key_bufs, grads),
+            ("raw Allreduce in place per key", refill(key_bufs, grads),
              lambda: [comm.Allreduce(MPI.IN_PLACE, b) for b in key_bufs])]
 
 
@@ -195,7 +128,7 @@ def bench_workload(workload, mode, iterations, comm):
     if mode != "pushpull":
         kv.set_optimizer(make_opt[mode]())
     zero = kv.gradient_buffers(keys)
-    _refill(zero, grads)()
+    refill(zero, grads)()
     shm = kv.uses_shared_memory(keys)
 
     if mode == "pushpull":
@@ -215,12 +148,12 @@ def bench_workload(workload, mode, iterations, comm):
                 kv_copy.pushpull(k, grads[i], out=outs[i], priority=-i)
         cases += [("mpikv pushpull(keys, grads, out=outs)", None,
                    lambda: kv_copy.pushpull(keys, grads, out=outs)),
-                  ("mpikv pushpull(keys, bufs) in place (out=None)", _refill(inplace, grads),
+                  ("mpikv pushpull(keys, bufs) in place (out=None)", refill(inplace, grads),
                    lambda: kv_copy.pushpull(keys, inplace)),
-                  ("mpikv pushpull, zero-copy (MPI)", _refill(zero_mpi, grads),
+                  ("mpikv pushpull, zero-copy (MPI)", refill(zero_mpi, grads),
                    lambda: kv_mpi.pushpull(keys, zero_mpi)),
                   ("mpikv pushpull, zero-copy" + (" (shared memory)" if shm else ""),
-                   _refill(zero, grads), lambda: kv.pushpull(keys, zero)),
+                   refill(zero, grads), lambda: kv.pushpull(keys, zero)),
                   ("mpikv Gluon loop: pushpull(i, g[i], out=o[i], priority=-i)", None, gluon)]
         baselines = [name for name, _, _ in cases[:n_raw]]
     else:
@@ -251,16 +184,16 @@ def bench_workload(workload, mode, iterations, comm):
             kv.push(keys, zero)
             kv.pull(keys, out=outs)
         mib = PIECE_BYTES >> 20
-        with_opt = [(f"raw Allreduce in place + {mode} on every rank", _refill(raw, flat),
+        with_opt = [(f"raw Allreduce in place + {mode} on every rank", refill(raw, flat),
                      raw_then_update),
                     (f"raw Allreduce, {mib} MiB pieces + {mode} on every rank",
-                     _refill(raw, flat), pieces_then_update)]
+                     refill(raw, flat), pieces_then_update)]
         cases += with_opt + [
             (f"mpikv push+pull, {mode} on owners", None, store),
             (f"mpikv push+pull, {mode} on owners, zero-copy" + (" (shared memory)" if shm else ""),
-             _refill(zero, grads), store_zero)]
+             refill(zero, grads), store_zero)]
         baselines = [name for name, _, _ in with_opt]
-    timer = _Timer(comm)
+    timer = Timer(comm)
     timer.run(cases, iterations)
     rows = [{"case": name, "ms": timer.median(name) * 1e3,
              "GB/s": nbytes / timer.median(name) / 1e9} for name, _, _ in cases]
@@ -269,11 +202,11 @@ def bench_workload(workload, mode, iterations, comm):
     base = min((r for r in rows if r["case"] in baselines), key=lambda r: r["ms"])
     for r in rows:
         r["vs baseline"] = base["ms"] / r["ms"]
-    peaks = comm.allgather(_peak_mib())
+    peaks = comm.allgather(peak_mib())
     return {"workload": workload, "mode": mode, "ranks": comm.size, "tensors": len(shp),
             "MiB": nbytes / 2**20, "iterations": iterations, "rows": rows,
             "baseline": base["case"], "shared_memory": shm,
-            "peak_MiB_per_rank": max(peaks), "library": _library()}
+            "peak_MiB_per_rank": max(peaks), "library": library()}
 
 
 def bench_calls(iterations, comm):
@@ -313,16 +246,16 @@ def bench_calls(iterations, comm):
         for b in key_bufs:
             comm.Allreduce(MPI.IN_PLACE, b)
 
-    single = _Timer(comm)
+    single = Timer(comm)
     single.run([("a", None, lambda: kv.pushpull(one, g1, out=o1)),
-                ("a raw", _refill(raw1, g1), lambda: comm.Allreduce(MPI.IN_PLACE, raw1)),
+                ("a raw", refill(raw1, g1), lambda: comm.Allreduce(MPI.IN_PLACE, raw1)),
                 ("d", None, kv.barrier), ("d raw", None, comm.Barrier)],
                iterations, warmup=max(10, iterations // 10))
     rounds = max(3, iterations // 100)
-    many = _Timer(comm)
-    many.run([("b", None, gluon), ("raw per key", _refill(key_bufs, grads), raw_per_key),
+    many = Timer(comm)
+    many.run([("b", None, gluon), ("raw per key", refill(key_bufs, grads), raw_per_key),
               ("c", None, lambda: kv.pushpull(keys, grads, out=outs)),
-              ("c raw", _refill(raw_flat, flat), lambda: comm.Allreduce(MPI.IN_PLACE, raw_flat))],
+              ("c raw", refill(raw_flat, flat), lambda: comm.Allreduce(MPI.IN_PLACE, raw_flat))],
              rounds)
     us_single = {k: single.median(k) * 1e6 for k in single.samples}
     us_many = {k: many.median(k) * 1e6 for k in many.samples}
@@ -341,7 +274,7 @@ def bench_calls(iterations, comm):
          "MPI_Barrier, per call", us_single["d raw"], iterations)]
     rows = [{"case": c, "us": us, "raw": raw, "raw_us": raw_us, "vs raw": raw_us / us,
              "iterations": its} for c, us, raw, raw_us, its in table]
-    return {"ranks": comm.size, "library": _library(), "iterations": iterations, "rows": rows}
+    return {"ranks": comm.size, "library": library(), "iterations": iterations, "rows": rows}
 
 
 def bench_memory(workload, mode, iterations, comm):
@@ -353,7 +286,7 @@ def bench_memory(workload, mode, iterations, comm):
     import mpikv
     from mpikv import optimizer
 
-    base = _peak_mib()
+    base = peak_mib()
     shp = shapes(workload)
     keys = list(range(len(shp)))
     nbytes = sum(int(np.prod(s)) for s in shp) * 4
@@ -368,8 +301,8 @@ def bench_memory(workload, mode, iterations, comm):
             g.fill(1e-3)  # the backward pass
         kv.push(keys, grads)
         kv.pull(keys, out=params)
-    peak = max(comm.allgather(_peak_mib()))
-    return {"workload": workload, "mode": mode, "ranks": comm.size, "library": _library(),
+    peak = max(comm.allgather(peak_mib()))
+    return {"workload": workload, "mode": mode, "ranks": comm.size, "library": library(),
             "iterations": iterations, "model_MiB": nbytes / 2**20,
             "start_MiB": base, "peak_MiB": peak, "peak_over_model": peak * 2**20 / nbytes,
             "growth_over_model": (peak - base) * 2**20 / nbytes,
@@ -395,7 +328,7 @@ def bench_overlap(iterations, comm):
         for _ in range(6):
             a @ a
 
-    def refill():
+    def fresh_grads():
         for g in grads:
             g.fill(1.0)
 
@@ -404,12 +337,13 @@ def bench_overlap(iterations, comm):
         compute()
         kv.wait(h)
 
-    cases = [("compute", None, compute), ("pushpull", refill, lambda: kv.pushpull(keys, grads)),
-             ("sequential", refill, lambda: (compute(), kv.pushpull(keys, grads))),
-             ("overlapped", refill, overlapped)]
-    timer = _Timer(comm)
+    cases = [("compute", None, compute),
+             ("pushpull", fresh_grads, lambda: kv.pushpull(keys, grads)),
+             ("sequential", fresh_grads, lambda: (compute(), kv.pushpull(keys, grads))),
+             ("overlapped", fresh_grads, overlapped)]
+    timer = Timer(comm)
     timer.run(cases, iterations)
-    return {"ranks": comm.size, "library": _library(), "iterations": iterations,
+    return {"ranks": comm.size, "library": library(), "iterations": iterations,
             "ms": {name: timer.median(name) * 1e3 for name, _, _ in cases}}
 
 
@@ -429,12 +363,12 @@ def bench_chunks(iterations, comm):
                 comm.Allreduce(MPI.IN_PLACE, buf[i:i + step])
         return (f"{piece >> 10} KiB", lambda: buf.__setitem__(Ellipsis, src), run)
 
-    timer = _Timer(comm)
+    timer = Timer(comm)
     cases = [case(p) for p in pieces]
     timer.run(cases, iterations)
     rows = [{"piece_KiB": p >> 10, "ms": timer.median(name) * 1e3,
              "GB/s": n * 4 / timer.median(name) / 1e9} for p, (name, _, _) in zip(pieces, cases)]
-    return {"ranks": comm.size, "library": _library(), "iterations": iterations,
+    return {"ranks": comm.size, "library": library(), "iterations": iterations,
             "MiB": n * 4 / 2**20, "rows": rows}
 
 
@@ -447,12 +381,13 @@ def bench_gpu(workload, iterations, comm):
     when it is there and the ranks have distinct GPUs (NCCL refuses two ranks
     on one GPU). Every case ends with a wait for the GPU.
     """
+    import cupy as cp
+    import cupyx
     from mpi4py import MPI
 
     import mpikv
-    from mpikv import backends, cuda
+    from mpikv import cuda
 
-    cp = backends.xp("cupy")
     device = cp.cuda.Device(comm.rank % cp.cuda.runtime.getDeviceCount())
     device.use()
     stream = cp.cuda.get_current_stream()
@@ -465,7 +400,7 @@ def bench_gpu(workload, iterations, comm):
     outs = [cp.zeros(s, cp.float32) for s in shp]
     flat = cp.concatenate([g.reshape(-1) for g in grads])
     raw = flat.copy()
-    pinned = backends.Stager().acquire(np.float32, total)
+    pinned = cupyx.empty_pinned((total,), np.float32)
     decision = cuda.detect()
 
     def settled(fn):
@@ -512,7 +447,7 @@ def bench_gpu(workload, iterations, comm):
                settled(lambda: kv.pushpull(keys, inplace))),
               ("mpikv pushpull, zero-copy", settled(refill_zero),
                settled(lambda: kv.pushpull(keys, zero)))]
-    timer = _Timer(comm)
+    timer = Timer(comm)
     timer.run(cases, iterations)
     rows = [{"case": name, "ms": timer.median(name) * 1e3,
              "GB/s": nbytes / timer.median(name) / 1e9} for name, _, _ in cases]
@@ -520,7 +455,7 @@ def bench_gpu(workload, iterations, comm):
     for r in rows:
         r["vs raw mpi4py"] = base / r["ms"]
     return {"workload": workload, "ranks": comm.size, "MiB": nbytes / 2**20,
-            "iterations": iterations, "rows": rows, "library": _library(),
+            "iterations": iterations, "rows": rows, "library": library(),
             "device": _gpu_name(cp, device), "cupy": cp.__version__,
             "stand_in": bool(getattr(cp, "STAND_IN", False)),
             "cuda_aware": f"{decision.aware} ({decision.source})", "nccl": nccl_note,
@@ -565,7 +500,7 @@ def _show_gpu(out, comm):
         print(f"  {'case':48s} {'ms':>9s} {'GB/s':>7s} {'vs raw mpi4py':>14s}")
         for r in res["rows"]:
             print(f"  {r['case']:48s} {r['ms']:9.2f} {r['GB/s']:7.2f} {r['vs raw mpi4py']:14.2f}"
-                  f"  {_settings(res)}")
+                  f"  {settings(res)}")
 
 
 def _print_workload(res):
@@ -574,7 +509,7 @@ def _print_workload(res):
           f"iterations; peak RSS per rank {res['peak_MiB_per_rank']:.0f} MiB; "
           f"baseline: {res['baseline']}")
     print(f"  {'case':60s} {'ms':>9s} {'GB/s':>7s} {'vs baseline':>12s}")
-    tag = f"[{res['workload']} {res['mode']}, " + _settings(res)[1:]
+    tag = f"[{res['workload']} {res['mode']}, " + settings(res)[1:]
     for r in res["rows"]:
         mark = "*" if r["case"] == res["baseline"] else " "
         print(f" {mark}{r['case']:60s} {r['ms']:9.2f} {r['GB/s']:7.2f} "
@@ -605,7 +540,7 @@ def bench_checkpoint(key_counts, comm):
             kv.push(keys, [np.ones(4, np.float32)] * n)
             path = os.path.join(base, f"ck{n}")
             fresh = mpikv.create("dist_sync")
-            timer = _Timer(comm)  # once each, in this order: a load needs the save
+            timer = Timer(comm)  # once each, in this order: a load needs the save
             timer.run([("save", None, lambda: kv.save_checkpoint(path))], 1, warmup=0)
             timer.run([("load", None, lambda: fresh.load_checkpoint(path))], 1, warmup=0)
             rows.append({"keys": n, "save_s": timer.median("save"),
@@ -614,7 +549,7 @@ def bench_checkpoint(key_counts, comm):
         comm.Barrier()
         if comm.rank == 0:
             shutil.rmtree(base, ignore_errors=True)
-    return {"ranks": comm.size, "library": _library(), "rows": rows}
+    return {"ranks": comm.size, "library": library(), "rows": rows}
 
 
 def _show_checkpoint(out, comm):
@@ -631,7 +566,7 @@ def _show_calls(out, comm):
     print(f"  {'mpikv':80s} {'us':>9s}  {'raw':42s} {'us':>9s} {'vs raw':>7s}")
     for r in out["rows"]:
         print(f"  {r['case']:80s} {r['us']:9.1f}  {r['raw']:42s} {r['raw_us']:9.1f} "
-              f"{r['vs raw']:7.3f}  {_settings(out, r['iterations'])}")
+              f"{r['vs raw']:7.3f}  {settings(out, r['iterations'])}")
 
 
 def _show_overlap(out, comm):
@@ -641,7 +576,7 @@ def _show_overlap(out, comm):
     print("ResNet-50 gradients and a matmul (ms, median): "
           + ", ".join(f"{k} {v:.1f}" for k, v in ms.items())
           + f"; ideal overlap {ideal:.1f}; hidden: {hidden:.0%} of the shorter part  "
-          + _settings(out))
+          + settings(out))
 
 
 def _show_memory(out, comm):
@@ -650,14 +585,14 @@ def _show_memory(out, comm):
               f"{r['model_MiB']:.0f} MiB; peak RSS per rank {r['peak_MiB']:.0f} MiB = "
               f"{r['peak_over_model']:.2f} x model ({r['start_MiB']:.0f} MiB before "
               f"the model: growth {r['growth_over_model']:.2f} x model); optimizer "
-              f"state on this rank {r['state_MiB_per_rank']:.0f} MiB  {_settings(r)}")
+              f"state on this rank {r['state_MiB_per_rank']:.0f} MiB  {settings(r)}")
 
 
 def _show_chunks(out, comm):
     print(f"In-place Allreduce of {out['MiB']:.1f} MiB (ResNet-50's bytes) in pieces")
     for row in out["rows"]:
         print(f"  {row['piece_KiB']:8d} KiB pieces: {row['ms']:8.1f} ms {row['GB/s']:6.2f} GB/s"
-              f"  {_settings(out)}")
+              f"  {settings(out)}")
 
 
 def _workloads(args, comm):
@@ -690,14 +625,15 @@ COMMANDS = {
 
 
 def main(argv=None):
+    """Runs one subcommand (``train`` and ``compression`` parse options of their own)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:  # a training loop with options of its own (needs torch)
-        from .bench_train import main as train_main
+        from benchmarks.bench_train import main as train_main
         return train_main(argv[1:])
     if argv[:1] == ["compression"]:  # bytes and time of compressed pushes (options of its own)
-        from .bench_compression import main as compression_main
+        from benchmarks.bench_compression import main as compression_main
         return compression_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m mpikv.bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m mpikv bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", nargs="?", default="workloads", choices=list(COMMANDS))
     parser.add_argument("--workload", choices=WORKLOADS, action="append",
