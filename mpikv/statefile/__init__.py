@@ -66,13 +66,14 @@ Bad arguments from the caller raise :class:`InputError` (or its subclasses
 raise :class:`StateFileError`.
 
 The package's modules: :mod:`.format` (the format's names, bounds and
-records), :mod:`.atomic` (durable atomic replacement and cleanup),
+records), :mod:`.atomic` (durable atomic replacement, also in two steps with
+:func:`stage_bytes`, and cleanup),
 :mod:`.validate` (the rules above, for files and for the caller's
 arguments), :mod:`.writer` (:func:`write_part`, :func:`commit`) and
 :mod:`.reader` (:func:`read_manifest`, :func:`read_slices`).
 """
 
-from .atomic import atomic_write_bytes, discard_part
+from .atomic import StagedFile, atomic_write_bytes, discard_part, stage_bytes
 from .format import (DTYPES, FORMAT, PART_FORMAT, PART_MAGIC, PARTS_SUFFIX,
                      VERSION, Entry, Manifest, Part, new_generation,
                      parts_dir)
@@ -82,6 +83,6 @@ from .writer import commit, write_part
 __all__ = [
     "FORMAT", "VERSION", "PART_FORMAT", "PART_MAGIC", "PARTS_SUFFIX",
     "DTYPES", "Entry", "Part", "Manifest", "new_generation",
-    "atomic_write_bytes", "write_part", "commit", "read_manifest",
+    "atomic_write_bytes", "stage_bytes", "StagedFile", "write_part", "commit", "read_manifest",
     "read_slices", "list_arrays", "parts_dir", "discard_part",
 ]

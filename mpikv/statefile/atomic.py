@@ -33,15 +33,51 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: str, chunks: Iterable) -> tuple:
-    """Writes ``chunks`` to ``path`` atomically and durably.
+class StagedFile:
+    """A file written and fsynced beside its final name, not yet in place.
 
-    Returns:
-        ``(sha256 hex, nbytes)`` of what was written.
+    Made by :func:`stage_bytes`. :meth:`commit` renames it over the final
+    name and fsyncs the directory; :meth:`discard` removes it. Lets a caller
+    write first (where most failures show) and put the file in place only
+    once something else has succeeded.
+
+    Attributes:
+        path: the final name.
+        sha256: the SHA-256 (hex) of what was written.
+        nbytes: its size.
+    """
+
+    def __init__(self, path: str, tmp: str, sha256: str, nbytes: int):
+        self.path, self.sha256, self.nbytes = path, sha256, nbytes
+        self._tmp = tmp
+
+    def commit(self) -> None:
+        """Renames the file over :attr:`path`, durably.
+
+        Raises:
+            StateFileError: the rename or the directory fsync failed; the
+                temporary file is removed and ``path`` is as it was.
+        """
+        try:
+            os.replace(self._tmp, self.path)
+        except OSError as exc:
+            self.discard()
+            raise StateFileError(f"cannot write {self.path!r}: {exc}") from exc
+        _fsync_dir(os.path.dirname(self.path))
+
+    def discard(self) -> None:
+        """Best effort: removes the temporary file (``path`` is untouched)."""
+        try:
+            os.unlink(self._tmp)
+        except OSError:
+            pass
+
+
+def _stage(path: str, chunks: Iterable) -> StagedFile:
+    """Writes ``chunks`` to a fsynced temporary file beside ``path``.
 
     Raises:
-        StateFileError: On any I/O failure; the temporary file is removed
-            and ``path`` is left as it was.
+        StateFileError: On any I/O failure; nothing is left behind.
     """
     directory, base = os.path.split(os.path.abspath(path))
     tmp = os.path.join(
@@ -63,7 +99,6 @@ def _write_atomic(path: str, chunks: Iterable) -> tuple:
                 nbytes += len(chunk)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException as exc:
         try:
             os.unlink(tmp)
@@ -72,8 +107,39 @@ def _write_atomic(path: str, chunks: Iterable) -> tuple:
         if isinstance(exc, OSError):
             raise StateFileError(f"cannot write {path!r}: {exc}") from exc
         raise
-    _fsync_dir(directory)
-    return digest.hexdigest(), nbytes
+    return StagedFile(os.path.join(directory, base), tmp, digest.hexdigest(), nbytes)
+
+
+def _write_atomic(path: str, chunks: Iterable) -> tuple:
+    """Writes ``chunks`` to ``path`` atomically and durably.
+
+    Returns:
+        ``(sha256 hex, nbytes)`` of what was written.
+
+    Raises:
+        StateFileError: On any I/O failure; the temporary file is removed
+            and ``path`` is left as it was.
+    """
+    staged = _stage(path, chunks)
+    staged.commit()
+    return staged.sha256, staged.nbytes
+
+
+def stage_bytes(path: PathLike, data: bytes) -> StagedFile:
+    """Writes ``data`` to a fsynced temporary file beside ``path``, not yet in place.
+
+    Args:
+        path: The file's final name.
+        data: Its content (any bytes-like object).
+
+    Returns:
+        A :class:`StagedFile`: ``commit()`` puts it in place atomically and
+        durably (as :func:`atomic_write_bytes` does), ``discard()`` drops it.
+
+    Raises:
+        StateFileError: On an I/O failure; nothing is left behind.
+    """
+    return _stage(os.fspath(path), [memoryview(data).cast("B")])
 
 
 def atomic_write_bytes(path: PathLike, data: bytes) -> None:

@@ -1,30 +1,27 @@
 """The Trainer: a torch model's gradients, optimizer and weights on an mpikv store."""
 
 import contextlib
-import json
-import os
 
 import numpy as np
 import torch
 
 from .._closing import ClosesAfterWith
 from .. import errors
+from . import checkpoint
 from ._params import backward_buckets, named_groups
+from .half import HALF as _HALF
+from .half import HalfGradients
+from .hyper import SharedHyperparameters
 from .optimizers import Deferred, MXNetRule, as_tensor, rule_for
 
-#: the key of the Trainer's per-step status vector, in a store of its own (so
-#: that checkpoints hold the model alone)
-STATUS_KEY = "status"
-#: the key of the hyperparameters the ranks still training send to joined ones
-HYPER_KEY = "hyper"
-#: per rank in the status vector: unused count, late count, the indices (+1)
+#: per rank in the status vector (summed with ``kv.allreduce_``): unused count, late count, the indices (+1)
 #: of the first few unused parameters (so every rank can name them), then the
 #: join ticket (0: still training) and whether the step gathers the gradients
 _NAMED = 3
 _JOIN, _GATHER = 2 + _NAMED, 3 + _NAMED
 _ROW = 4 + _NAMED
 #: format tag of the Trainer's part of a checkpoint
-CHECKPOINT_FORMAT = "mpikv.torch.Trainer/1"
+CHECKPOINT_FORMAT = checkpoint.FORMAT
 
 
 class Trainer(ClosesAfterWith):
@@ -95,11 +92,7 @@ class Trainer(ClosesAfterWith):
         if compression is not None:
             kv.set_gradient_compression(compression)
         # A row per rank, then per parameter the number of ranks that gave it a gradient.
-        self._status = torch.zeros(kv.num_workers * _ROW + len(self._params),
-                                   dtype=torch.float64).numpy()
-        # Small sums the ranks must agree on (errors found on some ranks only).
-        self._control = _control_store(kv)
-        self._control.init(STATUS_KEY, self._status)
+        self._status = np.zeros(kv.num_workers * _ROW + len(self._params), np.float64)
         half = any(p.dtype in _HALF for p in self._params)
         if multi_precision is None:
             multi_precision = half
@@ -113,16 +106,13 @@ class Trainer(ClosesAfterWith):
         if hasattr(rule, "bind"):
             rule.bind(self.optimizer.param_groups)
         self._wire(bucket_bytes)
-        self._half_buckets = any(self._params[m[0]].dtype in _HALF for m in self._buckets)
+        self._half = HalfGradients(kv, rule, self._names, self._params, self._grads)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.num_update = 0
         self._scale = None
         self._joined = 0        # this rank's join ticket, while in join()
         # The hyperparameters as made: the same fields on every rank.
-        self._hyper_fields = _hyper_fields(self.optimizer.param_groups)
-        self._hyper = np.zeros(kv.num_workers * (1 + len(_hyper_values(
-            self.optimizer.param_groups, self._hyper_fields))), np.float64)
-        self._control.init(HYPER_KEY, self._hyper)
+        self._hyper = SharedHyperparameters(kv, self.optimizer.param_groups)
         self._sync = True
         self._start_step()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
@@ -275,7 +265,7 @@ class Trainer(ClosesAfterWith):
         row[_JOIN], row[_GATHER] = self._joined, gather
         used = status[self.kvstore.num_workers * _ROW:]
         used[:] = 0 if self._joined else self._touched   # a joined rank adds zeros only
-        self._control.pushpull(STATUS_KEY, status)
+        self.kvstore.allreduce_(status)
         rows = self._rows()
         self._unused_everywhere = frozenset(self._names[i] for i in np.flatnonzero(used == 0))
         self._joined_round = bool(rows[:, _JOIN].any())
@@ -293,7 +283,7 @@ class Trainer(ClosesAfterWith):
             self._rule.discard()
             self._start_step()
             where = "; ".join(
-                f"rank {r}: " + _few([self._names[int(i) - 1] for i in rows[r, 2:] if i],
+                f"rank {r}: " + _few([self._names[int(i) - 1] for i in rows[r, 2:2 + _NAMED] if i],
                                      more=int(rows[r, 0]))
                 for r in range(len(rows)) if rows[r, 0])
             raise errors.GradientError(
@@ -315,50 +305,12 @@ class Trainer(ClosesAfterWith):
             for i, grad in enumerate(self._grads):
                 if not self._is_half(self._bucket_of[i]):
                     grad.mul_(scale)
-        if self._half_buckets:
-            self._gather_half(scale)
+        if self._half:
+            self._half.gather(scale)
         self._scaled = True
 
     def _is_half(self, bucket):
         return self._params[self._buckets[bucket][0]].dtype in _HALF
-
-    def _owned_half(self):
-        """``(parameter index, flat offset, float32 gradient part)`` of each part of a
-        16-bit parameter this rank owns (the rule keeps its sums)."""
-        index = {name: i for i, name in enumerate(self._names)}
-        for key, weight, grad, _ in self._rule.owned_parts():
-            i = index.get(key)
-            if i is None or self._params[i].dtype not in _HALF:
-                continue
-            # The part is a view of the parameter's storage: its offset is the distance.
-            p = self._params[i]
-            offset = (weight.__array_interface__["data"][0] - p.data_ptr()) // p.element_size()
-            yield i, offset, grad.reshape(-1)
-
-    def _gather_half(self, scale):
-        """The averaged sums of the 16-bit parameters into their ``.grad`` on every rank:
-        each owner puts in its parts, zeros elsewhere, one float32 sum (exact)."""
-        totals = {i: np.zeros(self._params[i].numel(), np.float32)
-                  for b, members in enumerate(self._buckets) if self._is_half(b) for i in members}
-        for i, offset, grad in self._owned_half():
-            totals[i][offset:offset + grad.size] = grad
-        comm = self.kvstore.comm
-        if comm is not None:
-            from mpi4py import MPI
-        with torch.no_grad():
-            for i, total in totals.items():
-                if comm is not None:
-                    comm.Allreduce(MPI.IN_PLACE, total)
-                total *= scale
-                self._grads[i].copy_(torch.from_numpy(total).view(self._params[i].shape))
-
-    def _half_grads_back(self):
-        """The owners' parts of 16-bit gradients become ``.grad`` as changed (clipped)
-        after :meth:`allreduce_grads`."""
-        with torch.no_grad():
-            for i, offset, grad in self._owned_half():
-                flat = self._grads[i].reshape(-1)[offset:offset + grad.size]
-                grad[...] = flat.float().numpy()
 
     def update(self, batch_size=None):
         """The owners update their parts; the weights land back in the parameters.
@@ -392,11 +344,11 @@ class Trainer(ClosesAfterWith):
         if scale is None:  # optimizer.step() called directly: as update()
             scale = 1.0 if self._scaled else 1.0 / self.kvstore.num_workers
         if self._joined_round:
-            scale = self._share_hyperparameters(scale)
+            scale = self._hyper.share(scale, bool(self._joined), self._first_training_rank())
             if self._gathering:
                 self._share_gradients()
-        if self._scaled and self._half_buckets:
-            self._half_grads_back()
+        if self._scaled and self._half:
+            self._half.give_back()
         if isinstance(self._rule, MXNetRule) and self._rule.inner.lr_scheduler is None:
             self._rule.inner.lr = float(self.optimizer.param_groups[0]["lr"])
         self._rule.apply(scale, skip=self._unused_everywhere)
@@ -406,22 +358,6 @@ class Trainer(ClosesAfterWith):
         self.num_update += 1
         self._start_step()
 
-    def _share_hyperparameters(self, scale):
-        """Joined ranks take the gradient scale and hyperparameters of the first rank
-        still training (their own schedulers no longer step); returns the scale."""
-        hyper, kv = self._hyper, self.kvstore
-        rows = hyper.reshape(kv.num_workers, -1)
-        hyper[:] = 0
-        if not self._joined:
-            rows[kv.rank] = [scale, *_hyper_values(self.optimizer.param_groups,
-                                                   self._hyper_fields)]
-        self._control.pushpull(HYPER_KEY, hyper)
-        if not self._joined:
-            return scale
-        first = rows[self._first_training_rank()]
-        _set_hyper_values(self.optimizer.param_groups, self._hyper_fields, first[1:])
-        return float(first[0])
-
     def _first_training_rank(self):
         return int(np.flatnonzero(self._rows()[:, _JOIN] == 0)[0])
 
@@ -429,22 +365,26 @@ class Trainer(ClosesAfterWith):
         """Every rank takes the first training rank's gradients, as changed (clipped)
         between :meth:`allreduce_grads` and :meth:`update`: joined ranks did not
         change theirs, and they own parts too."""
-        comm, root = self.kvstore.comm, self._first_training_rank()
+        sender = self.kvstore.rank == self._first_training_rank()
         self._cuda_ready()
         for arrays in self._grad_arrays:
             for grad in arrays:
+                # Summed as integers, one rank's bits and zeros: its values, bit for bit.
                 if isinstance(grad, torch.Tensor):   # a 16-bit parameter's own gradient
-                    grad = grad.view(torch.int16).numpy()
-                comm.Bcast(grad, root=root)
+                    bits = grad.view(torch.int16)
+                else:
+                    bits = grad.view(_BITS[grad.dtype.itemsize])
+                if not sender:
+                    bits[...] = 0
+                self.kvstore.allreduce_(bits)
 
     def close(self):
         """Ends the Trainer on every rank (collective).
 
         Waits for the reductions backward started (nothing is applied), removes
         the hooks, gives every parameter and gradient its own memory again (the
-        current values, no longer views of the store's buffers) and closes the
-        Trainer's stores: its status store, and :attr:`kvstore` if the Trainer
-        made it (a store passed in stays open). The model then trains on as
+        current values, no longer views of the store's buffers) and closes
+        :attr:`kvstore` if the Trainer made it (a store passed in stays open). The model then trains on as
         any torch model; the Trainer must not be used again.
         """
         if self._hooks is None:
@@ -457,7 +397,6 @@ class Trainer(ClosesAfterWith):
             for p, grad in zip(self._params, self._grads):
                 p.data = p.data.clone()
                 p.grad = grad.clone()
-        self._control.close()
         if self._owns_store:
             self.kvstore.close()
 
@@ -555,52 +494,12 @@ class Trainer(ClosesAfterWith):
         It loads on any number of ranks. Call it between steps; collective.
         """
         self._between_steps()
-        path = str(path)
-        final, failure = path + ".trainer.json", None
-        tmp = f"{final}.tmp{os.getpid()}"
-        if self.kvstore.rank == 0:
-            # Written (and fsynced) before the store's save, renamed after it: a
-            # failure leaves the previous checkpoint whole.
-            try:
-                with open(tmp, "w") as f:
-                    json.dump(self._meta(), f)
-                    f.flush()
-                    os.fsync(f.fileno())
-            except (OSError, TypeError, ValueError) as e:
-                failure = f"{final} could not be written: {e}"
-        self._all_or_none(failure, errors.StateFileError)
-        try:
-            self.kvstore.save_checkpoint(path)
-        except BaseException:
-            if self.kvstore.rank == 0:
-                with contextlib.suppress(OSError):
-                    os.remove(tmp)
-            raise
-        if self.kvstore.rank == 0:
-            try:
-                os.replace(tmp, final)
-            except OSError as e:
-                failure = f"{final} could not be renamed into place: {e}"
-        # Also what keeps every rank here until the save is whole.
-        self._all_or_none(failure, errors.StateFileError)
+        checkpoint.save(self.kvstore, path, self._meta())
 
     def load_checkpoint(self, path):
         """Restores a :meth:`save_checkpoint` save, on any number of ranks; collective."""
         self._between_steps()
-        path = str(path)
-        meta, failure = None, None
-        try:
-            with open(path + ".trainer.json") as f:
-                meta = json.load(f)
-            if meta.get("format") != CHECKPOINT_FORMAT:
-                failure = f"{path}.trainer.json is not a Trainer checkpoint"
-            elif len(meta["param_groups"]) != len(self.optimizer.param_groups):
-                failure = (f"{path}.trainer.json has {len(meta['param_groups'])} param groups, "
-                           f"the Trainer {len(self.optimizer.param_groups)}")
-        except (OSError, ValueError, KeyError) as e:
-            failure = f"{path}.trainer.json cannot be read: {e}"
-        self._all_or_none(failure, errors.StateFileError)
-        self.kvstore.load_checkpoint(path)
+        meta = checkpoint.load(self.kvstore, path, len(self.optimizer.param_groups))
         for group, saved in zip(self.optimizer.param_groups, meta["param_groups"]):
             group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
         if self.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
@@ -611,7 +510,7 @@ class Trainer(ClosesAfterWith):
     def _meta(self):
         hyper = [{k: v for k, v in g.items() if k != "params"}
                  for g in self.optimizer.param_groups]
-        return {"format": CHECKPOINT_FORMAT, "num_update": self.num_update,
+        return {"num_update": self.num_update,
                 "param_groups": hyper,
                 "lr_scheduler": (None if self.lr_scheduler is None
                                  else self.lr_scheduler.state_dict())}
@@ -622,15 +521,6 @@ class Trainer(ClosesAfterWith):
             self.kvstore.wait(self._handles)
         self._rule.discard()
         self._start_step()
-
-    def _all_or_none(self, failure, cls):
-        """Raises ``cls`` on every rank if any rank had a ``failure`` (a message)."""
-        status = self._status
-        status[:] = 0
-        status[self.kvstore.rank * _ROW + 1] = bool(failure)
-        self._control.pushpull(STATUS_KEY, status)
-        if status.any():
-            raise cls(failure or "another rank failed (see its message); nothing was applied")
 
     def __repr__(self):
         return (f"<mpikv.torch.Trainer {len(self._params)} parameters, "
@@ -673,22 +563,15 @@ def _make_store(kvstore, params, compressed=False):
         return kvstore
     on_gpu = any(p.is_cuda for p in params)
     if kvstore is None:
-        from mpi4py import MPI
+        kv = mpikv.create("dist_sync_device" if on_gpu else "dist_sync")
         # A local store does not compress (MXNet's rule): one rank still gets a dist one.
-        single = MPI.COMM_WORLD.Get_size() == 1 and not compressed
-        kvstore = "local" if single else "dist_sync"
+        if kv.num_workers > 1 or compressed:
+            return kv
+        kv.close()
+        kvstore = "local"
     if on_gpu and "device" not in kvstore:
         kvstore = "device" if kvstore == "local" else "dist_sync_device"
     return mpikv.create(kvstore)
-
-
-def _control_store(kv):
-    """A store beside ``kv``, on the same ranks, for the Trainer's status sums."""
-    import mpikv
-    if kv.comm is None:
-        return mpikv.create("local")
-    return mpikv.create("dist_sync", comm=kv.comm, reducer="allreduce", shared_memory=False,
-                        timeout=None)
 
 
 def _make_rule(optimizer, optimizer_params, hyper_groups, names, group_of, multi_precision):
@@ -722,7 +605,8 @@ def _make_rule(optimizer, optimizer_params, hyper_groups, names, group_of, multi
     return MXNetRule(optimizer, names), [{"lr": optimizer.lr}]
 
 
-_HALF = (torch.float16, torch.bfloat16)
+#: an integer dtype of each element size, to copy bits through a sum
+_BITS = {2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def _by_precision(members, params):
@@ -735,35 +619,6 @@ def _by_precision(members, params):
         else:
             runs.append((half, [i]))
     return [run for _, run in runs]
-
-
-def _numeric(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _hyper_fields(param_groups):
-    """``(group index, name)`` of every number (or tuple of numbers) in the param groups."""
-    return [(index, name) for index, group in enumerate(param_groups) for name in sorted(group)
-            if name != "params" and (_numeric(group[name]) or (
-                isinstance(group[name], tuple) and all(map(_numeric, group[name]))))]
-
-
-def _hyper_values(param_groups, fields):
-    """The numbers of ``fields``, flat."""
-    values = []
-    for index, name in fields:
-        value = param_groups[index][name]
-        values.extend(map(float, value) if isinstance(value, tuple) else [float(value)])
-    return values
-
-
-def _set_hyper_values(param_groups, fields, values):
-    """Writes :func:`_hyper_values` output back, keeping each number's type."""
-    it = iter(values)
-    for index, name in fields:
-        value = param_groups[index][name]
-        param_groups[index][name] = (tuple(type(v)(next(it)) for v in value)
-                                     if isinstance(value, tuple) else type(value)(next(it)))
 
 
 def _few(items, limit=_NAMED, more=None):

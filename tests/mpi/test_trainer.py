@@ -1,6 +1,7 @@
 """mpikv.torch.Trainer on 1-4 ranks: every case of tests/trainer_cases.py against
 one process with the global batch, DDP's weights, the errors, no hang."""
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -341,22 +342,6 @@ def test_a_step_that_raised_counts_no_update(comm):
         assert torch.equal(w, after_error[n]), n
 
 
-def _raises_on_every_rank(comm, exc, call):
-    """Runs ``call``; asserts every rank raised ``exc``; returns this rank's message.
-
-    For failures only some ranks see (their message names it; the others say
-    another rank failed).
-    """
-    try:
-        call()
-        got = None
-    except exc as e:
-        got = str(e)
-    everyone = comm.allgather(got)
-    assert all(m is not None for m in everyone), everyone
-    return got
-
-
 def test_16_bit_parameters_on_one_rank_only_are_an_error_on_every_rank(comm):
     pytest.importorskip("ml_dtypes")
     if comm.size == 1:
@@ -379,9 +364,12 @@ def test_a_trainer_save_rank_0_cannot_write_is_an_error_on_every_rank(comm, tmp_
     assert before == ["ck", "ck.parts", "ck.trainer.json"]
     comm.Barrier()
     missing = os.path.join(base, "missing", "ck")  # its directory does not exist
-    message = _raises_on_every_rank(comm, mpikv.StateFileError,
-                                    lambda: trainer.save_checkpoint(missing))
-    assert ("could not be written" if comm.rank == 0 else "another rank failed") in message
+    # The same message on every rank, naming the rank that failed (the store's agreement).
+    message = raises_everywhere(comm, mpikv.StateFileError,
+                                lambda: trainer.save_checkpoint(missing))
+    assert "trainer.json could not be written" in message and "nothing was applied" in message
+    if comm.size > 1:
+        assert "save_checkpoint: rank 0: " in message
     comm.Barrier()
     assert sorted(os.listdir(base)) == before  # the previous save whole, nothing new
 
@@ -398,3 +386,47 @@ def test_loading_a_checkpoint_without_the_trainer_file_is_an_error_everywhere(
     assert "trainer.json cannot be read" in message
     for n, w in _weights(net).items():
         assert torch.equal(w, before[n]), n
+
+
+def test_a_trainer_file_one_rank_cannot_read_is_the_same_error_everywhere(
+        comm, tmp_path_factory, monkeypatch):
+    """A failure seen on one rank reaches every rank through the store's agreement,
+    with one message naming that rank; nothing is loaded."""
+    import os
+    base = comm.bcast(str(tmp_path_factory.mktemp("one")) if comm.rank == 0 else None)
+    net, trainer = _net_and_trainer(comm)
+    trainer.save_checkpoint(os.path.join(base, "ck"))
+    x, y = cases.data(0, 0)
+    net(x, True).sum().backward()
+    trainer.step()
+    before = _weights(net)
+    if comm.rank == comm.size - 1:   # this rank looks for the file elsewhere
+        monkeypatch.setattr(mpikv.torch.checkpoint, "meta_path", lambda p: str(p) + ".gone")
+    message = raises_everywhere(comm, mpikv.StateFileError,
+                                lambda: trainer.load_checkpoint(os.path.join(base, "ck")))
+    assert "ck.gone cannot be read" in message and "nothing was applied" in message
+    if comm.size > 1:
+        assert f"load_checkpoint: rank {comm.size - 1}: " in message
+    for n, w in _weights(net).items():
+        assert torch.equal(w, before[n]), n
+    monkeypatch.undo()
+    trainer.load_checkpoint(os.path.join(base, "ck"))   # the store stays usable
+    assert trainer.num_update == 0
+
+
+def test_the_status_sum_is_a_store_call_that_names_ranks_that_differ(comm):
+    kv = mpikv.create("dist_sync", timeout=120)
+    a = np.full(3, comm.rank + 1.0)
+    kv.allreduce_(a)
+    assert a.tolist() == [comm.size * (comm.size + 1) / 2] * 3
+    if comm.size > 1:
+        message = raises_everywhere(comm, mpikv.MismatchError,
+                                    lambda: kv.allreduce_(np.zeros(2 + comm.rank)))
+        assert "allreduce_: ranks differ in shape" in message
+    if comm.rank == comm.size - 1:
+        kv.fail_next_call(mpikv.GradientError, "a failure here")
+    message = raises_everywhere(comm, mpikv.GradientError, lambda: kv.allreduce_(a))
+    assert "a failure here" in message and "nothing was applied" in message
+    if comm.size > 1:
+        assert f"rank {comm.size - 1}: a failure here" in message
+    kv.close()

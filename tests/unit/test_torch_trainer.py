@@ -253,3 +253,74 @@ def test_a_bfloat16_trainer_resumes_with_its_masters(tmp_path):
     run(range(2, 4), trainer, resumed)
     for a, b in zip(whole.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
+
+
+# -- the Trainer goes through the store only ---------------------------------------
+def test_mpikv_torch_makes_no_mpi_calls_of_its_own():
+    """Every collective of the Trainer is a store call (agreed, watched, recorded):
+    no module of mpikv.torch imports mpi4py or names MPI."""
+    import ast
+    import pathlib
+    package = pathlib.Path(mpikv.torch.__file__).parent
+    found = []
+    for path in sorted(package.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found += [(path.name, a.name) for a in node.names if a.name.startswith("mpi4py")]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mpi4py"):
+                found.append((path.name, node.module))
+            elif isinstance(node, ast.Name) and node.id in ("MPI", "comm"):
+                found.append((path.name, node.id))
+            elif isinstance(node, ast.Attribute) and node.attr == "comm":
+                found.append((path.name, "." + node.attr))
+    assert len(list(package.glob("*.py"))) >= 5 and found == []
+
+
+def test_a_checkpoint_save_leaves_no_temporary_file(tmp_path):
+    trainer = mpikv.torch.Trainer(cases.Net(), torch.optim.SGD, {"lr": 0.1}, "local")
+    for _ in range(2):   # the second save replaces the first
+        trainer.save_checkpoint(tmp_path / "ck")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "ck.parts", "ck.trainer.json"]
+
+
+def test_a_store_save_that_fails_leaves_the_trainer_file_as_it_was(tmp_path):
+    trainer = mpikv.torch.Trainer(cases.Net(), torch.optim.SGD, {"lr": 0.1}, "local")
+    trainer.save_checkpoint(tmp_path / "ck")
+    before = (tmp_path / "ck.trainer.json").read_bytes()
+    (tmp_path / "other.parts").write_text("not a directory")  # the store cannot save
+    trainer.num_update = 7
+    with pytest.raises(mpikv.StateFileError):
+        trainer.save_checkpoint(tmp_path / "other")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ck", "ck.parts", "ck.trainer.json", "other.parts"]   # no temporary file left
+    assert (tmp_path / "ck.trainer.json").read_bytes() == before
+
+
+def test_stage_bytes_writes_beside_and_commits_or_discards(tmp_path):
+    from mpikv import statefile
+    target = tmp_path / "f.json"
+    target.write_bytes(b"old")
+    staged = statefile.stage_bytes(target, b"new")
+    assert target.read_bytes() == b"old" and len(list(tmp_path.iterdir())) == 2
+    staged.commit()
+    assert target.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["f.json"]
+    statefile.stage_bytes(target, b"newer").discard()
+    assert target.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["f.json"]
+    with pytest.raises(mpikv.StateFileError, match="cannot create temporary file"):
+        statefile.stage_bytes(tmp_path / "missing" / "f.json", b"x")
+
+
+def test_allreduce_on_a_local_store_is_the_identity_and_checks_its_array():
+    kv = mpikv.create("local")
+    a = np.arange(3.0)
+    kv.allreduce_(a)
+    assert a.tolist() == [0.0, 1.0, 2.0]
+    a.flags.writeable = False
+    with pytest.raises(mpikv.ValueTypeError, match="read-only"):
+        kv.allreduce_(a)
+    with pytest.raises(mpikv.ValueTypeError, match="not contiguous"):
+        kv.allreduce_(np.zeros((3, 4))[:, 1])
+    kv.fail_next_call(mpikv.StateFileError, "a local failure")
+    with pytest.raises(mpikv.StateFileError, match="allreduce_: a local failure"):
+        kv.allreduce_(np.zeros(2))
