@@ -12,6 +12,7 @@ fingerprint is the general path's, so ranks on either path still agree.
 import numpy as np
 
 from .agreement import fingerprint, keys_blob
+from .calls import plain_fits
 
 
 class OneKeyCall:
@@ -38,16 +39,21 @@ class OneKeyCall:
         self.blob = keys_blob(call)
         self.digests = {}
 
-    def _array(self, a, writable):
-        return (type(a) is np.ndarray and a.shape == self.shape and a.dtype == self.dtype
-                and a.flags.c_contiguous and (not writable or a.flags.writeable)
+    def _array(self, a, written):
+        return (plain_fits(a, self.shape, self.dtype, written) and a.flags.c_contiguous
                 and not np.may_share_memory(a, self.stored))
 
     def accepts(self, value, out):
-        """Whether this call's arrays can take the remembered route."""
+        """Whether this call's arrays can take the remembered route.
+
+        Only arrays the general reader accepts as they are (see
+        :func:`mpikv.calls.plain_fits`): the route must never run a call that
+        the general path, on another rank, refuses.
+        """
         if self.epoch != self.engine.epoch:
             return False
-        if self.op != "pull" and not self._array(value, False):
+        # pushpull(key, value) writes the sum into value: it is an output too.
+        if self.op != "pull" and not self._array(value, out is value):
             return False
         return out is None or out is value or self._array(out, True)
 

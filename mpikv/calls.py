@@ -301,6 +301,19 @@ class _KnownList:
         return call
 
 
+def plain_fits(array, shape, dtype, written):
+    """Whether the reader takes ``array`` as it is for a key of ``shape`` and ``dtype``.
+
+    A plain numpy array of the key's shape and dtype, writable if the call
+    writes into it. The remembered routes (:class:`_KnownList`,
+    :mod:`mpikv._onekey`, the store's zero-copy calls) run a call without the
+    reader only when this holds for each of its arrays: they may decline
+    what the reader accepts (it then runs), never accept what it refuses.
+    """
+    return (type(array) is np.ndarray and array.shape == shape and array.dtype == dtype
+            and (not written or array.flags.writeable))
+
+
 def _expect(key, what, array, shape_dtype):
     shape, dtype = shape_dtype
     if array.shape != tuple(shape):

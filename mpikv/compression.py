@@ -3,7 +3,7 @@
 ``kv.set_gradient_compression(params)`` takes MXNet 1.9's parameters
 (``{'type': '2bit', 'threshold': 0.5}``) and two 16-bit types of Horovod's
 kind (``{'type': 'fp16'}``, ``{'type': 'bf16'}``). This module checks them and
-does the arithmetic on numpy arrays; :mod:`mpikv._compressed` moves the
+does the arithmetic on numpy arrays; :mod:`mpikv.reducers.compressed` moves the
 encoded bytes between ranks.
 
 **2-bit** (MXNet's ``src/kvstore/gradient_compression-inl.h``): the sender adds

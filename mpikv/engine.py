@@ -98,8 +98,6 @@ class Engine:
         self._layouts = {}
         self._scratch = {}
         self.epoch = 0   # bumped whenever stored values move or the updater changes
-        #: the :class:`mpikv._compressed.CompressedPush` once compression is set, else None
-        self.compressed = None
 
     # -- state, read -----------------------------------------------------
     @property
@@ -116,6 +114,11 @@ class Engine:
     def key_type(self):
         """The type of the store's keys (int or str), None while it has none."""
         return self._key_type
+
+    @property
+    def compression(self):
+        """The :class:`mpikv.reducers.compressed.Compression` once set, else None."""
+        return self.chooser.compression
 
     @property
     def on_gpu(self):
@@ -167,21 +170,26 @@ class Engine:
         self._optimizer, self._states = None, {}
         self._updater = updater
         self._updater_kind = None if updater is None else "function"
+        self._rechoose()
 
     def set_optimizer(self, optimizer):
         """Runs ``optimizer`` on the owners from now on, with fresh states."""
         self.privatize()
         self._optimizer, self._states = optimizer, {}
         self._updater, self._updater_kind = None, "optimizer"
+        self._rechoose()
 
     def set_compression(self, config, per_device):
-        """Compresses every later push (see :mod:`mpikv._compressed`); residuals stay."""
-        if self.compressed is None:
-            from ._compressed import CompressedPush
-            self.compressed = CompressedPush(self, config, per_device)
-        else:
-            self.compressed.configure(config)
+        """Compresses every later push (see :mod:`mpikv.reducers.compressed`);
+        residuals stay."""
+        self.chooser.compress(config, per_device)
+        self._rechoose()
         self.epoch += 1   # remembered one-key routes do not compress: they end here
+
+    def _rechoose(self):
+        """What picks a bucket's reducer changed (updater, compression): pick again."""
+        for lay in self._layouts.values():
+            lay.chosen.clear()
 
     def follow_optimizer(self, config):
         """Takes the other ranks' optimizer hyperparameters (a joined rank, which did not
@@ -229,6 +237,7 @@ class Engine:
         if self._optimizer is None and optimizer is not None:
             self.privatize()
             self._optimizer, self._updater, self._updater_kind = optimizer, None, "optimizer"
+            self._rechoose()
         self._states = states
         self._counts = counts
         opt = self._optimizer
@@ -302,20 +311,25 @@ class Engine:
             buf = self._scratch[key] = backends.empty(kind, size, dtype, device)
         return buf[:size]
 
-    def reducer(self, layout, index, in_place, buf):
-        """The strategy that sums bucket ``index`` of ``layout`` (chosen once per layout).
+    def reducer(self, layout, index, dst):
+        """The reducer of bucket ``index`` of ``layout`` whose sum goes to ``dst``
+        (chosen once per layout: see :class:`mpikv.reducers.Chooser`).
 
-        ``in_place`` picks the table's column and must be the same on every rank
-        (see :func:`_agreed_in_place`): whether this rank's own input happens to
-        be the destination must not change which collectives it calls.
+        Everything it depends on is the same on every rank: the table's column
+        (see :func:`_agreed_in_place`: whether this rank's own input happens to
+        be the destination must not change which collectives it calls), where
+        values live, the updater, and whether the key list's zero-copy buffers
+        are a shared window.
         """
-        device = type(buf) is not np.ndarray
-        key = (index, in_place, device)
+        device = type(dst) is not np.ndarray
+        window = (layout.shared[index] if layout.shared and self._updater_kind is None
+                  else None)
+        key = (index, device)
         found = layout.chosen.get(key)
         if found is None:
             bucket = layout.buckets[index]
             found = layout.chosen[key] = self.chooser.get(
-                bucket.size * buf.itemsize, in_place, device)
+                bucket, bucket.size * dst.itemsize, _agreed_in_place(bucket), device, window)
         return found
 
     # -- init ------------------------------------------------------------
@@ -374,57 +388,73 @@ class Engine:
             opt.num_update = max(opt.num_update, max(self.counts[k] for k in keys))
         pending = []
         summed_in_place = set()
-        compressed = self.compressed
+        default = self._updater_kind is None
         for index, bucket in _ordered(layout.buckets, order):
             what = (op, bucket.keys)
-            if compressed is not None:
-                if compressed.push_bucket(layout, index, bucket, by_key, zero_copy, what, pending):
-                    summed_in_place.add(bucket.keys[0])
-                continue
-            arena = layout.shared[index] if layout.shared else None
-            if arena is not None and self.updater_kind is None:
-                # Node-local shared memory: every rank's gradients in its own segment.
-                if not zero_copy:
-                    mine = arena.mine
-                    if _inputs_overlap(mine, bucket, by_key):
-                        # Gathered apart first: the inputs are (parts of) the segment.
-                        buf = self._gather(layout, index, bucket, by_key)
-                        if buf is not mine:
-                            _copy(mine, buf)
-                    else:
-                        self._fill(mine, bucket, by_key)
-                t.allreduce_shared_(arena, what)
-                self._alias(layout, index, bucket)
-                continue
-            in_caller = False
-            if zero_copy:
-                src, dst = None, layout.grads[index]
-            elif self.updater_kind is None:
-                src, dst, in_caller = self._source(layout, index, bucket, by_key)
-            else:
-                src, dst = self._owner_source(layout, index, bucket, by_key)
-            reducer = self.reducer(layout, index, _agreed_in_place(bucket), dst)
-            if self.updater_kind is None:
+            src, dst, in_caller = self._route(layout, index, bucket, by_key)
+            reducer = self.reducer(layout, index, dst)
+            if default:
                 reducer.allreduce(dst, src, what)
-                if layout.grads is not None and dst is layout.grads[index]:
-                    self._alias(layout, index, bucket)
-                elif dst is not layout.stored[index]:
-                    self._store(layout.stored[index], dst, bucket)
-                    if in_caller:
-                        summed_in_place.add(bucket.keys[0])
-                else:
-                    for key in bucket.keys:
-                        self.entries[key].stale = False
-                continue
-            reducer.reduce_to_owners(dst, src, bucket, what)
-            for seg in bucket.segments:
-                if seg.owner == t.rank:
-                    self._update(seg, dst, bucket, pending)
-            for key in bucket.keys:
-                self.entries[key].stale = t.size > 1
+                if self._keep_sum(layout, index, bucket, dst) and in_caller:
+                    summed_in_place.add(bucket.keys[0])
+            else:
+                reducer.reduce_to_owners(dst, src, bucket, what)
+                self._update_owned(bucket, dst, pending)
         if opt is not None and opt.num_partials and any(b.split for b in layout.buckets):
             self._finish_updates(op, layout, pending)  # collective: owners or not
         return summed_in_place
+
+    def _route(self, layout, index, bucket, by_key):
+        """``(src, dst, in the caller's array)`` of one bucket of a push.
+
+        ``dst`` gets the sum (``src=None``: it holds this rank's input). The
+        zero-copy buffers are summed where they are; a ``device`` store that
+        compresses sums each device's encoded values into a scratch buffer;
+        otherwise see :meth:`_source` (default updater) and
+        :meth:`_owner_source` (the owners update).
+        """
+        comp = self.chooser.compression
+        per_device = comp is not None and comp.per_device
+        if by_key is None or _gives_grads(layout, bucket, by_key):
+            src, dst, in_caller = None, layout.grads[index], False
+        elif per_device:
+            src, dst, in_caller = None, self.scratch(
+                np.float32, bucket.size, self._entries[bucket.keys[0]].arena), False
+        elif self._updater_kind is None:
+            src, dst, in_caller = self._source(layout, index, bucket, by_key)
+        else:
+            (src, dst), in_caller = self._owner_source(layout, index, bucket, by_key), False
+        if per_device:
+            comp.sum_devices(bucket, (lambda k: [layout.views[k]]) if by_key is None
+                             else (lambda k: by_key[k].values), dst)
+        return src, dst, in_caller
+
+    def _keep_sum(self, layout, index, bucket, dst):
+        """After a sum with the default updater: the bucket's stored values become it.
+
+        Zero-copy buffers become the stored values (no copy); a sum elsewhere is
+        copied in. Returns whether it was copied (the caller's array holding
+        the sum then needs no copy out).
+        """
+        if layout.grads is not None and dst is layout.grads[index]:
+            self._alias(layout, index, bucket)
+            return False
+        if dst is not layout.stored[index]:
+            self._store(layout.stored[index], dst, bucket)
+            return True
+        for key in bucket.keys:
+            self._entries[key].stale = False
+        return False
+
+    def _update_owned(self, bucket, dst, pending):
+        """After a sum to the owners: this rank updates what it owns; every rank's
+        copy of the bucket is stale until the next pull."""
+        t = self.transport
+        for seg in bucket.segments:
+            if seg.owner == t.rank:
+                self._update(seg, dst, bucket, pending)
+        for key in bucket.keys:
+            self._entries[key].stale = t.size > 1
 
     def _single(self, bucket, by_key):
         """The caller's one array of a one-key bucket, flat, if MPI can read it as is."""
@@ -516,7 +546,7 @@ class Engine:
         self._counts.clear()
         self._layouts.clear()
         self._scratch.clear()
-        self.compressed = None
+        self.chooser.forget()
         self._moved()
 
     def privatize(self):
@@ -737,14 +767,14 @@ class Engine:
         own dtype; valid while :attr:`epoch` stays. A key list with zero-copy
         buffers has none: its pushes may go through shared memory.
         """
-        if self.updater_kind is not None or self.on_gpu or self.compressed is not None:
+        if self.updater_kind is not None or self.on_gpu or self.compression is not None:
             return None
         layout = self.layout([key])
         stored = layout.stored[0]
         if (len(layout.buckets) != 1 or stored is None or type(stored) is not np.ndarray
                 or accumulate_dtype(stored.dtype) != stored.dtype or layout.grads is not None):
             return None
-        return stored, self.reducer(layout, 0, _agreed_in_place(layout.buckets[0]), stored), [key]
+        return stored, self.reducer(layout, 0, stored), [key]
 
     def uses_shared_memory(self, keys):
         """Whether a key list's zero-copy buffers are in node shared memory."""

@@ -218,6 +218,31 @@ class KVStore(ClosesAfterWith):
         """
         return self._engine.optimizer
 
+    @property
+    def gradient_compression(self):
+        """The parameters :meth:`set_gradient_compression` set (checked and
+        completed: ``{'type': '2bit', 'threshold': 0.5}``), or None."""
+        comp = self._engine.compression
+        return None if comp is None else dict(comp.config)
+
+    def gradient_residual(self, key, device=None):
+        """This rank's compression residual of ``key``, shaped like the key.
+
+        Args:
+            key: an initialised key.
+            device: on a ``device`` store, which of the key's device values
+                (each has its own residual); None on a distributed store.
+
+        Returns:
+            A float32 copy, or None before the key's first compressed push (and
+            for 16-bit compression, which keeps none).
+        """
+        comp = self._engine.compression
+        found = None if comp is None else comp.residual(key, device)
+        if found is None:
+            return None
+        return found.reshape(self._engine.entries[key].array.shape).copy()
+
     def fail_next_call(self, exc_class, message):
         """Makes this rank's next collective call fail on every rank, nothing applied.
 
@@ -678,7 +703,7 @@ class KVStore(ClosesAfterWith):
             if bad:
                 call.fail(errors.OptimizerError, bad[0], f"key {bad[0]!r} holds integers; "
                           f"optimizers update floating-point values only")
-        if e.compressed is not None and not call.errors:
+        if e.compression is not None and not call.errors:
             bad = next((i for i in call.items if i.dtype != np.float32), None)
             if bad is not None:
                 from .compression import FLOAT32_ONLY
@@ -816,8 +841,8 @@ class KVStore(ClosesAfterWith):
         if e.optimizer is not None:
             # Ranks that changed hyperparameters differently would drift apart.
             settings["optimizer"] = e.optimizer.get_config()
-        if e.compressed is not None:
-            settings["compression"] = e.compressed.setting
+        if e.compression is not None:
+            settings["compression"] = e.compression.setting
         return settings
 
     def _agree(self, call, blob=None):

@@ -38,6 +38,13 @@ def init_one(kv):
     return {1: np.ones(SHAPE)}
 
 
+def _init_one_pushpulled(kv):
+    """Key 1 holds zeros after a one-key ``pushpull`` (whose route is remembered)."""
+    kv.init(1, np.ones(SHAPE))
+    kv.pushpull(1, np.zeros(SHAPE))
+    return {1: np.zeros(SHAPE)}
+
+
 def init_two(kv):
     """Keys 1 and 2 hold ones; returns what each key holds."""
     kv.init([1, 2], [np.ones(SHAPE), np.ones(SHAPE)])
@@ -205,6 +212,13 @@ CASES = [
          errors.ValueTypeError, r"^pull: {at}out for key 1 is missing" + _END, ONE_RANK),
     Case("read-only out", _either(lambda kv: kv.pull(1, out=readonly()), _pull_one),
          errors.ValueTypeError, r"^pull: {at}out for key 1 is read-only" + _END, ONE_RANK),
+    # A repeat of a one-key pushpull takes its remembered route: it must refuse what the
+    # first call refuses (it once ran on, and the other ranks hung in the data phase).
+    Case("read-only value of a repeated pushpull(key, value)",
+         _either(lambda kv: kv.pushpull(1, readonly()),
+                 lambda kv: kv.pushpull(1, np.zeros(SHAPE))),
+         errors.ValueTypeError, r"^pushpull: {at}out for key 1 is read-only" + _END, ONE_RANK,
+         setup=_init_one_pushpulled),
     Case("device arrays differ",
          _either(lambda kv: kv.push(1, [np.zeros(SHAPE), np.zeros(6)]), _push_ones),
          errors.ShapeError,

@@ -9,6 +9,11 @@
 | ``shared`` | node shared memory (MPI-3 window), ``Allreduce`` across nodes | the same |
 | ``hierarchical`` | ``Reduce`` in the node, ``Allreduce`` across nodes, ``Bcast`` in the node | the same |
 
+Chosen by the store's state, not the table: ``compressed:2bit``,
+``compressed:fp16``, ``compressed:bf16`` (:mod:`.compressed`, after
+``set_gradient_compression``) and ``window`` (a key list's zero-copy buffers
+in node shared memory, :class:`.shared.WindowReducer`).
+
 Wrappers: ``copy+NAME`` copies an out-of-place input into the destination and
 runs ``NAME`` in place; ``staged:NAME`` carries GPU buffers through pinned
 host memory when MPI is not CUDA-aware. Which strategy moves which bucket is
@@ -63,7 +68,13 @@ def make(name, transport, piece_bytes):
 
 
 class Chooser:
-    """Picks the reducer of a bucket from a tuning table; one instance per name.
+    """Picks the reducer of each bucket: the one place that answers "how is it summed?".
+
+    Compressed when compression is set (:mod:`mpikv.reducers.compressed`),
+    else the window's when the bucket's zero-copy buffers live in node shared
+    memory (:class:`~mpikv.reducers.shared.WindowReducer`), else the tuning
+    table's strategy (one instance per name); GPU buffers are staged around
+    any of them (:class:`~mpikv.reducers.staged.StagedReducer`).
 
     Args:
         transport: the store's transport.
@@ -75,11 +86,56 @@ class Chooser:
         self.transport = transport
         self.table = table
         self.piece_bytes = piece_bytes
+        #: the :class:`~mpikv.reducers.compressed.Compression` once set, else None
+        self.compression = None
         self._made = {}
         self._staging = None
 
-    def get(self, nbytes, in_place, device=False):
-        """The reducer for a bucket of ``nbytes``, summed in place or not, on a GPU or not."""
+    def compress(self, config, per_device):
+        """Compresses every bucket chosen from now on; residuals stay across changes.
+
+        Args:
+            config: a :func:`mpikv.compression.parse_params` result.
+            per_device: each device value is a sender (the ``device`` store):
+                the engine then compresses while it fills a bucket, and the
+                ranks' sum is the table's.
+        """
+        if self.compression is None:
+            from .compressed import Compression
+            self.compression = Compression(config, per_device)
+        else:
+            self.compression.configure(config)
+
+    def forget(self):
+        """Drops the strategies made and the compression (the store is closed)."""
+        self._made.clear()
+        self.compression = None
+
+    def get(self, bucket, nbytes, in_place, device=False, window=None):
+        """The reducer of one bucket.
+
+        Args:
+            bucket: the :class:`mpikv.fusion.Bucket` (compressed sums keep
+                residuals per key).
+            nbytes: its size in bytes (the table's row).
+            in_place: the table's column; the same on every rank.
+            device: whether its buffers are on a GPU.
+            window: the bucket's :class:`~mpikv.transport.shm.SharedArena` when
+                its zero-copy buffers are that window's segments and the sum
+                goes to every rank, else None.
+        """
+        comp = self.compression
+        if comp is not None and not comp.per_device:
+            from .compressed import CompressedReducer
+            found = CompressedReducer(comp, self.transport, bucket)
+        elif window is not None:
+            from .shared import WindowReducer
+            found = WindowReducer(self.transport, window)
+        else:
+            return self._strategy(nbytes, in_place, device)
+        return self._staged(found) if device else found
+
+    def _strategy(self, nbytes, in_place, device):
         name = self.table.choose(nbytes, in_place)
         if not usable(name, self.transport):
             # A forced or cached name this layout cannot run (shared memory with one
@@ -89,11 +145,12 @@ class Chooser:
         found = self._made.get(key)
         if found is None:
             found = make(name, self.transport, self.piece_bytes)
-            if device:
-                from .staged import StagedReducer
-                found = StagedReducer(found, *self._stage())
-            self._made[key] = found
-        return found
+            self._made[key] = self._staged(found) if device else found
+        return self._made[key]
+
+    def _staged(self, reducer):
+        from .staged import StagedReducer
+        return StagedReducer(reducer, *self._stage())
 
     def _stage(self):
         if self._staging is None:

@@ -83,7 +83,7 @@ class Transport(ABC):
         """Rank r gets ``send[sdispls[r]:+scounts[r]]`` of every rank s, at
         ``recv[rdispls[s]:+rcounts[s]]`` (host buffers of one dtype; counts in elements).
 
-        Only compressed pushes use it (:mod:`mpikv._compressed`). One rank sends
+        Only compressed pushes use it (:mod:`mpikv.reducers.compressed`). One rank sends
         its block to itself.
         """
         recv[rdispls[0]:rdispls[0] + rcounts[0]] = send[sdispls[0]:sdispls[0] + scounts[0]]

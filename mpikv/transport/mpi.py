@@ -34,9 +34,12 @@ class MPITransport(Transport):
     Args:
         comm: an mpi4py intra-communicator.
         options: resolved :class:`mpikv.config.Options`.
+        node_of: ``rank -> node number`` to group the ranks into nodes by, in
+            place of the machine's shared-memory domains (tests let the ranks
+            of one machine act as several nodes); None: the real nodes.
     """
 
-    def __init__(self, comm, options):
+    def __init__(self, comm, options, node_of=None):
         comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(comm, MPI.Intracomm):
             raise TypeError(f"comm must be an mpi4py intra-communicator, not {type(comm).__name__}")
@@ -66,7 +69,11 @@ class MPITransport(Transport):
         if options.abort_on_exception:
             install_exception_hook()
         self._nodes = None
-        if self.size > 1:
+        if node_of is not None:
+            from .shm import NodeGroup
+            self._nodes = NodeGroup(self.comm, node=self.comm.Split(node_of(self.rank),
+                                                                    self.rank))
+        elif self.size > 1:
             # Made now, on every rank: a first use decided by one rank's own state
             # (which route a call takes) must never be the collective that makes it.
             self.nodes  # noqa: B018
@@ -88,10 +95,6 @@ class MPITransport(Transport):
             return None
         from .shm import SharedArena
         return SharedArena(self.nodes, size, dtype)
-
-    def allreduce_shared_(self, arena, what):
-        with self._watchdog.watch(what):
-            arena.allreduce()
 
     # -- agreement -------------------------------------------------------
     @property

@@ -185,12 +185,15 @@ def test_zero_copy_buffers_use_node_shared_memory(comm):
 def test_shared_memory_off_and_hierarchical_nodes(comm):
     if comm.size < 4:
         pytest.skip("needs 4 ranks to act as 2 nodes of 2")
-    from mpikv.transport.shm import NodeGroup
-    kv = _store()
-    t = kv._transport
+    from mpikv import config, tuning
+    from mpikv.kvstore import KVStore
+    from mpikv.transport.mpi import MPITransport
     # Pairs of ranks act as nodes: node-local sums, then an Allreduce across "nodes".
-    t._nodes = NodeGroup(t.comm, node=t.comm.Split(comm.rank // 2, comm.rank))
-    assert t._nodes.nodes == comm.size // 2 and t._nodes.usable == (comm.size % 2 == 0)
+    options = config.resolve(timeout=TEST_TIMEOUT, bigarray_bound=100, bucket_bytes=200,
+                             autotune=False)
+    t = MPITransport(comm, options, node_of=lambda rank: rank // 2)
+    assert t.nodes.nodes == comm.size // 2 and t.nodes.usable == (comm.size % 2 == 0)
+    kv = KVStore("dist_sync", t, options, tuning.forced("allreduce", "test"))
     kv.init(KEYS, [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)])
     bufs = kv.gradient_buffers(KEYS)
     for b, g in zip(bufs, _grads(comm.rank)):
@@ -403,3 +406,29 @@ def test_stores_on_sub_communicators_whose_layout_only_some_ranks_have_met(comm,
 def MPI_UNDEFINED():
     from mpi4py import MPI
     return MPI.UNDEFINED
+
+
+def test_a_push_of_other_arrays_leaves_the_gradient_buffers_alone(comm):
+    """Before the buffers were ever pushed, a push of copies leaves them as they are and
+    keeps the sum in the store's own memory, at every rank count (on more than one rank
+    it once went through the buffers' shared window: they held the sum and became the
+    stored values, so writing the next gradients into them changed what pull gave)."""
+    kv = _store()
+    kv.init(KEYS, [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)])
+    bufs = kv.gradient_buffers(KEYS)
+    for b, g in zip(bufs, _grads(comm.rank, 1)):
+        b[...] = g
+    kv.pushpull(KEYS, [g.copy() for g in _grads(comm.rank, 5)])
+    for k, b, g in zip(KEYS, bufs, _grads(comm.rank, 1)):
+        np.testing.assert_array_equal(b, g, err_msg=f"buffer of key {k}")
+    for b in bufs:
+        b[...] = -1
+    outs = [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)]
+    kv.pull(KEYS, out=outs)
+    for k, out in zip(KEYS, outs):
+        assert (out == _total(comm, k, 5)).all(), k
+    # Pushing the buffers themselves then sums them where they lie, as before.
+    for b, g in zip(bufs, _grads(comm.rank, 2)):
+        b[...] = g
+    kv.pushpull(KEYS, bufs)
+    assert all((b == _total(comm, k, 2)).all() for k, b in zip(KEYS, bufs))

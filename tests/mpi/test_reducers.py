@@ -11,29 +11,35 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpikv import config, reducers
+from mpikv import compression, config, reducers
+from mpikv.fusion import plan_buckets
+from mpikv.plan import OwnershipPlan
+from mpikv.reducers.shared import WindowReducer
 from mpikv.reducers import Blocks, even_blocks
 from mpikv.transport.mpi import MPITransport
-from mpikv.transport.shm import NodeGroup
 
 from .conftest import TEST_TIMEOUT
 
 pytestmark = pytest.mark.mpi
 
 PIECE = 64  # bytes: 16 float32 per collective, so most cases go in pieces
-NAMES = list(reducers.NAMES) + [reducers.COPY + n for n in reducers.NAMES]
+#: the table's strategies, then those the store's state picks (compression, the
+#: zero-copy buffers' shared window)
+COMPRESSED = ["compressed:2bit", "compressed:fp16", "compressed:bf16"]
+NAMES = (list(reducers.NAMES) + [reducers.COPY + n for n in reducers.NAMES] + COMPRESSED
+         + ["window"])
+#: 2-bit's threshold: every test value is at least 1, so each rank sends +T
+T = 0.5
 # (elements, dtype)
 CASES = [(1, np.float32), (7, np.float64), (100, np.float32), (1000, np.int64),
          (333, np.int32), (4096, np.float32)]
 
 
 def _transport(nodes="real"):
-    t = MPITransport(MPI.COMM_WORLD, config.resolve(timeout=TEST_TIMEOUT, bucket_bytes=PIECE,
-                                                    autotune=False))
-    if nodes == "pairs":  # ranks 0-1, 2-3, ... act as nodes: the across-node paths run
-        comm = t.comm
-        t._nodes = NodeGroup(comm, node=comm.Split(comm.rank // 2, comm.rank))
-    return t
+    # "pairs": ranks 0-1, 2-3, ... act as nodes: the across-node paths run.
+    return MPITransport(MPI.COMM_WORLD, config.resolve(timeout=TEST_TIMEOUT, bucket_bytes=PIECE,
+                                                       autotune=False),
+                        node_of=(lambda rank: rank // 2) if nodes == "pairs" else None)
 
 
 @pytest.fixture(scope="module", params=["real", "pairs"])
@@ -45,28 +51,64 @@ def _values(rank, n, dtype):
     return (np.arange(n) % 13 + 3 * rank + 1).astype(dtype)
 
 
-def _total(size, n, dtype):
+def _total(size, n, dtype, name=None):
+    """The sum every strategy must give: exact (the values are small integers, which
+    16 bits hold too), and for 2-bit, what every rank sent, +T each."""
+    if name == "compressed:2bit":
+        return np.full(n, size * T, dtype)
     return sum(_values(r, n, dtype) for r in range(size)).astype(dtype)
 
 
-def _reducer(name, transport):
+def _reducer(name, transport, n=1, dtype=np.float32):
+    """A reducer for ``name`` that sums ``n`` elements of ``dtype``, or a skip."""
+    if name in COMPRESSED:
+        if dtype != np.float32:
+            pytest.skip("compression takes float32 only")
+        chooser = reducers.Chooser(transport, None, PIECE)
+        chooser.compress(compression.parse_params(
+            {"type": name.split(":")[1], "threshold": T}), per_device=False)
+        return chooser.get(_bucket(n, transport.size), n * 4, False)
+    if name == "window":
+        if not WindowReducer.usable(transport):
+            pytest.skip(f"no node shared memory here ({transport.size} ranks)")
+        return WindowReducer(transport, transport.shared_arena(n, dtype))
     if not reducers.usable(name, transport):
         pytest.skip(f"{name} cannot run here ({transport.size} ranks)")
     return reducers.make(name, transport, PIECE)
+
+
+def _bucket(n, size):
+    """One key's bucket of ``n`` elements (compressed sums keep residuals per key)."""
+    placed = OwnershipPlan(size, bigarray_bound=n + 1).add([("k", n, 4)])
+    (bucket,) = plan_buckets([("k", np.dtype(np.float32), placed["k"])], size)
+    return bucket
+
+
+def _buffers(red, mine, in_place):
+    """``(dst, src)``: in place, the window's zero-copy case sums in its segment."""
+    if isinstance(red, WindowReducer):
+        segment = red.arena.mine
+        if in_place:
+            segment[...] = mine
+            return segment, None
+        segment[...] = -5   # a rank's own buffer: must be left as it was
+    src = None if in_place else mine.copy()
+    return (mine.copy() if in_place else np.full(mine.size, -99, mine.dtype)), src
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("n,dtype", CASES)
 @pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "out_of_place"])
 def test_allreduce(transport, name, n, dtype, in_place):
-    red = _reducer(name, transport)
+    red = _reducer(name, transport, n, dtype)
     mine = _values(transport.rank, n, dtype)
-    src = None if in_place else mine.copy()
-    dst = mine.copy() if in_place else np.full(n, -99, dtype)
+    dst, src = _buffers(red, mine, in_place)
     red.allreduce(dst, src, ("test", []))
-    np.testing.assert_array_equal(dst, _total(transport.size, n, dtype))
+    np.testing.assert_array_equal(dst, _total(transport.size, n, dtype, name))
     if src is not None:
         np.testing.assert_array_equal(src, mine)  # the input is only read
+    if isinstance(red, WindowReducer) and not in_place:
+        np.testing.assert_array_equal(red.arena.mine, np.full(n, -5, dtype))
 
 
 def _owner_blocks(n, size, scrambled):
@@ -86,15 +128,14 @@ def _owner_blocks(n, size, scrambled):
 @pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "out_of_place"])
 @pytest.mark.parametrize("scrambled", [False, True], ids=["rank_order", "scrambled"])
 def test_reduce_to_owners(transport, name, n, dtype, in_place, scrambled):
-    red = _reducer(name, transport)
+    red = _reducer(name, transport, n, dtype)
     blocks = _owner_blocks(n, transport.size, scrambled)
     mine = _values(transport.rank, n, dtype)
-    src = None if in_place else mine.copy()
-    dst = mine.copy() if in_place else np.full(n, -99, dtype)
+    dst, src = _buffers(red, mine, in_place)
     red.reduce_to_owners(dst, src, blocks, ("test", []))
     r = transport.rank
     lo, hi = blocks.displs[r], blocks.displs[r] + blocks.counts[r]
-    np.testing.assert_array_equal(dst[lo:hi], _total(transport.size, n, dtype)[lo:hi])
+    np.testing.assert_array_equal(dst[lo:hi], _total(transport.size, n, dtype, name)[lo:hi])
 
 
 @pytest.mark.parametrize("name", reducers.NAMES)
