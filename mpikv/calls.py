@@ -47,6 +47,13 @@ class Call:
     zero_copy: bool = False  # the values are exactly the keys' zero-copy buffers
     _keys: list = None
 
+    @classmethod
+    def remembered(cls, op, items, settings, user_keys, blob, keys, zero_copy=False):
+        """A call built from one read before (a remembered route): its canonical keys
+        and agreement blob are known, not computed again."""
+        return cls(op, items=items, settings=settings, user_keys=user_keys, blob=blob,
+                   zero_copy=zero_copy, _keys=keys)
+
     def fail(self, exc_class, key, message):
         self.errors.append((exc_class.__name__, key, message))
 
@@ -294,11 +301,8 @@ class _KnownList:
         items = [Item(key, [] if values is None else [values[pos]],
                       [] if outs is None else [outs[pos]], shape, dtype)
                  for pos, (key, shape, dtype) in zip(self.order, self.meta)]
-        call = Call(self.op, items=items, settings=dict(settings or {}),
-                    user_keys=self.user_keys)
-        call.blob = self.blob
-        call._keys = self.keys
-        return call
+        return Call.remembered(self.op, items, dict(settings or {}), self.user_keys,
+                               self.blob, self.keys)
 
 
 def plain_fits(array, shape, dtype, written):
@@ -306,7 +310,7 @@ def plain_fits(array, shape, dtype, written):
 
     A plain numpy array of the key's shape and dtype, writable if the call
     writes into it. The remembered routes (:class:`_KnownList`,
-    :mod:`mpikv._onekey`, the store's zero-copy calls) run a call without the
+    :mod:`mpikv._routes`, the store's zero-copy calls) run a call without the
     reader only when this holds for each of its arrays: they may decline
     what the reader accepts (it then runs), never accept what it refuses.
     """

@@ -371,7 +371,6 @@ class Engine:
             set: keys whose value the push summed in the caller's own array
             (a one-key ``pushpull`` into its value), for :meth:`pull` to skip.
         """
-        t = self.transport
         layout = self.layout([i.key for i in items])
         zero_copy = zero_copy and layout.grads is not None
         by_key = None if zero_copy else {i.key: i for i in items}

@@ -9,24 +9,20 @@ rank and changes nothing.
 
 
 import atexit
-import itertools
-import operator
+import contextlib
 
 import numpy as np
 
-from . import backends, checkpoint, config, errors, flight, tuning
-from ._logging import get_logger
+from . import backends, checkpoint, config, errors, tuning
 from ._arrays import is_half
-from .agreement import explain, fingerprint, format_ranks, keys_blob, record
-from .calls import Call, CallReader, Item
-from ._executor import Executor, Handle
 from ._closing import ClosesAfterWith
+from ._executor import Handle
+from ._logging import get_logger
+from ._protocol import Protocol
+from .agreement import format_ranks
+from .calls import Call, CallReader
 from .engine import Engine
 from .transport import make_transport
-from .transport.base import AGREED, JOINED
-
-#: the calls that ranks which have not joined may make while others have
-JOINABLE = ("push", "pull", "pushpull", "barrier", "gather_gradients")
 
 #: store type -> transport kind
 STORE_TYPES = {
@@ -161,16 +157,8 @@ class KVStore(ClosesAfterWith):
         self._engine = Engine(transport, options.bigarray_bound, options.bucket_bytes,
                               device="device" in name, direct_bytes=options.direct_bytes,
                               table=table)
-        self._executor = Executor(transport.threaded, self._background_error)
-        # The flight recorder numbers distributed stores in creation order (the same
-        # on every rank: creation is collective) and their calls in call order.
-        self._trace_id = next(_DIST_STORES) if transport.size > 1 else None
-        self._calls = 0
-        self._zero_copy = {}   # (op, keys) -> _ZeroCopyCall
-        self._one_key = {}     # (op, key, out None, out is value) -> OneKeyCall
-        self._reader = CallReader(self._lookup, lambda: self._engine.key_type)
-        self._failure = None   # (error class, message) of fail_next_call, or None
-        self._closed = False
+        self._protocol = Protocol(transport, self._engine)
+        self._reader = CallReader(self._engine.lookup, lambda: self._engine.key_type)
 
     # -- properties ------------------------------------------------------
     @property
@@ -243,6 +231,22 @@ class KVStore(ClosesAfterWith):
             return None
         return found.reshape(self._engine.entries[key].array.shape).copy()
 
+    @contextlib.contextmanager
+    def count_bytes(self):
+        """Counts the bytes this store's collectives bring to this rank inside the block.
+
+        Yields a counter with ``.bytes`` and ``.calls`` (a ``Counter`` per MPI
+        operation); a local store moves nothing and counts 0. Waits for the
+        store's background calls on entry and exit, so every counted call
+        started and ended inside the block.
+        """
+        self._protocol.wait()
+        with self._transport.count_bytes() as counter:
+            try:
+                yield counter
+            finally:
+                self._protocol.wait()
+
     def fail_next_call(self, exc_class, message):
         """Makes this rank's next collective call fail on every rank, nothing applied.
 
@@ -257,7 +261,7 @@ class KVStore(ClosesAfterWith):
         """
         if not (isinstance(exc_class, type) and issubclass(exc_class, errors.MPIKVError)):
             raise TypeError(f"exc_class must be an MPIKVError subclass, not {exc_class!r}")
-        self._failure = (exc_class, str(message))
+        self._protocol.fail_next_call(exc_class, message)
 
     # -- collective operations ------------------------------------------
     def init(self, key, value):
@@ -268,7 +272,7 @@ class KVStore(ClosesAfterWith):
             value: an array per key (a list of arrays: the first is used).
         """
         call = self._read("init", key, value, new_keys=True, need_values=True)
-        self._collective(call, lambda: self._engine.init(call.op, call.items))
+        self._protocol.collective(call, lambda: self._engine.init(call.op, call.items))
 
     def push(self, key, value, priority=0):
         """Sums values over devices and ranks and hands the sum to the updater.
@@ -279,9 +283,10 @@ class KVStore(ClosesAfterWith):
             priority: an int, or one int per key: buckets holding keys of
                 higher priority move first. Must be the same on every rank.
         """
-        if not self._one_key_call("push", key, value, None, priority):
-            self._run(self._push_call("push", key, value, priority), push=True,
-                      remember=(key, None))
+        if not self._protocol.one_key("push", key, value, None, priority,
+                                      lambda: self._push_call("push", key, value, priority)):
+            self._protocol.run(self._push_call("push", key, value, priority), push=True,
+                               remember=(key, None))
 
     def push_async(self, key, value, priority=0):
         """:meth:`push` in the background; returns a :class:`Handle`.
@@ -289,7 +294,7 @@ class KVStore(ClosesAfterWith):
         Errors in the call are raised here, on every rank. Do not change
         ``value`` until :meth:`wait` returns for the handle.
         """
-        return self._submit(self._push_call("push", key, value, priority), push=True)
+        return self._protocol.submit(self._push_call("push", key, value, priority), push=True)
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         """Copies stored values into ``out``.
@@ -301,37 +306,34 @@ class KVStore(ClosesAfterWith):
             ignore_sparse: accepted for MXNet compatibility.
         """
         del ignore_sparse
-        if not self._one_key_call("pull", key, None, out, priority):
-            self._run(self._pull_call(key, out, priority), pull=True, remember=(key, out))
+        if not self._protocol.one_key("pull", key, None, out, priority,
+                                      lambda: self._pull_call(key, out, priority)):
+            self._protocol.run(self._pull_call(key, out, priority), pull=True,
+                               remember=(key, out))
 
     def pull_async(self, key, out=None, priority=0):
         """:meth:`pull` in the background; ``out`` is filled when :meth:`wait` returns."""
-        return self._submit(self._pull_call(key, out, priority), pull=True)
+        return self._protocol.submit(self._pull_call(key, out, priority), pull=True)
 
     def pushpull(self, key, value, out=None, priority=0):
         """:meth:`push` then :meth:`pull` in one collective call.
 
         With ``out=None`` the result is written into ``value``.
         """
-        if not self._one_key_call("pushpull", key, value, value if out is None else out,
-                                  priority):
-            self._run(self._push_call("pushpull", key, value, priority, out), push=True,
-                      pull=True, remember=(key, out))
+        if not self._protocol.one_key(
+                "pushpull", key, value, value if out is None else out, priority,
+                lambda: self._push_call("pushpull", key, value, priority, out)):
+            self._protocol.run(self._push_call("pushpull", key, value, priority, out),
+                               push=True, pull=True, remember=(key, out))
 
     def pushpull_async(self, key, value, out=None, priority=0):
         """:meth:`pushpull` in the background; returns a :class:`Handle`."""
-        return self._submit(self._push_call("pushpull", key, value, priority, out),
-                            push=True, pull=True)
+        return self._protocol.submit(self._push_call("pushpull", key, value, priority, out),
+                                     push=True, pull=True)
 
     def wait(self, handle=None):
         """Waits for a handle, a list of handles, or (``None``) every call made so far."""
-        if handle is None:
-            self._executor.drain()
-        elif isinstance(handle, (list, tuple)):
-            for h in handle:
-                h.wait()
-        else:
-            handle.wait()
+        self._protocol.wait(handle)
 
     synchronize = wait
 
@@ -342,7 +344,7 @@ class KVStore(ClosesAfterWith):
         def run():
             self._engine.init(call.op, call.items)
             self._engine.pull(call.op, call.items)
-        self._collective(call, run)
+        self._protocol.collective(call, run)
 
     def allreduce_(self, array):
         """Sums ``array`` over the ranks, in place; collective.
@@ -366,11 +368,11 @@ class KVStore(ClosesAfterWith):
             if not native.flags.c_contiguous:
                 call.fail(errors.ValueTypeError, None, "allreduce_'s array is not contiguous")
             call.settings.update(shape=str(tuple(native.shape)), dtype=str(native.dtype))
-        self._collective(call, lambda: self._transport.allreduce_(native, (call.op, [])))
+        self._protocol.collective(call, lambda: self._transport.allreduce_(native, (call.op, [])))
 
     def barrier(self):
         """Waits until every rank has called ``barrier`` (``MPI_Barrier``)."""
-        self._collective(Call("barrier"), lambda: self._transport.barrier(("barrier", [])))
+        self._protocol.collective(Call("barrier"), lambda: self._transport.barrier(("barrier", [])))
 
     _barrier = barrier
 
@@ -387,16 +389,9 @@ class KVStore(ClosesAfterWith):
         block normally (after an exception the store is left open: the other
         ranks may still be in a call).
         """
-        if self._closed:
-            return
-        self._executor.drain()
-        self._collective(Call("close"), self._release)
+        self._protocol.close(self._release)
 
     def _release(self):
-        self._closed = True
-        self._one_key.clear()
-        self._zero_copy.clear()
-        self._executor.stop()
         self._engine.release()
         self._transport.close()
 
@@ -416,54 +411,7 @@ class KVStore(ClosesAfterWith):
             int: the rank that joined last (of ranks that joined in the same
             call of the others, the highest).
         """
-        self._executor.drain()
-        t = self._transport
-        # Larger for a later join, the same on every rank for the same moment.
-        ticket = ((t.agreements + 1) << _RANK_BITS) | t.rank
-        what = ("join", [])
-        while True:
-            entry = self._begin("join", [], 0)
-            active, last = t.wait_joined(ticket, what)
-            flight.agreed(entry)
-            if not active:
-                flight.ended(entry)
-                return last & ((1 << _RANK_BITS) - 1)
-            records = t.allgather_records(None, what)
-            rec = next(r for r in records if r is not None)
-            flight.relabel(entry, f"join: {rec['op']}", [k for k, _, _ in rec["keys"]],
-                           sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
-                               for _, shape, dtype in rec["keys"]))
-            if explain(records) is None:
-                self._replay(rec)
-            flight.ended(entry)
-
-    def _replay(self, rec):
-        """A joined rank's part in another rank's call (its ``record``): zeros in."""
-        op = rec["op"]
-        if op not in JOINABLE:
-            return  # the callers raise
-        if op == "barrier":
-            self._transport.barrier(("barrier", []))
-            return
-        keys = [k for k, _, _ in rec["keys"]]
-        engine = self._engine
-        if op == "gather_gradients":
-            engine.gather_grads(op, keys)
-            return
-        # Zeros pushed from the key list's own gradient buffers, if it has them, leave
-        # the owned sums there, as a zero-copy push does on the other ranks.
-        bufs = None if op == "pull" else engine.zero_copy_views(keys)
-        if bufs is not None:
-            for key in keys:
-                bufs[key][...] = 0
-        items = [Item(key, outs=[], shape=tuple(shape), dtype=np.dtype(dtype),
-                      values=([] if op == "pull" else
-                              [engine.zeros_of(key) if bufs is None else bufs[key]]))
-                 for key, shape, dtype in rec["keys"]]
-        engine.follow_optimizer(rec["settings"].get("optimizer"))
-        call = Call(op, items=items, settings=rec["settings"])
-        call.zero_copy = bufs is not None
-        self._job(call, op != "pull", op != "push", False)()
+        return self._protocol.join()
 
     # -- local settings --------------------------------------------------
     def set_updater(self, updater):
@@ -477,7 +425,7 @@ class KVStore(ClosesAfterWith):
         """
         if updater is not None and not callable(updater):
             raise TypeError(f"updater must be callable, not {type(updater).__name__}")
-        self._executor.drain()
+        self._protocol.wait()
         self._engine.set_updater(updater)
 
     _set_updater = set_updater
@@ -498,7 +446,7 @@ class KVStore(ClosesAfterWith):
         else:
             call.fail(errors.OptimizerError, None, f"set_optimizer needs an "
                       f"mpikv.optimizer.Optimizer, not {type(optimizer).__name__}")
-        self._collective(call, lambda: self._install_optimizer(optimizer))
+        self._protocol.collective(call, lambda: self._install_optimizer(optimizer))
 
     def set_gradient_compression(self, compression_params):
         """Compresses the gradients of every later push and pushpull; collective.
@@ -537,7 +485,7 @@ class KVStore(ClosesAfterWith):
             call.fail(errors.InputError, None, f"{compression.NOT_SUPPORTED} ({self._type!r}; "
                       f"use 'device' or a dist_* store)")
         call.settings["compression"] = compression.describe(config)
-        self._collective(call, lambda: self._engine.set_compression(
+        self._protocol.collective(call, lambda: self._engine.set_compression(
             config, per_device=self._type == "device"))
 
     def is_capable(self, capability):
@@ -559,7 +507,7 @@ class KVStore(ClosesAfterWith):
                     settings={"fname": str(fname), "dump_optimizer": bool(dump_optimizer)})
         if self._engine.optimizer is None:
             call.fail(errors.OptimizerError, None, "no optimizer is set (use set_optimizer)")
-        self._collective(call, lambda: checkpoint.save(self._engine, str(fname),
+        self._protocol.collective(call, lambda: checkpoint.save(self._engine, str(fname),
                                                        "optimizer_states", False, dump_optimizer))
 
     def load_optimizer_states(self, fname):
@@ -569,7 +517,7 @@ class KVStore(ClosesAfterWith):
         set and the file holds one (``dump_optimizer=True``), it is used.
         """
         call = Call("load_optimizer_states", settings={"fname": str(fname)})
-        self._collective(call, lambda: checkpoint.load(self._engine, str(fname),
+        self._protocol.collective(call, lambda: checkpoint.load(self._engine, str(fname),
                                                        "optimizer_states", False))
 
     def save_checkpoint(self, fname):
@@ -579,7 +527,7 @@ class KVStore(ClosesAfterWith):
         (a job killed while saving leaves the previous save whole).
         """
         call = Call("save_checkpoint", settings={"fname": str(fname)})
-        self._collective(call, lambda: checkpoint.save(self._engine, str(fname),
+        self._protocol.collective(call, lambda: checkpoint.save(self._engine, str(fname),
                                                        "checkpoint", True, True))
 
     def load_checkpoint(self, fname):
@@ -590,7 +538,7 @@ class KVStore(ClosesAfterWith):
         the one set on the store, else the file's.
         """
         call = Call("load_checkpoint", settings={"fname": str(fname)})
-        self._collective(call, lambda: checkpoint.load(self._engine, str(fname),
+        self._protocol.collective(call, lambda: checkpoint.load(self._engine, str(fname),
                                                        "checkpoint", True))
 
     def optimizer_state_nbytes(self):
@@ -623,7 +571,7 @@ class KVStore(ClosesAfterWith):
                for i in call.items):
             call.fail(errors.DTypeError, None, "float16 and bfloat16 keys are summed in "
                       "float32: they have no zero-copy buffers")
-        views = self._collective(call, lambda: self._engine.gradient_buffers(
+        views = self._protocol.collective(call, lambda: self._engine.gradient_buffers(
             call.keys, self._options.shared_memory))
         out = [views[k] for k in call.user_keys]
         return out[0] if single else out
@@ -648,7 +596,7 @@ class KVStore(ClosesAfterWith):
         """
         single = not isinstance(keys, (list, tuple))
         call = self._read("value_buffers", [keys] if single else list(keys))
-        views = self._collective(call, lambda: self._engine.value_views(call.keys))
+        views = self._protocol.collective(call, lambda: self._engine.value_views(call.keys))
         out = [views[k] for k in call.user_keys]
         return out[0] if single else out
 
@@ -669,34 +617,25 @@ class KVStore(ClosesAfterWith):
         if not call.errors and self._engine.zero_copy_views(call.keys) is None:
             call.fail(errors.ValueTypeError, None, "gather_gradients needs keys whose "
                       "gradient_buffers were made (for this key list)")
-        self._collective(call, lambda: self._engine.gather_grads(call.op, call.keys))
-
-    def _background_error(self, text):
-        from .deadline import EXCEPTION_EXIT_CODE, abort
-        abort(f"mpikv: rank {self.rank}: {text}", EXCEPTION_EXIT_CODE)
+        self._protocol.collective(call, lambda: self._engine.gather_grads(call.op, call.keys))
 
     def _install_optimizer(self, optimizer):
         self._engine.set_optimizer(optimizer)
 
     # -- internals -------------------------------------------------------
-    def _lookup(self, key):
-        return self._engine.lookup(key)
-
     def _read(self, op, key, values=None, outs=None, **kw):
         return self._reader.read(op, key, values, outs, **kw)
 
     def _push_call(self, op, key, value, priority, out=None):
         settings = self._push_settings(priority)
-        fast = (self._zero_copy.get((op, tuple(key), tuple(map(type, key))))
-                if out is None and type(key) is list else None)
-        remember = False
-        if fast is not None and fast.matches(value) and type(priority) is int:
-            call = fast.call(settings)
-        else:
+        routes = self._protocol.routes
+        call = (routes.zero_copy_call(op, key, value, settings)
+                if out is None and type(priority) is int else None)
+        remember = call is None and out is None
+        if call is None:
             call = self._read(op, key, value, out, need_values=True,
                               need_outs=op == "pushpull" and out is not None,
                               outs_default_values=op == "pushpull", settings=settings)
-            remember = out is None and type(key) is list
         e = self._engine
         if e.optimizer is not None and not call.errors:
             bad = e.int_keys_in(call.keys)
@@ -709,131 +648,13 @@ class KVStore(ClosesAfterWith):
                 from .compression import FLOAT32_ONLY
                 call.fail(errors.DTypeError, bad.key, f"key {bad.key!r} holds {bad.dtype}: "
                           f"{FLOAT32_ONLY}")
-        if remember and not call.errors:
-            self._remember_zero_copy(op, key, value, call)
+        if remember:
+            routes.remember_zero_copy(op, key, value, call)
         return call
-
-    def _remember_zero_copy(self, op, key, value, call):
-        """Caches a call that hands over exactly the zero-copy buffers of its keys.
-
-        Such a call is then read with one identity check per key: its keys,
-        shapes and dtypes cannot have changed, since the buffers are the store's.
-        """
-        views = self._engine.zero_copy_views(call.keys)
-        # Identity, not same memory: a torch tensor can be pointed at other memory
-        # later, and a remembered call is not checked again.
-        if views is None or not all(len(i.values) == 1 and i.values[0] is views[i.key]
-                                    for i in call.items):
-            return
-        self._zero_copy[(op, tuple(key), tuple(map(type, key)))] = _ZeroCopyCall(
-            op, list(value), call)
 
     def _pull_call(self, key, out, priority):
         return self._read("pull", key, outs=out, need_outs=True,
                           settings={"priority": priority})
-
-    def _job(self, call, push, pull, background):
-        """The data movement of an agreed call, as a function of no arguments.
-
-        ``background``: it may run on the worker thread, which then needs the
-        caller's GPU and streams handed over (:func:`mpikv.backends.handover`).
-        """
-        engine, op, items = self._engine, call.op, call.items
-        order = _bucket_order(call)
-
-        zero_copy = call.zero_copy
-
-        def job():
-            done = engine.push(op, items, order, zero_copy) if push else ()
-            # After a zero-copy push with the default updater the buffers are the
-            # stored values: nothing to pull.
-            if pull and not (zero_copy and engine.updater_kind is None):
-                engine.pull(op, items, order, done)
-        gpu = None
-        if background:  # (engine.gpus scans the keys: only for stores holding GPU values)
-            gpu = backends.handover(_arrays(items), engine.on_gpu,
-                                    engine.gpus if engine.on_gpu else ())
-        if gpu is None:
-            return job
-
-        def job_on_gpu():
-            with gpu:
-                job()
-        return job_on_gpu
-
-    def _collective(self, call, action):
-        """The skeleton of every collective call: the call was read (into ``call``);
-        the ranks agree on it; background calls drain; ``action()`` runs.
-
-        Returns:
-            what ``action`` returns.
-        """
-        entry = self._agree(call, call.blob)
-        self._executor.drain()
-        result = action()
-        flight.ended(entry)
-        return result
-
-    def _run(self, call, push=False, pull=False, remember=None):
-        """A data call (push, pull, pushpull): agreed, then run after earlier
-        background calls, on this thread."""
-        entry = self._agree(call, call.blob)
-        job = self._job(call, push, pull, self._executor.busy)
-        self._executor.run(job, (call.op, call.keys))
-        flight.ended(entry)
-        if remember is not None and type(remember[0]) in (int, str):
-            self._remember_one_key(call, *remember)
-
-    def _one_key_call(self, op, key, value, out, priority):
-        """Runs a repeated one-key call on its remembered route; False if it has none.
-
-        The agreement is the general path's (same fingerprint), so ranks that
-        take different paths still agree, or all raise the same error.
-        """
-        if (type(key) is not int and type(key) is not str or type(priority) is not int
-                or self._failure is not None or self._closed):
-            return False
-        fast = self._one_key.get((op, key, out is None, out is value))
-        if fast is None or self._executor.busy or not fast.accepts(value, out):
-            return False
-        entry = self._begin(op, fast.what[1], priority, out if value is None else value)
-        verdict = self._transport.agree(fast.digest(priority), False, fast.what)
-        if verdict != AGREED:
-            call = (self._pull_call(key, out, priority) if op == "pull" else
-                    self._push_call(op, key, value, priority, None if out is value else out))
-            self._disagree(call, verdict == JOINED, entry)
-        flight.agreed(entry)
-        fast.run(value, out)
-        flight.ended(entry)
-        return True
-
-    def _remember_one_key(self, call, key, out):
-        """Keeps the route of a one-key call that succeeded, for its repeats."""
-        e = self._engine
-        if e.optimizer is not None or call.errors or len(call.items) != 1:
-            return
-        item = call.items[0]
-        value = item.values[0] if item.values else None
-        target = item.outs[0] if item.outs else None
-        if value is not None and (len(item.values) != 1 or type(value) is not np.ndarray):
-            return
-        if target is not None and (len(item.outs) != 1 or type(target) is not np.ndarray):
-            return
-        route = e.one_key_route(item.key)
-        if route is not None:
-            from ._onekey import OneKeyCall
-            self._one_key[(call.op, key, target is None, target is value)] = OneKeyCall(
-                e, call, route)
-
-    def _submit(self, call, push=False, pull=False):
-        entry = self._agree(call, call.blob)
-        job = self._job(call, push, pull, self._executor.threaded)
-        if entry is not None:
-            def traced(run=job):
-                run()
-                flight.ended(entry)
-            job = traced
-        return self._executor.submit(job, (call.op, call.keys))
 
     def _push_settings(self, priority):
         e = self._engine
@@ -845,106 +666,9 @@ class KVStore(ClosesAfterWith):
             settings["compression"] = e.compression.setting
         return settings
 
-    def _agree(self, call, blob=None):
-        """Raises the same MPIKVError on every rank unless all ranks made this call right."""
-        what = (call.op, call.keys)
-        if self._closed:   # the same on every rank: close() is collective
-            raise errors.InputError(f"{call.op}: the store is closed (close() was called)")
-        if self._failure is not None:  # an adapter's check failed (fail_next_call)
-            (cls, message), self._failure = self._failure, None
-            call.errors.insert(0, (cls.__name__, None, message))
-        entry = self._begin(call.op, call.keys, call.settings.get("priority", 0), call.items)
-        verdict = self._transport.agree(fingerprint(call, blob), bool(call.errors), what)
-        if verdict != AGREED:
-            self._disagree(call, verdict == JOINED, entry)
-        flight.agreed(entry)
-        return entry
-
-    def _begin(self, op, keys, priority, data=()):
-        """The call's flight-recorder entry (None for a local store).
-
-        ``data``: the call's items, or its one array; their bytes are counted
-        only when the store records.
-        """
-        if self._trace_id is None:
-            return None
-        self._calls += 1
-        nbytes = data.nbytes if isinstance(data, np.ndarray) else _nbytes(data)
-        return flight.RECORDER.begin(self._trace_id, self._calls, op, keys, nbytes, priority)
-
-    def _disagree(self, call, joined=False, entry=None):
-        """After an agreement that failed, or that found joined ranks: every rank's
-        record; one message, raised everywhere, or (joined ranks) the call goes on."""
-        what = (call.op, call.keys)
-        records = self._transport.allgather_records(record(call), what)
-        verdict = explain(records)
-        if verdict is None and joined and call.op not in JOINABLE:
-            verdict = (errors.MismatchError, (
-                f"{call.op}: {format_ranks([r for r, rec in enumerate(records) if rec is None])} "
-                f"joined (kv.join()); until every rank has, only {', '.join(JOINABLE)} can run"))
-        if verdict is None and joined:
-            return
-        if verdict is None:  # fingerprints differed in a way explain() does not name
-            verdict = (errors.MismatchError, f"{call.op}: ranks made different calls")
-        cls, message = verdict
-        flight.failed(entry, cls.__name__)
-        raise cls(f"{message}; nothing was applied")
-
     def __repr__(self):
         return (f"<mpikv.KVStore type={self._type!r} rank={self.rank} "
                 f"num_workers={self.num_workers} keys={len(self._engine.entries)}>")
-
-
-class _ZeroCopyCall:
-    """A remembered push or pushpull of a key list's zero-copy buffers."""
-
-    def __init__(self, op, values, call):
-        self.values = values
-        self.template = call
-        self.blob = keys_blob(call)
-
-    def matches(self, values):
-        # The sum is written into the buffers: one made read-only since is read
-        # again (and refused) by the general path.
-        return (type(values) in (list, tuple) and len(values) == len(self.values)
-                and all(map(operator.is_, values, self.values))
-                and all(getattr(getattr(v, "flags", None), "writeable", True) for v in values))
-
-    def call(self, settings):
-        t = self.template
-        call = Call(t.op, items=t.items, settings=settings, user_keys=t.user_keys)
-        call.blob = self.blob
-        call.zero_copy = True
-        call._keys = t.keys
-        return call
-
-
-#: the low bits of a join ticket hold the rank
-_RANK_BITS = 20
-#: numbers the distributed stores of this process for the flight recorder
-_DIST_STORES = itertools.count()
-
-
-def _nbytes(items):
-    """The bytes of a call: each key's first value (or output)."""
-    total = 0
-    for item in items:
-        arrays = item.values or item.outs
-        if arrays:
-            total += arrays[0].nbytes
-    return total
-
-
-def _arrays(items):
-    return [a for item in items for arrays in (item.values, item.outs) for a in arrays]
-
-
-def _bucket_order(call):
-    """key -> priority when a call gives one priority per key, else None."""
-    priority = call.settings.get("priority", 0)
-    if isinstance(priority, list):
-        return dict(zip(call.keys, priority))  # canonical order (see calls.CallReader)
-    return None
 
 
 __all__ = ["create", "KVStore", "Handle", "STORE_TYPES"]

@@ -1,0 +1,301 @@
+"""The life of a store's collective call: agree, run, record, end; and join.
+
+:class:`mpikv.KVStore` reads a call's arguments into a checked
+:class:`~mpikv.calls.Call`; everything after that happens here, the same way
+for every call:
+
+1. **agree**: the ranks compare fingerprints of their calls in one small
+   collective (:meth:`mpikv.transport.base.Transport.agree`); if any rank's
+   call is bad or differs, every rank raises the same error, nothing applied;
+2. **run**: the data moves (:class:`mpikv.engine.Engine`) on this thread, or
+   on the store's worker thread for asynchronous calls, after the calls made
+   before it;
+3. **record / end**: the flight recorder (:mod:`mpikv.flight`) notes each step.
+
+A rank that has run out of data :meth:`~Protocol.join` s: it replays the
+other ranks' calls with zeros until every rank has joined.
+"""
+
+import itertools
+
+import numpy as np
+
+from . import backends, errors, flight
+from ._executor import Executor
+from ._routes import Routes
+from .agreement import explain, fingerprint, format_ranks, record
+from .calls import Call, Item
+from .transport.base import AGREED, JOINED
+
+#: the calls that ranks which have not joined may make while others have
+JOINABLE = ("push", "pull", "pushpull", "barrier", "gather_gradients")
+#: the low bits of a join ticket hold the rank
+_RANK_BITS = 20
+#: numbers the distributed stores of this process for the flight recorder
+_DIST_STORES = itertools.count()
+
+
+class Protocol:
+    """Runs a store's checked calls on every rank alike.
+
+    Args:
+        transport: the store's transport.
+        engine: the store's :class:`mpikv.engine.Engine`.
+    """
+
+    def __init__(self, transport, engine):
+        self.transport = transport
+        self.engine = engine
+        self.routes = Routes(engine)
+        self._executor = Executor(transport.threaded, self._background_error)
+        # The flight recorder numbers distributed stores in creation order (the same
+        # on every rank: creation is collective) and their calls in call order.
+        self._trace_id = next(_DIST_STORES) if transport.size > 1 else None
+        self._calls = 0
+        self._failure = None   # (error class, message) of fail_next_call, or None
+        self.closed = False
+
+    # -- what every call goes through ------------------------------------------
+    def fail_next_call(self, exc_class, message):
+        """This rank's next call fails on every rank (see :meth:`mpikv.KVStore.fail_next_call`)."""
+        self._failure = (exc_class, str(message))
+
+    def collective(self, call, action):
+        """A call that is not a data movement: agreed, background calls drained,
+        ``action()`` run. Returns what ``action`` returns."""
+        entry = self._agree(call)
+        self._executor.drain()
+        result = action()
+        flight.ended(entry)
+        return result
+
+    def run(self, call, push=False, pull=False, remember=None):
+        """A data call (push, pull, pushpull): agreed, then run on this thread after
+        earlier background calls.
+
+        Args:
+            remember: ``(key, out)`` of a one-key call, whose route is then kept
+                for its repeats (see :meth:`one_key`).
+        """
+        entry = self._agree(call)
+        job = self._job(call, push, pull, self._executor.busy)
+        self._executor.run(job, (call.op, call.keys))
+        flight.ended(entry)
+        if remember is not None and type(remember[0]) in (int, str):
+            self.routes.remember_one_key(call, *remember)
+
+    def submit(self, call, push=False, pull=False):
+        """A data call in the background: agreed now; returns its :class:`Handle`."""
+        entry = self._agree(call)
+        job = self._job(call, push, pull, self._executor.threaded)
+        if entry is not None:
+            def traced(run=job):
+                run()
+                flight.ended(entry)
+            job = traced
+        return self._executor.submit(job, (call.op, call.keys))
+
+    def one_key(self, op, key, value, out, priority, general):
+        """Runs a repeated one-key call on its remembered route; False if it has none.
+
+        The agreement is the general path's (the same fingerprint), so ranks that
+        take different paths still agree, or all raise the same error.
+
+        Args:
+            general: returns the general path's checked call, for the errors of a
+                call some rank got wrong.
+        """
+        if (type(key) is not int and type(key) is not str or type(priority) is not int
+                or self._failure is not None or self.closed or self._executor.busy):
+            return False
+        route = self.routes.one_key(op, key, value, out)
+        if route is None:
+            return False
+        entry = self._begin(op, route.what[1], priority, out if value is None else value)
+        verdict = self.transport.agree(route.digest(priority), False, route.what)
+        if verdict != AGREED:
+            self._disagree(general(), verdict == JOINED, entry)
+        flight.agreed(entry)
+        route.run(value, out)
+        flight.ended(entry)
+        return True
+
+    def wait(self, handle=None):
+        """Waits for a handle, a list of handles, or (``None``) every call made so far."""
+        if handle is None:
+            self._executor.drain()
+        elif isinstance(handle, (list, tuple)):
+            for h in handle:
+                h.wait()
+        else:
+            handle.wait()
+
+    def close(self, release):
+        """Collective: background calls drain, the ranks agree, then ``release()``;
+        every later call raises on every rank."""
+        if self.closed:
+            return
+        self._executor.drain()
+
+        def end():
+            self.closed = True
+            self.routes.clear()
+            self._executor.stop()
+            release()
+        self.collective(Call("close"), end)
+
+    # -- join ------------------------------------------------------------------
+    def join(self):
+        """Takes part in the other ranks' calls with zeros until every rank has joined.
+
+        Returns:
+            int: the rank that joined last (see :meth:`mpikv.KVStore.join`).
+        """
+        self._executor.drain()
+        t = self.transport
+        # Larger for a later join, the same on every rank for the same moment.
+        ticket = ((t.agreements + 1) << _RANK_BITS) | t.rank
+        what = ("join", [])
+        while True:
+            entry = self._begin("join", [], 0)
+            active, last = t.wait_joined(ticket, what)
+            flight.agreed(entry)
+            if not active:
+                flight.ended(entry)
+                return last & ((1 << _RANK_BITS) - 1)
+            records = t.allgather_records(None, what)
+            rec = next(r for r in records if r is not None)
+            flight.relabel(entry, f"join: {rec['op']}", [k for k, _, _ in rec["keys"]],
+                           sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
+                               for _, shape, dtype in rec["keys"]))
+            if explain(records) is None:
+                self._replay(rec)
+            flight.ended(entry)
+
+    def _replay(self, rec):
+        """A joined rank's part in another rank's call (its ``record``): zeros in."""
+        op = rec["op"]
+        if op not in JOINABLE:
+            return  # the callers raise
+        if op == "barrier":
+            self.transport.barrier(("barrier", []))
+            return
+        keys = [k for k, _, _ in rec["keys"]]
+        engine = self.engine
+        if op == "gather_gradients":
+            engine.gather_grads(op, keys)
+            return
+        # Zeros pushed from the key list's own gradient buffers, if it has them, leave
+        # the owned sums there, as a zero-copy push does on the other ranks.
+        bufs = None if op == "pull" else engine.zero_copy_views(keys)
+        if bufs is not None:
+            for key in keys:
+                bufs[key][...] = 0
+        items = [Item(key, outs=[], shape=tuple(shape), dtype=np.dtype(dtype),
+                      values=([] if op == "pull" else
+                              [engine.zeros_of(key) if bufs is None else bufs[key]]))
+                 for key, shape, dtype in rec["keys"]]
+        engine.follow_optimizer(rec["settings"].get("optimizer"))
+        call = Call(op, items=items, settings=rec["settings"])
+        call.zero_copy = bufs is not None
+        self._job(call, op != "pull", op != "push", False)()
+
+    # -- the steps -------------------------------------------------------------
+    def _job(self, call, push, pull, background):
+        """The data movement of an agreed call, as a function of no arguments.
+
+        ``background``: it may run on the worker thread, which then needs the
+        caller's GPU and streams handed over (:func:`mpikv.backends.handover`).
+        """
+        engine, op, items = self.engine, call.op, call.items
+        order = _bucket_order(call)
+        zero_copy = call.zero_copy
+
+        def job():
+            done = engine.push(op, items, order, zero_copy) if push else ()
+            # After a zero-copy push with the default updater the buffers are the
+            # stored values: nothing to pull.
+            if pull and not (zero_copy and engine.updater_kind is None):
+                engine.pull(op, items, order, done)
+        gpu = None
+        if background:  # (engine.gpus scans the keys: only for stores holding GPU values)
+            gpu = backends.handover(_arrays(items), engine.on_gpu,
+                                    engine.gpus if engine.on_gpu else ())
+        if gpu is None:
+            return job
+
+        def job_on_gpu():
+            with gpu:
+                job()
+        return job_on_gpu
+
+    def _agree(self, call):
+        """Raises the same MPIKVError on every rank unless all ranks made this call right."""
+        what = (call.op, call.keys)
+        if self.closed:   # the same on every rank: close() is collective
+            raise errors.InputError(f"{call.op}: the store is closed (close() was called)")
+        if self._failure is not None:  # an adapter's check failed (fail_next_call)
+            (cls, message), self._failure = self._failure, None
+            call.errors.insert(0, (cls.__name__, None, message))
+        entry = self._begin(call.op, call.keys, call.settings.get("priority", 0), call.items)
+        verdict = self.transport.agree(fingerprint(call, call.blob), bool(call.errors), what)
+        if verdict != AGREED:
+            self._disagree(call, verdict == JOINED, entry)
+        flight.agreed(entry)
+        return entry
+
+    def _begin(self, op, keys, priority, data=()):
+        """The call's flight-recorder entry (None for a local store).
+
+        ``data``: the call's items, or its one array; their bytes are counted
+        only when the store records.
+        """
+        if self._trace_id is None:
+            return None
+        self._calls += 1
+        nbytes = data.nbytes if isinstance(data, np.ndarray) else _nbytes(data)
+        return flight.RECORDER.begin(self._trace_id, self._calls, op, keys, nbytes, priority)
+
+    def _disagree(self, call, joined=False, entry=None):
+        """After an agreement that failed, or that found joined ranks: every rank's
+        record; one message, raised everywhere, or (joined ranks) the call goes on."""
+        what = (call.op, call.keys)
+        records = self.transport.allgather_records(record(call), what)
+        verdict = explain(records)
+        if verdict is None and joined and call.op not in JOINABLE:
+            verdict = (errors.MismatchError, (
+                f"{call.op}: {format_ranks([r for r, rec in enumerate(records) if rec is None])} "
+                f"joined (kv.join()); until every rank has, only {', '.join(JOINABLE)} can run"))
+        if verdict is None and joined:
+            return
+        if verdict is None:  # fingerprints differed in a way explain() does not name
+            verdict = (errors.MismatchError, f"{call.op}: ranks made different calls")
+        cls, message = verdict
+        flight.failed(entry, cls.__name__)
+        raise cls(f"{message}; nothing was applied")
+
+    def _background_error(self, text):
+        from .deadline import EXCEPTION_EXIT_CODE, abort
+        abort(f"mpikv: rank {self.transport.rank}: {text}", EXCEPTION_EXIT_CODE)
+
+
+def _nbytes(items):
+    """The bytes of a call: each key's first value (or output)."""
+    total = 0
+    for item in items:
+        arrays = item.values or item.outs
+        if arrays:
+            total += arrays[0].nbytes
+    return total
+
+
+def _arrays(items):
+    return [a for item in items for arrays in (item.values, item.outs) for a in arrays]
+
+
+def _bucket_order(call):
+    """key -> priority when a call gives one priority per key, else None."""
+    priority = call.settings.get("priority", 0)
+    if isinstance(priority, list):
+        return dict(zip(call.keys, priority))  # canonical order (see calls.CallReader)
+    return None
