@@ -14,10 +14,11 @@ case: uncompressed (the ``allreduce`` strategy, the measured default), 2-bit
 ``kv.push`` + ``kv.pull`` with SGD on the owners.
 
 Bytes: what one call brings to a rank (the largest over ranks; "push": the
-push alone, without the pull of mode ``sgd``), counted by
-:mod:`mpikv.transport.counting` (payload received; reductions as their
-bandwidth-optimal algorithms move them). Time: the median over iterations of
-the slowest rank, every case interleaved with the others in each iteration.
+push alone, without the pull of mode ``sgd``), counted by ``kv.count_bytes()``
+and, for raw mpi4py, :class:`mpikv.transport.counting.CountingComm` (payload
+received; reductions as their bandwidth-optimal algorithms move them). Time:
+the median over iterations of the slowest rank, every case interleaved with
+the others in each iteration.
 "vs none" is the uncompressed case's figure over the case's (above 1: fewer
 bytes, or faster).
 
@@ -50,7 +51,7 @@ def bench_compression(sizes_kib, mode, iterations, comm):
     from mpi4py import MPI
 
     import mpikv
-    from mpikv.transport.counting import CountingComm, counting
+    from mpikv.transport.counting import CountingComm
 
     rows = []
     for kib in sizes_kib:
@@ -87,9 +88,9 @@ def bench_compression(sizes_kib, mode, iterations, comm):
         moved, pushed = {}, {}
         for case, kv in stores.items():
             call(kv)   # a key's first push sets up its buffers
-            with counting(kv) as by_push:
+            with kv.count_bytes() as by_push:
                 push(kv)
-            with counting(kv) as by_pull:
+            with kv.count_bytes() as by_pull:
                 pull(kv)
             moved[case] = max(comm.allgather(by_push.bytes + by_pull.bytes))
             pushed[case] = max(comm.allgather(by_push.bytes))

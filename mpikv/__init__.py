@@ -1,10 +1,9 @@
 """mpikv: MXNet's KVStore API on MPI, with no parameter servers."""
 
 from ._executor import Handle
+from ._version import __version__
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
-
-__version__ = "0.1.0"
 
 __all__ = ["create", "Handle", "__version__", *_errors_all]
 

@@ -9,7 +9,8 @@ from mpi4py only once MPI is up, else from the launcher's environment.
 
 import logging
 import os
-import sys
+
+from .transport import world
 
 #: Environment variables launchers set to a process's rank (PMIx, Open MPI, MPICH/Hydra).
 RANK_ENV = ("PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -26,15 +27,12 @@ def rank_label(environ=None):
     """This process's rank as ``"R/N"``, ``"R"`` (size unknown) or ``"-"`` (unknown).
 
     Uses ``MPI.COMM_WORLD`` if mpi4py is imported and MPI is initialised and
-    not finalised; otherwise the launcher's environment variables.
+    not finalised (:func:`mpikv.transport.world.rank_label`); otherwise the
+    launcher's environment variables.
     """
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None:
-        try:
-            if mpi.Is_initialized() and not mpi.Is_finalized():
-                return f"{mpi.COMM_WORLD.Get_rank()}/{mpi.COMM_WORLD.Get_size()}"
-        except Exception:  # a broken MPI must not break logging
-            pass
+    label = world.rank_label()
+    if label is not None:
+        return label
     env = os.environ if environ is None else environ
     rank = next((env[v] for v in RANK_ENV if env.get(v, "").isdigit()), None)
     if rank is None:

@@ -18,7 +18,8 @@ import copy
 
 import numpy as np
 
-from . import __version__, backends, dtypes, statefile
+from . import backends, dtypes, statefile
+from ._version import __version__
 from .engine import Entry
 from .errors import MPIKVError, OptimizerError, StateFileError
 from .optimizer import COUNT, from_config

@@ -5,7 +5,7 @@ calls of its distributed stores in a ring: the operation, the first keys and
 their count, the bytes, the priority, and when the call started, when the
 ranks agreed on it and when it ended. When the job is ended (a timeout, an
 uncaught exception), every rank prints its ring, or writes it to
-``MPIKV_TRACE_DIR/rank-N.json`` (see :mod:`mpikv.deadline`), and
+``MPIKV_TRACE_DIR/rank-N.json`` (see :mod:`mpikv.transport.watchdog`), and
 ``mpikv trace DIR`` merges the files into one view per call.
 
 Pure: no MPI here.

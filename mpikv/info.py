@@ -3,7 +3,8 @@
     python -m mpikv info
     scripts/mpirun.sh -n 4 python -m mpikv info --json
 
-Collective over ``MPI.COMM_WORLD`` (hosts are gathered); only rank 0 prints.
+Collective over ``MPI.COMM_WORLD`` (hosts are gathered, by
+:mod:`mpikv.transport.world`); only rank 0 prints.
 CUDA-awareness of the MPI library is a best guess: ``MPIKV_CUDA_AWARE=0|1``
 overrides it; otherwise Open MPI is asked through ``ompi_info`` (the one next
 to the Python interpreter, else on ``PATH``); other libraries are "unknown".
@@ -21,9 +22,6 @@ import sys
 
 from .agreement import format_ranks
 
-CUDA_AWARE_ENV = "MPIKV_CUDA_AWARE"
-_THREAD_LEVELS = ("THREAD_SINGLE", "THREAD_FUNNELED", "THREAD_SERIALIZED", "THREAD_MULTIPLE")
-
 
 def cuda_aware(library_version, environ=None, ompi_info=None):
     """Whether the MPI library takes GPU buffers: ``(True | False | None, how we know)``.
@@ -39,13 +37,13 @@ def cuda_aware(library_version, environ=None, ompi_info=None):
     """
     from . import cuda
     env = os.environ if environ is None else environ
-    raw = env.get(CUDA_AWARE_ENV, "").strip()
+    raw = env.get(cuda.ENV, "").strip()
     try:
         override = cuda.parse_env(env)
     except ValueError:
-        return None, f"{CUDA_AWARE_ENV}={raw!r} is not 0 or 1"
+        return None, f"{cuda.ENV}={raw!r} is not 0 or 1"
     if override is not None:
-        return override, f"{CUDA_AWARE_ENV}={raw}"
+        return override, f"{cuda.ENV}={raw}"
     if "Open MPI" not in library_version:
         return None, "only Open MPI can be asked (set MPIKV_CUDA_AWARE=0 or 1)"
     tool = ompi_info or cuda.find_ompi_info(env)
@@ -99,34 +97,26 @@ def collect(comm=None):
     Args:
         comm: an mpi4py intra-communicator (default ``MPI.COMM_WORLD``).
     """
-    import mpi4py
     import numpy
-    from mpi4py import MPI
 
-    from . import __version__
-    comm = MPI.COMM_WORLD if comm is None else comm
-    names = comm.gather(MPI.Get_processor_name(), root=0)
+    from ._version import __version__
+    from .transport.world import job_facts
+    mpi = job_facts(comm)          # collective: gathers the hosts
     table = tuning_in_force(comm)   # collective
-    if comm.Get_rank() != 0:
+    if mpi is None:
         return None
-    hosts = {}
-    for rank, host in enumerate(names):
-        hosts.setdefault(host, []).append(rank)
-    library = MPI.Get_library_version().rstrip("\x00").strip()
-    level = MPI.Query_thread()
-    thread = next((f"MPI_{n}" for n in _THREAD_LEVELS if getattr(MPI, n) == level), str(level))
-    aware, how = cuda_aware(library)
+    aware, how = cuda_aware(mpi["mpi_library"])
     return {
         "mpikv": __version__,
         "python": platform.python_version(),
         "python_executable": sys.executable,
         "numpy": numpy.__version__,
-        "mpi4py": mpi4py.__version__,
-        "mpi_library": library,
-        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
-        "thread_level": thread,
-        "size": comm.Get_size(),
-        "hosts": hosts,
+        "mpi4py": mpi["mpi4py"],
+        "mpi_library": mpi["mpi_library"],
+        "mpi_standard": mpi["mpi_standard"],
+        "thread_level": mpi["thread_level"],
+        "size": mpi["size"],
+        "hosts": mpi["hosts"],
         "cuda_aware_mpi": aware,
         "cuda_aware_mpi_source": how,
         "cupy": _module("cupy"),
@@ -156,7 +146,8 @@ def tuning_in_force(comm):
         key = tuning.cache_key(transport)
         path = tuning.cache_path(key)
         found = tuning.read_cache(path, key) if transport.rank == 0 else None
-        found = comm.bcast(None if found is None else (found.to_json(), found.source), root=0)
+        found = transport.bcast_record(None if found is None else (found.to_json(), found.source),
+                                       0, ("info", []))
         if found is not None:
             table = tuning.Table.from_json(*found)
         else:

@@ -176,8 +176,7 @@ def measure(transport, sizes=SIZES, reps=3, budget_s=None, progress=None):
     Returns:
         ``{(mode, size): {name: seconds}}``
     """
-    from mpi4py import MPI
-    comm = transport.comm
+    what = ("tune", [])
     start = time.perf_counter()
     times = {}
     made = {}
@@ -198,16 +197,16 @@ def measure(transport, sizes=SIZES, reps=3, budget_s=None, progress=None):
                         red = made[name] = reducers.make(name, transport, transport_piece(transport))
                     if mode == IN_PLACE:
                         dst[...] = src
-                    comm.Barrier()
+                    transport.barrier(what)
                     t = time.perf_counter()
-                    red.allreduce(dst, None if mode == IN_PLACE else src, ("tune", []))
-                    dt = comm.allreduce(time.perf_counter() - t, op=MPI.MAX)
+                    red.allreduce(dst, None if mode == IN_PLACE else src, what)
+                    dt = max(transport.allgather_records(time.perf_counter() - t, what))
                     if rep:
                         samples[name].append(dt)
             for name, ts in samples.items():
                 times.setdefault((mode, size), {})[name] = float(np.median(ts))
         if budget_s is not None:
-            over = comm.bcast(time.perf_counter() - start > budget_s, root=0)
+            over = transport.bcast_record(time.perf_counter() - start > budget_s, 0, what)
             if over:
                 break
     for red in made.values():
@@ -224,14 +223,12 @@ def transport_piece(transport):
 # -- the cache -------------------------------------------------------------
 def cache_key(transport):
     """What a table depends on; collective (gathers host names)."""
-    comm = transport.comm
-    hosts = comm.allgather(socket.gethostname())
+    hosts = transport.allgather_records(socket.gethostname(), ("tune", []))
     per_host = {}
     for h in hosts:
         per_host[h] = per_host.get(h, 0) + 1
-    from mpi4py import MPI
     return {"library": transport.library.splitlines()[0] if transport.library else "?",
-            "mpi_version": "%d.%d" % MPI.Get_version(), "ranks": transport.size,
+            "mpi_version": transport.mpi_version, "ranks": transport.size,
             "ranks_per_node": sorted(per_host.values()), "hosts": sorted(per_host)}
 
 
@@ -305,14 +302,15 @@ def resolve(transport, reducer="auto", autotune=True):
         return forced("allreduce", "one rank: nothing to tune")
     key = cache_key(transport)
     memo = (json.dumps(key, sort_keys=True), bool(autotune))
-    comm = transport.comm
+    what = ("tune", [])
     path = cache_path(key)
     table = None
     if transport.rank == 0:
         # Only rank 0's memo counts: another rank may not have met this layout yet
         # (a store on a sub-communicator), and the bcast below must run everywhere.
         table = _resolved.get(memo) or read_cache(path, key)
-    found = comm.bcast(None if table is None else (table.to_json(), table.source), root=0)
+    found = transport.bcast_record(None if table is None else (table.to_json(), table.source),
+                                   0, what)
     if found is not None:
         table = Table.from_json(found[0], found[1])
     elif autotune:
@@ -325,7 +323,7 @@ def resolve(transport, reducer="auto", autotune=True):
             else:
                 table.source = f"probe at the store's creation (cached in {path})"
         # rank 0's table for everyone: timings differ a little between ranks
-        data = comm.bcast((table.to_json(), table.source), root=0)
+        data = transport.bcast_record((table.to_json(), table.source), 0, what)
         table = Table.from_json(*data)
     else:
         table = default_table()

@@ -10,7 +10,7 @@ is a numpy array even for GPU weights.
 """
 
 from .base import (COUNT, MASTER, Optimizer, PendingUpdate, compute_dtype, create,
-                   from_config, register)
+                   from_config, register, unregister)
 from .sgd import NAG, SGD
 from .adam import Adam, AdamW
 from .rmsprop import RMSProp
@@ -21,7 +21,7 @@ from .updater import Updater, get_updater
 
 __all__ = [
     "COUNT", "MASTER", "Optimizer", "PendingUpdate", "compute_dtype", "create", "from_config",
-    "register", "SGD", "NAG", "Adam", "AdamW", "RMSProp", "LAMB", "LRScheduler",
+    "register", "unregister", "SGD", "NAG", "Adam", "AdamW", "RMSProp", "LAMB", "LRScheduler",
     "FactorScheduler", "MultiFactorScheduler", "CosineScheduler", "PolyScheduler",
     "lr_scheduler_from_config", "Updater", "get_updater",
 ]

@@ -46,6 +46,17 @@ def register(cls):
     return cls
 
 
+def unregister(name):
+    """Removes the optimizer registered under ``name`` (case-insensitive), if any.
+
+    For code that registers an optimizer for a while, such as a test.
+
+    Returns:
+        The class removed, or None.
+    """
+    return _REGISTRY.pop(name.lower(), None)
+
+
 def create(name, **kwargs):
     """Instantiates a registered optimizer by case-insensitive name.
 

@@ -1,13 +1,14 @@
 """Hierarchical: ``Reduce`` within each node, ``Allreduce`` across the nodes' leaders,
 ``Bcast`` within each node (Horovod's hierarchical allreduce)."""
 
-from mpi4py import MPI
-
 from .base import Reducer
 
 
 class HierarchicalReducer(Reducer):
-    """Only one rank per node (node rank 0) sends data between nodes, once per piece."""
+    """Only one rank per node (node rank 0) sends data between nodes, once per piece.
+
+    The MPI calls are the node group's (:class:`mpikv.transport.shm.NodeGroup`).
+    """
 
     name = "hierarchical"
 
@@ -17,15 +18,11 @@ class HierarchicalReducer(Reducer):
 
     def allreduce(self, dst, src, what):
         nodes = self.transport.nodes
-        node, leader = nodes.node, nodes.local_rank == 0
+        leader = nodes.local_rank == 0
         with self.transport.guard(what):
             for a, b in self._pieces(dst):
                 piece = dst[a:b]
-                if src is None:
-                    node.Reduce(MPI.IN_PLACE if leader else piece, piece if leader else None,
-                                op=MPI.SUM, root=0)
-                else:
-                    node.Reduce(src[a:b], piece if leader else None, op=MPI.SUM, root=0)
+                nodes.reduce_to_leader(piece, None if src is None else src[a:b])
                 if leader and nodes.nodes > 1:
-                    nodes.across.Allreduce(MPI.IN_PLACE, piece, op=MPI.SUM)
-                node.Bcast(piece, root=0)
+                    nodes.allreduce_across_(piece)
+                nodes.bcast_from_leader_(piece)

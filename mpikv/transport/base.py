@@ -52,6 +52,22 @@ class Transport(ABC):
     def allgather_records(self, record, what):
         """Returns every rank's (JSON-able) record, in rank order."""
 
+    def bcast_record(self, record, root, what):
+        """Returns ``root``'s (JSON-able) record on every rank (tuples come back as lists)."""
+        return record
+
+    def count_bytes(self):
+        """A context manager that counts the bytes the data collectives bring to this rank.
+
+        Yields an object with ``bytes`` and ``calls`` (collective name -> calls);
+        see :mod:`mpikv.transport.counting` for what is counted. Nothing is
+        counted, and nothing costs more, outside the block. This default moves
+        nothing, so its counter stays at 0. The caller makes sure no collective
+        runs on another thread meanwhile.
+        """
+        from .counting import nothing_counted
+        return nothing_counted()
+
     @abstractmethod
     def allreduce_(self, buf, what):
         """Sums ``buf`` over ranks; every rank gets the sum."""

@@ -1,8 +1,9 @@
 """Counting the bytes a store's collectives move, for tests and ``bench compression``.
 
-:func:`counting` puts a :class:`CountingComm` in front of a store's MPI
-communicator for the length of a ``with`` block; nothing is counted, and
-nothing costs more, outside one.
+:meth:`Transport.count_bytes <mpikv.transport.base.Transport.count_bytes>`
+puts a :class:`CountingComm` in front of the MPI transport's communicator for
+the length of a ``with`` block (:func:`counting_comm`); nothing is counted,
+and nothing costs more, outside one. :func:`counting` does it for a store.
 
 What is counted is the payload each collective must deliver to this rank
 (bytes received), which does not depend on the algorithm MPI picks, except
@@ -89,32 +90,44 @@ class CountingComm:
 
 
 @contextlib.contextmanager
-def counting(kv):
-    """Counts the bytes ``kv``'s collectives bring to this rank inside the block.
+def counting_comm(transport):
+    """Puts a :class:`CountingComm` in front of ``transport.comm`` inside the block.
 
-    Yields a :class:`CountingComm` (``.bytes``, ``.calls``). A local store
-    moves nothing: it yields a counter that stays at 0. Waits for the
-    store's background calls on entry and exit, so every counted call
-    started and ended inside the block.
+    What :meth:`mpikv.transport.mpi.MPITransport.count_bytes` runs; the
+    transport's own communicator comes back on exit.
     """
-    kv.wait()
-    transport = kv._transport
-    real = getattr(transport, "comm", None)
-    if real is None:
-        yield _Nothing()
-        return
+    real = transport.comm
     counter = CountingComm(real)
     transport.comm = counter
     try:
         yield counter
     finally:
-        kv.wait()
         transport.comm = real
 
 
-class _Nothing:
-    bytes = 0
-    calls = Counter()
+class Nothing:
+    """The counter of a transport that moves nothing: ``bytes`` stays 0, ``calls`` empty."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.calls = Counter()
 
 
-__all__ = ["CountingComm", "counting"]
+@contextlib.contextmanager
+def nothing_counted():
+    """Yields a :class:`Nothing` (:meth:`mpikv.transport.base.Transport.count_bytes`)."""
+    yield Nothing()
+
+
+def counting(kv):
+    """Counts the bytes ``kv``'s collectives bring to this rank inside the block.
+
+    The same as ``kv.count_bytes()`` (:meth:`mpikv.kvstore.KVStore.count_bytes`),
+    kept for the tests and benchmarks that use it. Yields the counter
+    (``.bytes``, ``.calls``); a local store moves nothing, and its counter
+    stays at 0.
+    """
+    return kv.count_bytes()
+
+
+__all__ = ["CountingComm", "Nothing", "counting", "counting_comm", "nothing_counted"]

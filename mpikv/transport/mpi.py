@@ -14,9 +14,9 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
-from ..deadline import (TIMEOUT_EXIT_CODE, Watchdog, abort, format_what, install_exception_hook,
-                        start_listener)
 from .base import AGREED, DIFFER, JOINED, Transport
+from .watchdog import (TIMEOUT_EXIT_CODE, Watchdog, abort, format_what, install_exception_hook,
+                       start_listener)
 
 _AGREE_TAG = 7
 # The agreement's words: digest (2), its complement (2), then these.
@@ -145,8 +145,7 @@ class MPITransport(Transport):
             # Blocking is 2 us faster than polling; the watchdog thread announces
             # this rank and names the missing ones if the others are late.
             dog = self._watchdog
-            if dog._thread is None:
-                dog._start()
+            dog.start()
             dog.agreement = [time.monotonic(), what, self._late]
             self.agree_comm.Allreduce(vec, out, op=MPI.MAX)
             dog.agreement = None
@@ -216,6 +215,24 @@ class MPITransport(Transport):
         with self._watchdog.watch(what):
             texts = self.agree_comm.allgather(json.dumps(record))
         return [json.loads(t) for t in texts]
+
+    def bcast_record(self, record, root, what):
+        with self._watchdog.watch(what):
+            text = self.agree_comm.bcast(json.dumps(record) if self.rank == root else None,
+                                         root=root)
+        return json.loads(text)
+
+    @property
+    def mpi_version(self):
+        """The MPI standard the library implements, ``"major.minor"`` (for the tuning cache)."""
+        return "%d.%d" % MPI.Get_version()
+
+    def count_bytes(self):
+        """Counts what the data collectives on :attr:`comm` bring to this rank
+        (:class:`~mpikv.transport.counting.CountingComm`); node shared-memory
+        traffic is not counted."""
+        from .counting import counting_comm
+        return counting_comm(self)
 
     # -- data ------------------------------------------------------------
     def _device(self, call, buf, what, copy_in=True, copy_back=True):

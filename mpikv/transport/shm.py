@@ -48,6 +48,24 @@ class NodeGroup:
         self.across = comm.Split(self.local_rank, comm.Get_rank())
         self.nodes = self.across.Get_size()
 
+    # The steps of a hierarchical sum (:mod:`mpikv.reducers.hierarchical`); host buffers.
+    def reduce_to_leader(self, dst, src=None):
+        """Sums the node's ``src`` (None: ``dst``, in place) into ``dst`` on node rank 0."""
+        leader = self.local_rank == 0
+        if src is None:
+            self.node.Reduce(MPI.IN_PLACE if leader else dst, dst if leader else None,
+                             op=MPI.SUM, root=0)
+        else:
+            self.node.Reduce(src, dst if leader else None, op=MPI.SUM, root=0)
+
+    def allreduce_across_(self, buf):
+        """Sums ``buf`` over the ranks of this node rank, one per node (all of them call it)."""
+        self.across.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+    def bcast_from_leader_(self, buf):
+        """Copies node rank 0's ``buf`` to the node's other ranks."""
+        self.node.Bcast(buf, root=0)
+
 
 class SharedArena:
     """A bucket's buffers: one segment per rank of the node, each a numpy view.

@@ -7,7 +7,6 @@ import pytest
 
 import mpikv.optimizer as opt_mod
 from mpikv.errors import OptimizerError
-from mpikv.optimizer import base
 
 NAMES = ["adam", "adamw", "lamb", "nag", "rmsprop", "sgd"]
 CLASSES = {"sgd": opt_mod.SGD, "nag": opt_mod.NAG, "adam": opt_mod.Adam,
@@ -41,8 +40,9 @@ def test_create_errors():
         opt_mod.create("sgd", gamma=0.1)
 
 
-def test_register(monkeypatch):
-    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+def test_register():
+    with pytest.raises(ValueError):
+        opt_mod.create("halve")
 
     @opt_mod.register
     class Halve(opt_mod.Optimizer):
@@ -51,15 +51,21 @@ def test_register(monkeypatch):
         def _step(self, w, g, state, lr, wd, t):
             return w / 2
 
-    opt = opt_mod.create("HALVE")
-    weight = np.full(2, 4.0)
-    opt.update(0, weight, np.zeros(2), opt.create_state(0, weight))
-    assert weight.tolist() == [2.0, 2.0]
-    assert opt_mod.from_config(opt.get_config()).get_config() == opt.get_config()
-    with pytest.warns(UserWarning):
-        opt_mod.register(type("Halve", (opt_mod.Optimizer,), {"name": "halve"}))
-    with pytest.raises(TypeError):
-        opt_mod.register(int)
+    try:
+        opt = opt_mod.create("HALVE")
+        weight = np.full(2, 4.0)
+        opt.update(0, weight, np.zeros(2), opt.create_state(0, weight))
+        assert weight.tolist() == [2.0, 2.0]
+        assert opt_mod.from_config(opt.get_config()).get_config() == opt.get_config()
+        with pytest.warns(UserWarning):
+            opt_mod.register(type("Halve", (opt_mod.Optimizer,), {"name": "halve"}))
+        with pytest.raises(TypeError):
+            opt_mod.register(int)
+    finally:
+        assert opt_mod.unregister("HALVE") is not None
+    with pytest.raises(ValueError):
+        opt_mod.create("halve")
+    assert opt_mod.unregister("halve") is None
 
 
 @pytest.mark.parametrize("name", NAMES)

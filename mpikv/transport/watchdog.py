@@ -1,0 +1,259 @@
+"""Ending the job instead of hanging: the watchdog, uncaught exceptions, ``MPI_Abort``.
+
+MPI has no timeouts, and an exception on one rank leaves the others waiting
+in a collective forever. These helpers end the whole job with ``MPI_Abort``
+after saying why on standard error, and after every rank has shown its flight
+recorder (:mod:`mpikv.flight`): the rank that ends the job asks the others
+(a small message on ``COMM_WORLD``, answered by a listener thread), so that
+its message says which call each rank was last in.
+"""
+
+import atexit
+import os
+import sys
+import threading
+import time
+import traceback
+
+from .. import flight
+
+#: Exit codes passed to MPI_Abort.
+EXCEPTION_EXIT_CODE = 1
+TIMEOUT_EXIT_CODE = 3
+
+#: tags of the flight-recorder exchange on COMM_WORLD (high: clear of users' usual tags)
+_ASK, _ANSWER = 32011, 32012
+#: how long the ending rank waits for the others' last calls
+ANSWER_WAIT = 3.0
+
+_hook_installed = False
+_aborting = threading.Lock()
+_shown = threading.Lock()      # a rank shows its ring once
+_listener = None
+
+
+def format_what(what):
+    """``("push", [3, 5])`` -> ``"push (keys 3, 5)"``, with long key lists cut short."""
+    op, keys = what
+    if not keys:
+        return op
+    shown = ", ".join(repr(k) for k in keys[:8])
+    more = f" and {len(keys) - 8} more" if len(keys) > 8 else ""
+    return f"{op} (key{'s' if len(keys) > 1 else ''} {shown}{more})"
+
+
+def abort(message, code):
+    """Prints ``message``, shows every rank's flight recorder, and aborts the job."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    if not _aborting.acquire(blocking=False):
+        time.sleep(ANSWER_WAIT + 5)   # another thread of this rank is ending the job
+        world.Abort(code)
+    sys.stderr.write(message.rstrip("\n") + "\n")
+    sys.stderr.flush()
+    try:
+        text = _last_calls(world, message.split("\n", 1)[0])
+    except Exception as exc:  # noqa: BLE001 - the report must never stop the abort
+        text = f"mpikv: (the flight recorder could not be shown: {exc!r})"
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+    world.Abort(code)
+
+
+def _show_ring(rank, reason):
+    """Prints this rank's ring, or writes it under ``MPIKV_TRACE_DIR`` (once)."""
+    calls = flight.RECORDER.entries()
+    if not _shown.acquire(blocking=False):
+        return calls
+    directory = os.environ.get("MPIKV_TRACE_DIR")
+    if directory:
+        try:
+            path = flight.write(directory, rank, calls, reason)
+            sys.stderr.write(f"[rank {rank}] mpikv: flight recorder written to {path}\n")
+        except OSError as exc:
+            sys.stderr.write(f"[rank {rank}] mpikv: cannot write the flight recorder "
+                             f"under {directory}: {exc}\n{flight.format_ring(rank, calls)}\n")
+    else:
+        sys.stderr.write(flight.format_ring(rank, calls) + "\n")
+    sys.stderr.flush()
+    return calls
+
+
+def _last_calls(world, reason):
+    """Shows this rank's ring, asks every other rank to show its own, and returns
+    the lines that say which call each rank was last in."""
+    rank, size = world.Get_rank(), world.Get_size()
+    lasts = {rank: flight.last_call(_show_ring(rank, reason))}
+    if size > 1 and _listener is not None:
+        sent = [world.isend((rank, reason), dest=r, tag=_ASK) for r in range(size) if r != rank]
+        deadline = time.monotonic() + ANSWER_WAIT
+        while len(lasts) < size and time.monotonic() < deadline:
+            message = world.improbe(tag=_ANSWER)
+            if message is not None:
+                r, line = message.recv()
+                lasts[r] = line
+                continue
+            _answer(world, rank)   # another rank may be ending the job at the same time
+            time.sleep(0.01)
+        for request in sent:   # kept until here: an unsent request must stay alive
+            request.Test()
+    where = (f"written under {os.environ['MPIKV_TRACE_DIR']} (merge them: mpikv trace DIR)"
+             if os.environ.get("MPIKV_TRACE_DIR") else "printed with [rank N] prefixes")
+    lines = [f"mpikv: the last call of each rank (flight recorders {where}):"]
+    for r in range(size):
+        lines.append(f"  rank {r}: {lasts.get(r, f'no answer within {ANSWER_WAIT:g} s')}")
+    return "\n".join(lines)
+
+
+def _answer(world, rank):
+    """Answers a request for this rank's last call, if one came; returns whether one did."""
+    message = world.improbe(tag=_ASK)
+    if message is None:
+        return False
+    asker, reason = message.recv()
+    calls = _show_ring(rank, f"asked by rank {asker}: {reason}")
+    world.isend((rank, flight.last_call(calls)), dest=asker, tag=_ANSWER).Wait()
+    return True
+
+
+def start_listener():
+    """Starts this process's thread that answers flight-recorder requests (once;
+    MPI must allow calls from several threads). It stops before MPI finalizes."""
+    global _listener
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    if _listener is not None or world.Get_size() == 1 or \
+            MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        return
+    stop = threading.Event()
+    rank = world.Get_rank()
+
+    def listen():
+        while not stop.wait(0.25):
+            if not MPI.Is_finalized():
+                _answer(world, rank)
+
+    _listener = threading.Thread(target=listen, name="mpikv-flight-recorder", daemon=True)
+    _listener.start()
+
+    @atexit.register   # registered after mpi4py's finalizer: runs before it
+    def _stop():
+        stop.set()
+        _listener.join()
+
+
+def install_exception_hook():
+    """Makes an uncaught exception on any rank end the job (once per process).
+
+    The traceback is printed with the rank on every line, then ``MPI_Abort``
+    stops the other ranks, which would otherwise wait in their next collective.
+    """
+    global _hook_installed
+    if _hook_installed:
+        return
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    if world.Get_size() == 1:
+        return
+
+    def hook(exc_type, exc, tb):
+        rank, size = world.Get_rank(), world.Get_size()
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        lines = "".join(f"[rank {rank}] {line}\n" for line in text.splitlines())
+        abort(f"mpikv: uncaught {exc_type.__name__} on rank {rank} of {size}; "
+              f"aborting the job so no rank waits forever\n{lines}", EXCEPTION_EXIT_CODE)
+
+    sys.excepthook = hook
+    _hook_installed = True
+
+
+class Watchdog:
+    """Ends the job when a blocking collective outlives its deadline.
+
+    Blocking MPI calls cannot be interrupted, so a daemon thread checks the
+    deadline that :meth:`watch` arms around each call. Arming costs two
+    attribute writes; the thread wakes a few times per timeout period.
+
+    Args:
+        timeout: seconds (``math.inf``: never).
+        rank: this rank, for the message.
+    """
+
+    def __init__(self, timeout, rank):
+        self.timeout = timeout
+        self.rank = rank
+        # thread id -> [start, what, late(, announced)]: the comm thread and the caller
+        self._armed = {}
+        # The caller's agreement, armed by plain writes (it is the hot path):
+        # [start, what, late] or None.
+        self.agreement = None
+        self._thread = None
+        self._stopped = threading.Event()
+
+    def stop(self):
+        """Ends the watchdog thread (the store is closed: nothing is armed any more)."""
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def watch(self, what, late=None):
+        """A context manager that arms the deadline for one call.
+
+        Args:
+            what: ``(operation, keys)``, for the message.
+            late: for an agreement, an object with ``early`` (seconds),
+                ``limit`` (seconds), ``announce()`` (called once after
+                ``early``) and ``missing()`` (the ranks to name on timeout).
+        """
+        return _Watch(self, what, late)
+
+    def start(self):
+        """Starts the watchdog thread, if not yet started (and not stopped); cheap when it runs."""
+        if self._thread is None and self.timeout != float("inf") and not self._stopped.is_set():
+            self._thread = threading.Thread(target=self._run, name="mpikv-watchdog", daemon=True)
+            self._thread.start()
+
+    def _run(self):
+        period = min(1.0, max(self.timeout / 10, 0.01))
+        while not self._stopped.wait(period):
+            now = time.monotonic()
+            entries = list(self._armed.items())
+            agreement = self.agreement
+            if agreement is not None:
+                entries.append(("agreement", agreement))
+            for ident, armed in entries:
+                start, what, late = armed[:3]
+                if late is None:
+                    if now > start + self.timeout:
+                        abort(f"mpikv: rank {self.rank}: {format_what(what)} did not complete "
+                              f"within {self.timeout:g} s (a rank is stuck or gone); ending the "
+                              f"job. create(timeout=) or MPIKV_TIMEOUT sets the limit.",
+                              TIMEOUT_EXIT_CODE)
+                    continue
+                if self._current(ident) is not armed:
+                    continue   # finished meanwhile
+                if now > start + late.early and len(armed) == 3:
+                    armed.append(True)   # announced once
+                    late.announce()
+                if now > start + late.limit and self._current(ident) is armed:
+                    late.expire(what)
+
+    def _current(self, ident):
+        return self.agreement if ident == "agreement" else self._armed.get(ident)
+
+
+class _Watch:
+    __slots__ = ("dog", "what", "late")
+
+    def __init__(self, dog, what, late=None):
+        self.dog, self.what, self.late = dog, what, late
+
+    def __enter__(self):
+        dog = self.dog
+        if dog.timeout != float("inf"):
+            dog.start()
+            dog._armed[threading.get_ident()] = [time.monotonic(), self.what, self.late]
+
+    def __exit__(self, *exc):
+        self.dog._armed.pop(threading.get_ident(), None)

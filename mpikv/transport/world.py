@@ -1,0 +1,61 @@
+"""What MPI says about this process and its job, outside any store.
+
+:func:`rank_label` is for log lines and never initialises MPI;
+:func:`job_facts` is ``mpikv info``'s part that asks MPI (collective).
+"""
+
+import sys
+
+_THREAD_LEVELS = ("THREAD_SINGLE", "THREAD_FUNNELED", "THREAD_SERIALIZED", "THREAD_MULTIPLE")
+
+
+def rank_label():
+    """``"R/N"`` from ``MPI.COMM_WORLD``, or None when MPI is not up.
+
+    None also when mpi4py is not imported, or MPI is finalised or broken: the
+    caller (logging) then asks the launcher's environment. mpi4py is never
+    imported here, so logging never initialises MPI.
+    """
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None:
+        try:
+            if mpi.Is_initialized() and not mpi.Is_finalized():
+                return f"{mpi.COMM_WORLD.Get_rank()}/{mpi.COMM_WORLD.Get_size()}"
+        except Exception:  # a broken MPI must not break logging
+            pass
+    return None
+
+
+def job_facts(comm=None):
+    """Gathers the hosts of ``comm``'s ranks and the MPI library's facts; collective.
+
+    Args:
+        comm: an mpi4py intra-communicator (default ``MPI.COMM_WORLD``).
+
+    Returns:
+        On rank 0 a dict: ``mpi4py`` (version), ``mpi_library``,
+        ``mpi_standard`` (``"3.1"``), ``thread_level`` (``"MPI_THREAD_MULTIPLE"``),
+        ``size`` and ``hosts`` (``{host: [ranks]}``); None on the other ranks.
+    """
+    import mpi4py
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD if comm is None else comm
+    names = comm.gather(MPI.Get_processor_name(), root=0)
+    if comm.Get_rank() != 0:
+        return None
+    hosts = {}
+    for rank, host in enumerate(names):
+        hosts.setdefault(host, []).append(rank)
+    level = MPI.Query_thread()
+    return {
+        "mpi4py": mpi4py.__version__,
+        "mpi_library": MPI.Get_library_version().rstrip("\x00").strip(),
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
+        "thread_level": next((f"MPI_{n}" for n in _THREAD_LEVELS if getattr(MPI, n) == level),
+                             str(level)),
+        "size": comm.Get_size(),
+        "hosts": hosts,
+    }
+
+
+__all__ = ["job_facts", "rank_label"]
