@@ -20,7 +20,7 @@ import itertools
 
 import numpy as np
 
-from . import backends, errors, flight
+from . import _staging, errors, flight
 from ._executor import Executor
 from ._routes import Routes
 from .agreement import explain, fingerprint, format_ranks, record
@@ -205,7 +205,7 @@ class Protocol:
         """The data movement of an agreed call, as a function of no arguments.
 
         ``background``: it may run on the worker thread, which then needs the
-        caller's GPU and streams handed over (:func:`mpikv.backends.handover`).
+        caller's GPU and streams handed over (:func:`mpikv._staging.handover`).
         """
         engine, op, items = self.engine, call.op, call.items
         order = _bucket_order(call)
@@ -219,7 +219,7 @@ class Protocol:
                 engine.pull(op, items, order, done)
         gpu = None
         if background:  # (engine.gpus scans the keys: only for stores holding GPU values)
-            gpu = backends.handover(_arrays(items), engine.on_gpu,
+            gpu = _staging.handover(_arrays(items), engine.on_gpu,
                                     engine.gpus if engine.on_gpu else ())
         if gpu is None:
             return job

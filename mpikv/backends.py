@@ -4,40 +4,27 @@ A value a user passes (numpy array, CPU or CUDA torch tensor, cupy array,
 anything with ``__array_interface__``, ``__cuda_array_interface__`` or
 DLPack) is turned into a *native* array that shares its memory: a numpy
 array on the host, a cupy array on a GPU. The store works on native arrays
-only; :func:`xp` gives the module that operates on them.
+only; :func:`xp` gives the module that operates on them, and the functions
+here (allocation, sums, concatenation, copies across host and device) run
+in either.
 
-Device buffers and MPI (see ``docs/gpu.md``):
-
-* MPI must not read a device buffer before the kernels that write it have
-  finished; mpi4py cannot know about streams, so :func:`synchronize` runs
-  before every MPI call on a device buffer.
-* An MPI library that is not CUDA-aware gets host copies: :class:`Stager`
-  keeps pinned host buffers and copies in before, back after the call.
-* :func:`device_collective` picks between the two and falls back to staging,
-  for the rest of the process, when MPI raises on a device buffer.
-* Only blocking collectives may take device buffers: Open MPI's nonblocking
-  reductions on GPU memory crash (open-mpi/ompi#9845).
+How device buffers reach MPI (synchronisation, host staging for a library
+that is not CUDA-aware, the fallback) is :mod:`mpikv._staging`'s; see
+``docs/gpu.md``.
 
 Nothing here imports cupy or torch unless the value in hand needs it.
 """
 
 import contextlib
 import sys
-import threading
 
 import numpy as np
 
-from . import cuda, halfbits
-from ._logging import get_logger
+from . import halfbits
+from ._xp import (CUPY, INSTALL_HINT, KINDS, NATIVE, NUMPY, contiguous, import_cupy, module_of,
+                  on, xp)
 from .dtypes import HALF_DTYPES
 from .errors import DTypeError, ValueTypeError
-
-NUMPY = "numpy"
-CUPY = "cupy"
-#: What :func:`array_module` can answer (besides None).
-KINDS = ("numpy", "cupy", "torch-cpu", "torch-cuda")
-# The native backend of each kind: where the store keeps such values.
-_NATIVE = {"numpy": NUMPY, "torch-cpu": NUMPY, "cupy": CUPY, "torch-cuda": CUPY}
 
 # DLPack device types (dlpack.h DLDeviceType).
 DLPACK_CPU = 1
@@ -47,57 +34,17 @@ DLPACK_CUDA_MANAGED = 13  # unified memory: cupy can wrap it
 _DLPACK_KIND = {DLPACK_CPU: "numpy", DLPACK_CUDA_HOST: "numpy",
                 DLPACK_CUDA: "cupy", DLPACK_CUDA_MANAGED: "cupy"}
 
-INSTALL_HINT = "install mpikv[cuda12] (or mpikv[cuda13] for CUDA 13)"
-
-#: Device buffers may only go to blocking MPI calls (open-mpi/ompi#9845).
-NONBLOCKING_ON_DEVICE = False
-
-_log = get_logger("mpikv.gpu")
-
 
 # -- modules -------------------------------------------------------------
-def _import_cupy():
-    """cupy, or None when it is missing or broken (no CUDA runtime, for one)."""
-    mod = sys.modules.get("cupy")
-    if mod is not None:
-        return mod
-    try:
-        import cupy
-    except Exception:  # a cupy without its CUDA libraries raises more than ImportError
-        return None
-    return cupy
-
-
 def cupy_available():
     """Whether cupy imports and sees at least one GPU."""
-    cp = _import_cupy()
+    cp = import_cupy()
     if cp is None:
         return False
     try:
         return cp.cuda.runtime.getDeviceCount() > 0
     except Exception:  # no driver, no device
         return False
-
-
-def xp(kind):
-    """The module that operates on arrays of ``kind``: numpy or cupy.
-
-    Args:
-        kind: a native kind ("numpy", "cupy") or any of :data:`KINDS`.
-
-    Raises:
-        ValueError: an unknown kind.
-        ImportError: ``kind`` needs cupy and it is not installed.
-    """
-    native = _NATIVE.get(kind)
-    if native is None:
-        raise ValueError(f"unknown array kind {kind!r} (use one of {', '.join(KINDS)})")
-    if native == NUMPY:
-        return np
-    cp = _import_cupy()
-    if cp is None:
-        raise ImportError(f"cupy is not installed or cannot load: {INSTALL_HINT}")
-    return cp
 
 
 # -- what a value is -----------------------------------------------------
@@ -150,7 +97,7 @@ def array_module(value):
 
 def native_kind(array):
     """"numpy" or "cupy" for a native array (or any value :func:`array_module` knows), else None."""
-    return _NATIVE.get(array_module(array))
+    return NATIVE.get(array_module(array))
 
 
 def is_device(array):
@@ -186,7 +133,7 @@ def as_native(value, writable=False, what="a value"):
             raise ValueTypeError(f"{what} is a {type(value).__name__} on DLPack device "
                                  f"{_safe_device(value)}; mpikv takes CPU and CUDA arrays")
         raise ValueTypeError(f"{what} is a {type(value).__name__}, not an array")
-    if _NATIVE[kind] == NUMPY:
+    if NATIVE[kind] == NUMPY:
         array = _host_view(value, kind, what)
         if writable and not array.flags.writeable:
             raise ValueTypeError(f"{what} is read-only")
@@ -233,7 +180,7 @@ def _bfloat16_view(tensor, what):
 
 
 def _device_view(value, kind, what):
-    cp = _import_cupy()
+    cp = import_cupy()
     if cp is None:
         raise ValueTypeError(f"{what} is a CUDA array ({type(value).__name__}) but cupy is not "
                              f"installed or cannot load: {INSTALL_HINT}")
@@ -293,17 +240,6 @@ def _device_context(cp, device):
     return device  # a cupy.cuda.Device is its own context manager
 
 
-def on(array):
-    """The context that makes ``array``'s GPU current (a no-op for host arrays).
-
-    cupy runs kernels and allocates on the current GPU, which is per thread.
-    """
-    device = getattr(array, "device", None)
-    if device is not None and hasattr(device, "__enter__"):
-        return device
-    return contextlib.nullcontext()
-
-
 def empty(kind, size, dtype, device=None):
     """A new flat array of ``size`` elements, uninitialised.
 
@@ -330,13 +266,6 @@ def _make(how, kind, size, dtype, device):
         return getattr(np, how)(size, dtype)
     with _device_context(mod, device):
         return getattr(mod, how)(size, dtype)
-
-
-def module_of(array):
-    """numpy for a host array, cupy for a device one (as ``cupy.get_array_module``)."""
-    if isinstance(array, np.ndarray):
-        return np
-    return xp(native_kind(array) or NUMPY)
 
 
 def _same_gpu(a, b):
@@ -481,12 +410,6 @@ def _copy_on_gpu(cp, dst, src, casting):
         cp.copyto(dst, src, casting=casting)
 
 
-def contiguous(array):
-    """Whether ``array`` (numpy or cupy) is C-contiguous."""
-    flags = array.flags
-    return bool(flags.c_contiguous if hasattr(flags, "c_contiguous") else flags["C_CONTIGUOUS"])
-
-
 def synchronize(array):
     """Waits for the current stream of ``array``'s GPU; a no-op for host arrays.
 
@@ -499,285 +422,6 @@ def synchronize(array):
             cp.cuda.get_current_stream().synchronize()
 
 
-# -- handing GPU work to another thread ------------------------------------
-class _WorkerGPU:
-    """The worker's side of :func:`handover`: the caller's GPU, its own stream, a final wait.
-
-    The worker issues its kernels and copies on a non-blocking stream of its
-    own, so its waits (before each MPI call, and at the end) do not wait for
-    unrelated kernels the caller queues meanwhile, as cupy's default (legacy)
-    stream would make them.
-    """
-
-    __slots__ = ("_cp", "_device", "_devices", "_stream")
-    _streams = {}  # (thread id, GPU id) -> the worker's stream there
-
-    def __init__(self, cp, device_id, devices):
-        self._cp = cp
-        self._device = cp.cuda.Device(device_id)
-        self._devices = sorted(set(devices) | {device_id})
-        self._stream = None
-
-    def __enter__(self):
-        self._device.__enter__()
-        key = (threading.get_ident(), self._device.id)
-        stream = self._streams.get(key)
-        if stream is None:
-            stream = self._streams[key] = self._cp.cuda.Stream(non_blocking=True)
-        self._stream = stream
-        stream.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            # The caller may touch the outputs and the store's memory, on any
-            # stream, once the handle is done: wait on every GPU the call touched.
-            for device in self._devices:
-                with self._cp.cuda.Device(device):
-                    self._cp.cuda.get_current_stream().synchronize()
-        finally:
-            self._stream.__exit__(*exc)
-            self._device.__exit__(*exc)
-
-
-def handover(arrays, on_gpu=False, gpus=()):
-    """Prepares GPU work made in this thread to run in a worker thread.
-
-    cupy's current device and stream are per thread, and MPI knows no
-    streams. So, in the calling thread, this waits for the current stream of
-    every GPU the call touches (the call's arrays' GPUs and ``gpus``, where
-    the store keeps values): their writers, the caller's earlier calls among
-    them, have finished. It returns a context for the worker that makes the
-    caller's current GPU current there and, on exit, waits for the worker's
-    stream on each of those GPUs, so the work is done when the handle is.
-
-    Args:
-        arrays: the call's native arrays (values and outputs).
-        on_gpu: whether the store keeps values on a GPU (work happens there
-            even when every array is on the host).
-        gpus: ids of the GPUs holding the store's values.
-
-    Returns:
-        The worker's context, or None when there is no GPU work.
-    """
-    cp = sys.modules.get("cupy")
-    if cp is None:  # no cupy loaded: no GPU array can exist
-        return None
-    devices = {a.device.id for a in arrays if isinstance(a, cp.ndarray)}
-    devices.update(gpus)
-    if not devices and not on_gpu:
-        return None
-    for device in sorted(devices):
-        with cp.cuda.Device(device):
-            cp.cuda.get_current_stream().synchronize()
-    return _WorkerGPU(cp, cp.cuda.Device().id, devices)
-
-
-# -- staging -------------------------------------------------------------
-class Stager:
-    """Pinned host buffers that carry device buffers through a host-only MPI.
-
-    Buffers are pooled per dtype and reused: a call takes a free buffer with
-    enough elements (replacing a too-small one), so the pool holds as many
-    buffers per dtype as calls were ever staged at once.
-
-    ``with stager.staged(dev) as host: mpi_call(host)`` synchronises the
-    device, copies ``dev`` into ``host``, runs the body, copies ``host``
-    back into ``dev`` and waits for that copy.
-
-    Args:
-        device_module: the module with cupy's ``cuda.get_current_stream()``
-            (default: cupy, imported on first use). Tests pass a stand-in.
-        empty_pinned: ``(size, dtype) -> numpy array`` for new host buffers
-            (default: ``cupyx.empty_pinned`` if importable, else
-            ``numpy.empty``: pinned memory makes the copies DMA transfers).
-    """
-
-    def __init__(self, device_module=None, empty_pinned=None):
-        self._dev = device_module
-        self._empty_pinned = empty_pinned
-        self._lock = threading.Lock()
-        self._free = {}    # dtype -> [1-D host buffer]
-        self._busy = {}    # id(view handed out) -> (dtype, buffer)
-        self.allocations = 0
-
-    @property
-    def device_module(self):
-        if self._dev is None:
-            self._dev = xp(CUPY)
-        return self._dev
-
-    def _allocate(self, dtype, size):
-        make = self._empty_pinned
-        if make is None:
-            try:
-                import cupyx
-                make = self._empty_pinned = cupyx.empty_pinned
-            except Exception:  # no cupy: plain host memory still works
-                make = self._empty_pinned = np.empty
-        self.allocations += 1
-        return make(size, dtype)
-
-    def acquire(self, dtype, size):
-        """A host buffer of ``size`` elements; give it back with :meth:`release`."""
-        dtype = np.dtype(dtype)
-        with self._lock:
-            pool = self._free.setdefault(dtype, [])
-            fits = [b for b in pool if b.size >= size]
-            if fits:
-                base = min(fits, key=lambda b: b.size)
-                pool.remove(base)
-            else:
-                if pool:  # too small for this call: let it go rather than hoard it
-                    pool.remove(max(pool, key=lambda b: b.size))
-                base = None
-        if base is None:
-            base = self._allocate(dtype, size)
-        view = base[:size]
-        with self._lock:
-            self._busy[id(view)] = (dtype, base, view)
-        return view
-
-    def release(self, host):
-        """Returns a buffer from :meth:`acquire` or :meth:`to_host` to the pool."""
-        with self._lock:
-            dtype, base, _ = self._busy.pop(id(host))
-            self._free.setdefault(dtype, []).append(base)
-
-    def pooled(self):
-        """``{dtype: [sizes]}`` of the free buffers (tests, diagnostics)."""
-        with self._lock:
-            return {str(d): sorted(b.size for b in pool) for d, pool in self._free.items() if pool}
-
-    def _synchronize(self, dev_flat):
-        with on(dev_flat):
-            self.device_module.cuda.get_current_stream().synchronize()
-
-    def to_host(self, dev_flat, host=None):
-        """Copies a flat device buffer to host memory once the GPU has written it.
-
-        Args:
-            dev_flat: a flat, contiguous device array.
-            host: a flat host array of its size and dtype (default: one from
-                the pool, to be handed back with :meth:`release`).
-
-        Returns:
-            the host array holding ``dev_flat``'s values.
-        """
-        _check_flat(dev_flat)
-        if host is None:
-            host = self.acquire(dev_flat.dtype, dev_flat.size)
-        # The kernels that wrote dev_flat may still be running.
-        self._synchronize(dev_flat)
-        with on(dev_flat):
-            dev_flat.get(out=host)
-        return host
-
-    def to_device(self, host, dev_flat):
-        """Copies ``host`` into the flat device buffer and waits until it is there.
-
-        Waiting lets the host buffer be reused at once and makes the values
-        visible to kernels on any stream.
-        """
-        _check_flat(dev_flat)
-        with on(dev_flat):
-            stream = self.device_module.cuda.get_current_stream()
-            dev_flat.set(host, stream=stream)
-            stream.synchronize()
-
-    @contextlib.contextmanager
-    def staged(self, dev_buf, copy_in=True, copy_back=True):
-        """Lends a host copy of ``dev_buf`` for an MPI call.
-
-        Args:
-            dev_buf: a flat, contiguous device array.
-            copy_in: copy the device values in first (False where MPI only
-                writes the buffer: a non-root ``Bcast``).
-            copy_back: copy the result back after the body (False where MPI
-                only reads it: a non-root ``Reduce``). Skipped if the body raises.
-
-        Yields:
-            a flat host array of ``dev_buf``'s size and dtype.
-        """
-        _check_flat(dev_buf)
-        host = self.acquire(dev_buf.dtype, dev_buf.size)
-        try:
-            if copy_in:
-                self.to_host(dev_buf, host)
-            yield host
-            if copy_back:
-                self.to_device(host, dev_buf)
-        finally:
-            self.release(host)
-
-
-def _check_flat(array):
-    if array.ndim != 1:
-        raise ValueError(f"staging takes flat buffers, not shape {tuple(array.shape)}")
-
-
-# -- policy --------------------------------------------------------------
-def _mpi_errors():
-    mpi = sys.modules.get("mpi4py.MPI")  # MPI calls imply it is loaded; never import it here
-    return (mpi.Exception,) if mpi is not None else ()
-
-
-def device_collective(fn, dev_buf, aware, stager, copy_in=True, copy_back=True,
-                      fallback=None, mpi_errors=None):
-    """Runs the blocking MPI call ``fn`` on ``dev_buf``: directly, or through host staging.
-
-    With ``aware`` (and no earlier fallback) the device's stream is
-    synchronised and ``fn(dev_buf)`` runs. If that raises an MPI error, a
-    warning is logged once, the fallback is recorded in
-    :data:`mpikv.cuda.FALLBACK` (so every later call of this process
-    stages), and the call is retried staged. The retry is right when the
-    error came before any data moved, as when MPI refuses the buffer while
-    checking its arguments (every rank checks alike); if ranks fail
-    differently, the collective timeout ends the job instead of a hang.
-    A host ``dev_buf`` is passed as is.
-
-    Only blocking collectives may be passed: Open MPI's nonblocking
-    reductions on GPU memory crash instead of raising (open-mpi/ompi#9845).
-
-    Args:
-        fn: ``fn(buffer)``, the MPI call on a flat contiguous buffer.
-        dev_buf: a flat device (or host) array.
-        aware: bool or :class:`mpikv.cuda.Decision`.
-        stager: a :class:`Stager`.
-        copy_in, copy_back: see :meth:`Stager.staged`.
-        fallback: a :class:`mpikv.cuda.Fallback` (default ``cuda.FALLBACK``).
-        mpi_errors: exception classes that mean "MPI refused" (default
-            ``mpi4py.MPI.Exception`` if mpi4py is loaded).
-
-    Returns:
-        what ``fn`` returns.
-    """
-    if isinstance(dev_buf, np.ndarray):
-        return fn(dev_buf)
-    fallback = cuda.FALLBACK if fallback is None else fallback
-    if isinstance(aware, cuda.Decision):
-        aware = aware.aware
-    if aware and not fallback.happened:
-        errors = _mpi_errors() if mpi_errors is None else tuple(mpi_errors)
-        _synchronize_any(dev_buf, stager)
-        try:
-            return fn(dev_buf)
-        except errors as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            if fallback.record(reason):
-                _log.warning("MPI failed on a device buffer (%s); staging device buffers "
-                             "through host memory for the rest of this process. Set "
-                             "%s=0 to stage from the start.", reason, cuda.ENV)
-    with stager.staged(dev_buf, copy_in=copy_in, copy_back=copy_back) as host:
-        return fn(host)
-
-
-def _synchronize_any(dev_buf, stager):
-    """Synchronises through the stager's device module (a stand-in in tests)."""
-    stager._synchronize(dev_buf)
-
-
 __all__ = ["KINDS", "array_module", "native_kind", "is_device", "as_native", "xp",
-           "cupy_available", "module_of", "on", "empty", "zeros", "sum_into",
-           "concatenate_into", "copyto", "synchronize", "handover", "Stager",
-           "device_collective", "INSTALL_HINT", "NONBLOCKING_ON_DEVICE"]
+           "cupy_available", "module_of", "on", "contiguous", "empty", "zeros", "sum_into",
+           "concatenate_into", "copyto", "synchronize", "INSTALL_HINT"]

@@ -18,7 +18,7 @@ and says false for Open MPI + UCX builds that do take device pointers;
 ``ompi_info`` tells how the library was built, not whether the transport in
 use at run time handles GPU memory; MPICH before 4 aborts inside the query
 when built without GPU support. Hence the override, and hence
-:func:`mpikv.backends.device_collective` falls back to staging when a
+:class:`mpikv._staging.Staging` falls back to staging when a
 collective on a device buffer raises an MPI error.
 
 The parsing functions are pure; only :func:`run_ompi_info` starts a process,
@@ -224,7 +224,7 @@ def detect(environ=None, library_version=None, ompi_info=None, mpi=None):
 class Fallback:
     """What happened at run time: whether device collectives fell back to staging.
 
-    One per process (:data:`FALLBACK`); :func:`mpikv.backends.device_collective`
+    One per process (:data:`FALLBACK`); :class:`mpikv._staging.Staging`
     records into it, ``info`` and logs read :meth:`describe`.
     """
 

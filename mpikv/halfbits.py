@@ -10,7 +10,7 @@ serve host (numpy) and device (cupy) arrays.
 
 import numpy as np
 
-from . import backends
+from . import _xp
 from .dtypes import BFLOAT16
 
 
@@ -33,8 +33,8 @@ def to_bfloat16_bits(x, out=None, scratch=None):
         out: the uint16 result (default: new), where ``x`` lives.
         scratch: a uint32 buffer of ``x``'s shape to reuse (default: new).
     """
-    xp = backends.module_of(x)
-    with backends.on(x):
+    xp = _xp.module_of(x)
+    with _xp.on(x):
         x = xp.ascontiguousarray(x, dtype=np.float32)
         u = x.view(np.uint32)
         out = xp.empty(x.shape, np.uint16) if out is None else out
@@ -56,8 +56,8 @@ def to_bfloat16_bits(x, out=None, scratch=None):
 
 def from_bfloat16_bits(bits, out=None):
     """uint16 bfloat16 bits -> float32 (exact), where ``bits`` lives."""
-    xp = backends.module_of(bits)
-    with backends.on(bits):
+    xp = _xp.module_of(bits)
+    with _xp.on(bits):
         out = xp.empty(bits.shape, np.float32) if out is None else out
         wide = out.view(np.uint32)
         xp.copyto(wide, bits, casting="unsafe")
@@ -73,13 +73,13 @@ def cast_into(dst, src):
     float64 source is rounded to float32 and then to bfloat16, as the store
     rounds float64 pushes into bfloat16 values anyway).
     """
-    xp = backends.module_of(dst)
-    with backends.on(dst):
+    xp = _xp.module_of(dst)
+    with _xp.on(dst):
         if is_bfloat16(src.dtype) and is_bfloat16(dst.dtype):
             xp.copyto(dst.view(np.uint16), src.view(np.uint16))
         elif is_bfloat16(dst.dtype):
             to_bfloat16_bits(src, out=dst.view(np.uint16))
-        elif dst.dtype == np.float32 and backends.contiguous(dst):
+        elif dst.dtype == np.float32 and _xp.contiguous(dst):
             from_bfloat16_bits(src.view(np.uint16), out=dst)
         else:
             xp.copyto(dst, from_bfloat16_bits(src.view(np.uint16)), casting="unsafe")
@@ -92,8 +92,8 @@ def astype(array, dtype):
         return array
     if not (is_bfloat16(dtype) or is_bfloat16(array.dtype)):
         return array.astype(dtype)
-    xp = backends.module_of(array)
-    with backends.on(array):
+    xp = _xp.module_of(array)
+    with _xp.on(array):
         out = xp.empty(array.shape, dtype)
     cast_into(out, array)
     return out

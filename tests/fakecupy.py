@@ -24,10 +24,15 @@ what catches bugs on a machine without a GPU:
   reading it before then, is recorded in :func:`races`: on a GPU that read
   could see old values.
 
+:func:`events` lists the synchronisations and host/device copies in order
+(a test may :func:`mark` its own steps among them), so a test can check
+that staging waits before it copies and copies before MPI reads.
+
 :func:`install` puts it into ``sys.modules`` as ``cupy`` and ``cupyx``;
 ``STAND_IN = True`` lets a benchmark refuse to report its figures.
 """
 
+import collections
 import sys
 import threading
 import types
@@ -37,6 +42,9 @@ import numpy as np
 STAND_IN = True
 _state = threading.local()
 _counts = {"synchronize": 0}
+# (what, stream): synchronisations and host <-> device copies, in order; bounded,
+# as a benchmark under the stand-in (build() without install()) never clears it.
+_events = collections.deque(maxlen=100_000)
 _allocated = {}  # device id -> bytes of new device arrays
 _device_count = [2]
 
@@ -62,6 +70,7 @@ class Stream:
         self.synchronized += 1
         self.finished = self.issued
         _counts["synchronize"] += 1
+        _events.append(("sync", self))
 
     def __enter__(self):
         _streams().append(self)
@@ -110,9 +119,9 @@ def _root(a):
     return a if a.base is None else a.base
 
 
-def _wrote(a):
-    """``a`` was written by a kernel or copy on the current stream."""
-    stream = get_current_stream()
+def _wrote(a, stream=None):
+    """``a`` was written by a kernel or copy on ``stream`` (default: the current one)."""
+    stream = get_current_stream() if stream is None else stream
     stream.issued += 1
     _root(a)._writer = (stream, stream.issued)
 
@@ -150,6 +159,7 @@ class Device:
 
     def synchronize(self):
         _counts["synchronize"] += 1
+        _events.append(("device sync", None))
         for stream in _all_streams:
             if stream.device == self.id:
                 stream.finished = stream.issued
@@ -309,6 +319,7 @@ class ndarray:  # noqa: N801 - cupy's name
     def get(self, stream=None, order="C", out=None):
         _check_read(self, "get")
         if out is None:
+            _events.append(("d2h-new", stream or _stream_on(self._dev)))
             return self._a.copy()
         if not isinstance(out, np.ndarray):
             raise TypeError(f"Only numpy.ndarray can be obtained from cupy.ndarray, "
@@ -319,6 +330,7 @@ class ndarray:  # noqa: N801 - cupy's name
         if not out.flags.c_contiguous or not self._a.flags.c_contiguous:
             raise RuntimeError("Cannot get to or from a non-contiguous array")
         np.copyto(out, self._a)
+        _events.append(("d2h", stream or _stream_on(self._dev)))
         return out
 
     def set(self, arr, stream=None):
@@ -331,7 +343,9 @@ class ndarray:  # noqa: N801 - cupy's name
         if not self._a.flags.c_contiguous:
             raise RuntimeError("Cannot set to non-contiguous array")
         np.copyto(self._a, arr)
-        _wrote(self)
+        stream = stream or _stream_on(self._dev)
+        _wrote(self, stream)   # cupy copies on the stream it is given
+        _events.append(("h2d", stream))
 
     # views and copies (no device check: cupy copies across devices here)
     def copy(self, order="C"):
@@ -538,6 +552,7 @@ def install(monkeypatch, device_count=2):
     _counts["synchronize"] = 0
     _allocated.clear()
     _races.clear()
+    _events.clear()
     _all_streams.clear()
     _null_streams.clear()
     if hasattr(_state, "streams"):
@@ -553,6 +568,22 @@ def synchronizations():
 def allocated():
     """``{device id: bytes}`` of device arrays created since :func:`install`."""
     return dict(_allocated)
+
+
+def events():
+    """The synchronisations ("sync", "device sync") and copies ("d2h" into a given host
+    array, "d2h-new", "h2d") since :func:`install`, with the test's :func:`mark` steps."""
+    return [what for what, _ in _events]
+
+
+def event_streams(what):
+    """The streams the events named ``what`` ran on, in order (None for a test's marks)."""
+    return [stream for name, stream in _events if name == what]
+
+
+def mark(what):
+    """Puts a step of the test's own (an MPI call, say) into :func:`events`."""
+    _events.append((what, None))
 
 
 def races():

@@ -150,10 +150,15 @@ class Chooser:
 
     def _staged(self, reducer):
         from .staged import StagedReducer
-        return StagedReducer(reducer, *self._stage())
+        return StagedReducer(reducer, self._stage())
 
     def _stage(self):
         if self._staging is None:
-            from .. import backends, cuda
-            self._staging = (cuda.detect().aware, backends.Stager())
+            # The transport's own where it has one (MPITransport): one decision, one
+            # fallback and one pool of host buffers for the store's device buffers.
+            staging = getattr(self.transport, "staging", None)
+            if staging is None:
+                from .._staging import Staging
+                staging = Staging()
+            self._staging = staging
         return self._staging

@@ -14,6 +14,7 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
+from .._staging import Staging
 from .base import AGREED, DIFFER, JOINED, Transport
 from .watchdog import (TIMEOUT_EXIT_CODE, Watchdog, abort, format_what, install_exception_hook,
                        start_listener)
@@ -48,8 +49,8 @@ class MPITransport(Transport):
         # may be inside a data collective: separate communicators keep them apart.
         self.agree_comm = comm.Dup()
         self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
-        self._cuda = None     # CUDA-aware or not: decided at the first device buffer
-        self._stager = None
+        #: How device buffers reach MPI (the store's reducers stage through it too).
+        self.staging = Staging()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.timeout = options.timeout
@@ -238,13 +239,8 @@ class MPITransport(Transport):
     def _device(self, call, buf, what, copy_in=True, copy_back=True):
         """Runs a blocking collective on a GPU buffer: straight to a CUDA-aware MPI,
         or staged through pinned host memory (and staged for good if MPI refuses)."""
-        from .. import backends, cuda
-        if self._cuda is None:
-            # Every rank computes the same answer from the same library and environment.
-            self._cuda = cuda.detect()
-            self._stager = backends.Stager()
         with self._watchdog.watch(what):
-            backends.device_collective(call, buf, self._cuda, self._stager, copy_in, copy_back)
+            self.staging.run(lambda b, _: call(b), buf, copy_in=copy_in, copy_back=copy_back)
 
     def allreduce_(self, buf, what):
         if type(buf) is not np.ndarray:
@@ -338,7 +334,6 @@ class MPITransport(Transport):
     def describe(self):
         facts = super().describe()
         facts["mpi_library"] = self.library
-        from .. import cuda
-        facts["cuda"] = cuda.describe(self._cuda) if self._cuda is not None else "no device buffer yet"
+        facts["cuda"] = self.staging.describe()
         facts["timeout_s"] = self.timeout
         return facts
