@@ -7,17 +7,16 @@ of :mod:`mpikv.fusion`, so a push or pull of the same keys moves each bucket
 with one collective, and copies in and out of the store are single memcpys.
 """
 
-import json
-import traceback
 from types import MappingProxyType
 
 import numpy as np
 
-from . import backends, halfbits, reducers, tuning
+from . import backends, reducers, tuning
 from ._arrays import accumulate_dtype, wire_view
 from .dtypes import is_floating
 from .errors import DTypeError
 from .fusion import DEFAULT_BUCKET_BYTES, plan_buckets
+from .owners import Owners
 from .plan import OwnershipPlan, sort_key
 
 
@@ -90,11 +89,7 @@ class Engine:
         self._entries = {}
         self._entries_view = MappingProxyType(self._entries)  # never replaced, only changed
         self._key_type = None
-        self._updater = None
-        self._updater_kind = None    # None (assign), "function" or "optimizer"
-        self._optimizer = None
-        self._states = {}   # (key, shard start) -> optimizer state, for owned shards only
-        self._counts = {}   # key -> pushes through the optimizer, the same on every rank
+        self._owners = Owners(transport)
         self._layouts = {}
         self._scratch = {}
         self.epoch = 0   # bumped whenever stored values move or the updater changes
@@ -128,25 +123,22 @@ class Engine:
     @property
     def optimizer(self):
         """The :class:`mpikv.optimizer.Optimizer` run on the owners, or None."""
-        return self._optimizer
+        return self._owners.optimizer
 
     @property
     def updater_kind(self):
         """None (the sum is assigned), "function" (:meth:`set_updater`) or "optimizer"."""
-        return self._updater_kind
+        return self._owners.kind
 
     @property
     def states(self):
         """(key, shard start) -> optimizer state of the shards this rank owns, read only."""
-        return MappingProxyType(self._states)
+        return self._owners.states
 
     @property
     def counts(self):
-        """key -> pushes through the optimizer, the same on every rank.
-
-        The live map: only :meth:`push` and :meth:`load_optimizer` change it.
-        """
-        return self._counts
+        """key -> pushes through the optimizer, the same on every rank, read only."""
+        return self._owners.counts
 
     def lookup(self, key):
         """``(shape, dtype)`` of a stored key, or None if the store has no such key."""
@@ -160,23 +152,20 @@ class Engine:
 
     def optimizer_state_nbytes(self):
         """Bytes of optimizer state this rank holds (only for what it owns)."""
-        return sum(a.nbytes for state in self._states.values() for a in state.values())
+        return self._owners.state_nbytes()
 
     # -- state, changed --------------------------------------------------
     def set_updater(self, updater):
         """Runs ``updater(key, input, stored)`` on the owners from now on (None: assign);
         drops the optimizer and its states."""
         self.privatize()  # the updater may change stored values in place
-        self._optimizer, self._states = None, {}
-        self._updater = updater
-        self._updater_kind = None if updater is None else "function"
+        self._owners.set_updater(updater)
         self._rechoose()
 
     def set_optimizer(self, optimizer):
         """Runs ``optimizer`` on the owners from now on, with fresh states."""
         self.privatize()
-        self._optimizer, self._states = optimizer, {}
-        self._updater, self._updater_kind = None, "optimizer"
+        self._owners.set_optimizer(optimizer)
         self._rechoose()
 
     def set_compression(self, config, per_device):
@@ -194,13 +183,7 @@ class Engine:
     def follow_optimizer(self, config):
         """Takes the other ranks' optimizer hyperparameters (a joined rank, which did not
         see their changes); its update counts and states stay."""
-        opt = self._optimizer
-        if config is None or opt is None or _same_config(opt.get_config(), config):
-            return
-        from .optimizer import from_config
-        fresh = from_config(config)
-        fresh.num_update = opt.num_update
-        self._optimizer = fresh
+        self._owners.follow_optimizer(config)
 
     def zeros_of(self, key):
         """Zeros shaped like ``key``'s value, where it lives."""
@@ -234,15 +217,10 @@ class Engine:
     def load_optimizer(self, optimizer, states, counts):
         """Installs what a load read: ``optimizer`` if none is set, the states of the
         shards this rank owns and every key's push count."""
-        if self._optimizer is None and optimizer is not None:
-            self.privatize()
-            self._optimizer, self._updater, self._updater_kind = optimizer, None, "optimizer"
+        if self._owners.optimizer is None and optimizer is not None:
+            self.privatize()   # the optimizer changes stored values in place
+        if self._owners.load(optimizer, states, counts):
             self._rechoose()
-        self._states = states
-        self._counts = counts
-        opt = self._optimizer
-        if opt is not None and counts:
-            opt.num_update = max(opt.num_update, max(counts.values()))
 
     def _note_keys(self, keys_and_dtypes):
         """Records new keys' integer dtypes and the store's key type."""
@@ -322,7 +300,7 @@ class Engine:
         are a shared window.
         """
         device = type(dst) is not np.ndarray
-        window = (layout.shared[index] if layout.shared and self._updater_kind is None
+        window = (layout.shared[index] if layout.shared and self._owners.kind is None
                   else None)
         key = (index, device)
         found = layout.chosen.get(key)
@@ -377,17 +355,10 @@ class Engine:
         # Summing a caller's array in place is only safe if no other key of the
         # call reads the same memory.
         self._in_place_ok = not zero_copy and _distinct_memory(items)
-        opt = self.optimizer
-        if opt is not None and items:
-            keys = [i.key for i in items]
-            for key in keys:
-                self.counts[key] = self.counts.get(key, opt.begin_num_update) + 1
-            # The schedule sees MXNet's num_update (the largest count of any key),
-            # the same on every rank whichever keys it owns.
-            opt.num_update = max(opt.num_update, max(self.counts[k] for k in keys))
+        self._owners.count([i.key for i in items])
         pending = []
         summed_in_place = set()
-        default = self._updater_kind is None
+        default = self._owners.kind is None
         for index, bucket in _ordered(layout.buckets, order):
             what = (op, bucket.keys)
             src, dst, in_caller = self._route(layout, index, bucket, by_key)
@@ -399,8 +370,9 @@ class Engine:
             else:
                 reducer.reduce_to_owners(dst, src, bucket, what)
                 self._update_owned(bucket, dst, pending)
-        if opt is not None and opt.num_partials and any(b.split for b in layout.buckets):
-            self._finish_updates(op, layout, pending)  # collective: owners or not
+        split_keys = [b.segments[0].key for b in layout.buckets if b.split]
+        if self._owners.needs_finish(split_keys):
+            self._owners.finish(op, split_keys, pending)  # collective: owners or not
         return summed_in_place
 
     def _route(self, layout, index, bucket, by_key):
@@ -419,7 +391,7 @@ class Engine:
         elif per_device:
             src, dst, in_caller = None, self.scratch(
                 np.float32, bucket.size, self._entries[bucket.keys[0]].arena), False
-        elif self._updater_kind is None:
+        elif self._owners.kind is None:
             src, dst, in_caller = self._source(layout, index, bucket, by_key)
         else:
             (src, dst), in_caller = self._owner_source(layout, index, bucket, by_key), False
@@ -451,7 +423,13 @@ class Engine:
         t = self.transport
         for seg in bucket.segments:
             if seg.owner == t.rank:
-                self._update(seg, dst, bucket, pending)
+                e = self._entries[seg.key]
+                grad = dst[seg.offset:seg.offset + seg.size]
+                if bucket.split:   # a shard: flat views
+                    stored, start = e.flat[seg.offset:seg.offset + seg.size], seg.offset
+                else:
+                    grad, stored, start = grad.reshape(e.array.shape), e.array, 0
+                self._owners.update(seg.key, start, grad, stored, bucket.split, pending)
         for key in bucket.keys:
             self._entries[key].stale = t.size > 1
 
@@ -541,8 +519,7 @@ class Engine:
         """Lets go of the values, states, layouts and scratch buffers (the store is
         closed; arrays handed out stay valid: they hold their own references)."""
         self._entries.clear()
-        self._states.clear()
-        self._counts.clear()
+        self._owners.clear()
         self._layouts.clear()
         self._scratch.clear()
         self.chooser.forget()
@@ -587,60 +564,6 @@ class Engine:
                 _copy(e.flat, buf[seg.offset:seg.offset + seg.size], "unsafe")
         for key in bucket.keys:
             self._entries[key].stale = False
-
-    def _views(self, seg, buf, bucket):
-        """The gradient and stored views an owner updates: whole arrays, or flat shards."""
-        e = self._entries[seg.key]
-        grad = buf[seg.offset:seg.offset + seg.size]
-        if bucket.split:
-            return grad, e.flat[seg.offset:seg.offset + seg.size]
-        return grad.reshape(e.array.shape), e.array
-
-    def _update(self, seg, buf, bucket, pending):
-        grad, stored = self._views(seg, buf, bucket)
-        key = seg.key
-        if self._optimizer is not None:
-            run = lambda: self._optimize(key, seg, grad, stored, bucket, pending)  # noqa: E731
-        else:
-            grad = halfbits.astype(grad, stored.dtype)
-            run = lambda: self._updater(key, grad, stored)  # noqa: E731
-        if self.transport.size == 1:
-            run()
-            return
-        try:
-            run()
-        except BaseException:
-            # Only this owner knows; its copy and the others' now disagree.
-            from .deadline import EXCEPTION_EXIT_CODE, abort
-            abort(f"mpikv: rank {self.transport.rank}: the update of key {key!r} raised; "
-                  f"the store cannot stay consistent, ending the job\n"
-                  f"{traceback.format_exc()}", EXCEPTION_EXIT_CODE)
-
-    def _optimize(self, key, seg, grad, weight, bucket, pending):
-        opt = self._optimizer
-        start = seg.offset if bucket.split else 0
-        state = self._states.get((key, start))
-        if state is None:
-            state = self._states[(key, start)] = opt.create_state(key, weight)
-        update = opt.begin_update(key, weight, grad, state)
-        if update.partials is not None:
-            if bucket.split:
-                pending.append((key, update))
-            else:
-                opt.finish_update(update, update.partials.copy())
-
-    def _finish_updates(self, op, layout, pending):
-        """Sums the partials (LAMB's norms) of split keys over their owners, then finishes."""
-        opt = self._optimizer
-        keys = [b.segments[0].key for b in layout.buckets if b.split]
-        width = opt.num_partials
-        slot = {k: i for i, k in enumerate(keys)}
-        sums = np.zeros(len(keys) * width, np.float64)
-        for key, update in pending:
-            sums[slot[key] * width:(slot[key] + 1) * width] += update.partials
-        self.transport.allreduce_(sums, (op, keys))
-        for key, update in pending:
-            opt.finish_update(update, sums[slot[key] * width:(slot[key] + 1) * width])
 
     # -- pull ------------------------------------------------------------
     def pull(self, op, items, order=None, done=()):
@@ -870,10 +793,6 @@ def _kind(array):
 def _device(array):
     """The GPU id of a device array, None for a host one."""
     return None if type(array) is np.ndarray else array.device.id
-
-
-def _same_config(a, b):
-    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def _zeros_like(home, size, dtype):
