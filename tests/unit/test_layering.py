@@ -9,7 +9,6 @@
 import ast
 from pathlib import Path
 
-import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "mpikv"
 MPI_LAYERS = ("mpikv.transport", "mpikv.reducers")
