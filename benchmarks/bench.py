@@ -386,7 +386,7 @@ def bench_gpu(workload, iterations, comm):
     from mpi4py import MPI
 
     import mpikv
-    from mpikv import cuda
+    from mpikv.transport import cuda
 
     device = cp.cuda.Device(comm.rank % cp.cuda.runtime.getDeviceCount())
     device.use()

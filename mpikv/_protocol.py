@@ -20,11 +20,12 @@ import itertools
 
 import numpy as np
 
-from . import _staging, errors, flight
+from . import errors, flight
 from ._executor import Executor
 from ._routes import Routes
 from .agreement import explain, fingerprint, format_ranks, record
 from .calls import Call, Item
+from .transport import staging as _staging
 from .transport.base import AGREED, JOINED
 
 #: the calls that ranks which have not joined may make while others have
@@ -205,7 +206,7 @@ class Protocol:
         """The data movement of an agreed call, as a function of no arguments.
 
         ``background``: it may run on the worker thread, which then needs the
-        caller's GPU and streams handed over (:func:`mpikv._staging.handover`).
+        caller's GPU and streams handed over (:func:`mpikv.transport.staging.handover`).
         """
         engine, op, items = self.engine, call.op, call.items
         order = _bucket_order(call)
@@ -275,7 +276,7 @@ class Protocol:
         raise cls(f"{message}; nothing was applied")
 
     def _background_error(self, text):
-        from .deadline import EXCEPTION_EXIT_CODE, abort
+        from .transport.watchdog import EXCEPTION_EXIT_CODE, abort
         abort(f"mpikv: rank {self.transport.rank}: {text}", EXCEPTION_EXIT_CODE)
 
 

@@ -9,7 +9,7 @@ here (allocation, sums, concatenation, copies across host and device) run
 in either.
 
 How device buffers reach MPI (synchronisation, host staging for a library
-that is not CUDA-aware, the fallback) is :mod:`mpikv._staging`'s; see
+that is not CUDA-aware, the fallback) is :mod:`mpikv.transport.staging`'s; see
 ``docs/gpu.md``.
 
 Nothing here imports cupy or torch unless the value in hand needs it.

@@ -26,7 +26,7 @@ from .agreement import format_ranks
 def cuda_aware(library_version, environ=None, ompi_info=None):
     """Whether the MPI library takes GPU buffers: ``(True | False | None, how we know)``.
 
-    The same probes as the store's (:mod:`mpikv.cuda`), but None where they
+    The same probes as the store's (:mod:`mpikv.transport.cuda`), but None where they
     cannot tell, rather than the store's safe default (staging).
 
     Args:
@@ -35,7 +35,7 @@ def cuda_aware(library_version, environ=None, ompi_info=None):
         ompi_info: path of ``ompi_info`` (default: the one next to the Python
             interpreter, else on ``PATH``).
     """
-    from . import cuda
+    from .transport import cuda
     env = os.environ if environ is None else environ
     raw = env.get(cuda.ENV, "").strip()
     try:

@@ -158,7 +158,7 @@ class Chooser:
             # fallback and one pool of host buffers for the store's device buffers.
             staging = getattr(self.transport, "staging", None)
             if staging is None:
-                from .._staging import Staging
+                from ..transport.staging import Staging
                 staging = Staging()
             self._staging = staging
         return self._staging

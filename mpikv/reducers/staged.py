@@ -1,5 +1,5 @@
 """GPU staging around any strategy: device buffers go to MPI directly where it is
-CUDA-aware, else through pinned host buffers (:mod:`mpikv._staging`)."""
+CUDA-aware, else through pinned host buffers (:mod:`mpikv.transport.staging`)."""
 
 from .base import Reducer
 
@@ -7,7 +7,7 @@ from .base import Reducer
 class StagedReducer(Reducer):
     """Wraps a strategy for device buffers (host buffers pass straight through).
 
-    The store's one :class:`~mpikv._staging.Staging` decides: with a
+    The store's one :class:`~mpikv.transport.staging.Staging` decides: with a
     CUDA-aware MPI the device buffers go to the wrapped strategy as they are
     (and the process stages from then on if MPI refuses one); otherwise the
     input is copied to a pinned host buffer, summed there, and copied back.
@@ -15,7 +15,7 @@ class StagedReducer(Reducer):
 
     Args:
         inner: the wrapped :class:`Reducer`.
-        staging: the store's :class:`mpikv._staging.Staging` (its transport's).
+        staging: the store's :class:`mpikv.transport.staging.Staging` (its transport's).
     """
 
     def __init__(self, inner, staging):

@@ -14,7 +14,7 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
-from .._staging import Staging
+from .staging import Staging
 from .base import AGREED, DIFFER, JOINED, Transport
 from .watchdog import (TIMEOUT_EXIT_CODE, Watchdog, abort, format_what, install_exception_hook,
                        start_listener)

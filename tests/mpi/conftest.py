@@ -3,7 +3,8 @@
 import pytest
 
 import mpikv
-from mpikv import backends, cuda
+from mpikv import backends
+from mpikv.transport import cuda
 
 from .. import fakecupy
 

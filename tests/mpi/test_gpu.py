@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import mpikv
-from mpikv import backends, cuda, optimizer
+from mpikv import backends, optimizer
+from mpikv.transport import cuda
 
 from .. import fakecupy
 from .conftest import TEST_TIMEOUT

@@ -140,7 +140,7 @@ def test_reduce_to_owners(transport, name, n, dtype, in_place, scrambled):
 
 @pytest.mark.parametrize("name", reducers.NAMES)
 def test_staged_wrapper_on_host_buffers_is_the_strategy(transport, name):
-    from mpikv._staging import Staging
+    from mpikv.transport.staging import Staging
     from mpikv.reducers.staged import StagedReducer
     red = StagedReducer(_reducer(name, transport), Staging())
     dst = _values(transport.rank, 50, np.float32)

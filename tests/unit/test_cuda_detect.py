@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from mpikv import cuda
+from mpikv.transport import cuda
 
 # Lines of `ompi_info --parsable --all` from the pip Open MPI 5.0.11 wheel
 # (not CUDA-aware), around the parameter, including lines that must not match.

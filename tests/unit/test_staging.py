@@ -14,8 +14,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mpikv import _staging, _xp, config, cuda, reducers, tuning
-from mpikv._staging import Stager, Staging
+from mpikv import _xp, config, reducers, tuning
+from mpikv.transport import cuda
+from mpikv.transport import staging as _staging
+from mpikv.transport.staging import Stager, Staging
 from mpikv.reducers.staged import StagedReducer
 
 from .. import fakecupy

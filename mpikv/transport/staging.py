@@ -7,16 +7,17 @@
   keeps pinned host buffers and copies in before, back after the call.
 * One :class:`Staging` per store (the transport owns it; the reducers'
   :class:`~mpikv.reducers.staged.StagedReducer` uses the same one) decides
-  between the two with :func:`mpikv.cuda.detect`, and falls back to staging,
-  for the rest of the process (:data:`mpikv.cuda.FALLBACK`, one warning),
+  between the two with :func:`mpikv.transport.cuda.detect`, and falls back to staging,
+  for the rest of the process (:data:`mpikv.transport.cuda.FALLBACK`, one warning),
   when MPI raises on a device buffer.
 * Only blocking collectives may take device buffers: Open MPI's nonblocking
   reductions on GPU memory crash (open-mpi/ompi#9845).
 * :func:`handover` prepares a call's GPU work for the store's worker thread.
 
 Anchor: ChainerMN's ``_memory_utility.py`` (host and device buffers, pack and
-unpack, in one private helper beneath the communicators). This module sits
-beneath both ``transport/`` and ``reducers/`` and imports neither.
+unpack, in one helper beneath the communicators). It lives with the
+transport, which owns the store's one :class:`Staging`: whether MPI takes a
+device buffer is a question about the MPI library.
 """
 
 import contextlib
@@ -26,9 +27,9 @@ import threading
 import numpy as np
 
 from . import cuda
-from ._logging import get_logger
-from ._xp import module_of, on
-from .backends import is_device, synchronize
+from .._logging import get_logger
+from .._xp import module_of, on
+from ..backends import is_device, synchronize
 
 #: Device buffers may only go to blocking MPI calls (open-mpi/ompi#9845).
 NONBLOCKING_ON_DEVICE = False
@@ -50,15 +51,15 @@ class Staging:
     probes may start ``ompi_info``), the same way on every rank. With a
     CUDA-aware MPI the buffers' streams are synchronised and the buffers go
     to MPI as they are; if MPI raises on one, a warning is logged once and
-    the process stages from then on (:data:`mpikv.cuda.FALLBACK`). The retry
+    the process stages from then on (:data:`mpikv.transport.cuda.FALLBACK`). The retry
     is right when the error came before any data moved, as when MPI refuses
     the buffer while checking its arguments (every rank checks alike); if
     ranks fail differently, the collective timeout ends the job instead of
     a hang.
 
     Args:
-        detect: ``() -> mpikv.cuda.Decision`` (default :func:`mpikv.cuda.detect`).
-        fallback: a :class:`mpikv.cuda.Fallback` (default: :data:`mpikv.cuda.FALLBACK`
+        detect: ``() -> mpikv.transport.cuda.Decision`` (default :func:`mpikv.transport.cuda.detect`).
+        fallback: a :class:`mpikv.transport.cuda.Fallback` (default: :data:`mpikv.transport.cuda.FALLBACK`
             at each call, so the process shares one record).
         stager: the :class:`Stager` (default: a new one).
         mpi_errors: exception classes that mean "MPI refused" (default
@@ -75,12 +76,12 @@ class Staging:
 
     @property
     def fallback(self):
-        """The :class:`mpikv.cuda.Fallback` this staging records into."""
+        """The :class:`mpikv.transport.cuda.Fallback` this staging records into."""
         return cuda.FALLBACK if self._fallback is None else self._fallback
 
     @property
     def decision(self):
-        """The :class:`mpikv.cuda.Decision`, made at the first use."""
+        """The :class:`mpikv.transport.cuda.Decision`, made at the first use."""
         decision = self._decision
         if decision is None:
             with self._lock:  # the caller's and the worker's thread may both ask first
@@ -148,7 +149,7 @@ class Staging:
                 st.release(host_src)
 
     def describe(self):
-        """:func:`mpikv.cuda.describe` once decided, else ``"no device buffer yet"``."""
+        """:func:`mpikv.transport.cuda.describe` once decided, else ``"no device buffer yet"``."""
         decision = self._decision
         if decision is None:
             return "no device buffer yet"
