@@ -13,23 +13,26 @@ for every call:
 3. **record / end**: the flight recorder (:mod:`mpikv.flight`) notes each step.
 
 A rank that has run out of data :meth:`~Protocol.join` s: it replays the
-other ranks' calls with zeros until every rank has joined.
+other ranks' calls with zeros until every rank has joined, and shows each
+replayed call to its caller's ``on_call`` (a :class:`ReplayedCall`).
 """
 
+import ast
 import itertools
 
 import numpy as np
 
-from . import errors, flight
+from . import backends, errors, flight
 from ._executor import Executor
 from ._routes import Routes
 from .agreement import explain, fingerprint, format_ranks, record
 from .calls import Call, Item
+from .dtypes import VALUE_DTYPES
 from .transport import staging as _staging
 from .transport.base import AGREED, JOINED
 
 #: the calls that ranks which have not joined may make while others have
-JOINABLE = ("push", "pull", "pushpull", "barrier", "gather_gradients")
+JOINABLE = ("push", "pull", "pushpull", "barrier", "gather_gradients", "allreduce_")
 #: the low bits of a join ticket hold the rank
 _RANK_BITS = 20
 #: numbers the distributed stores of this process for the flight recorder
@@ -146,8 +149,15 @@ class Protocol:
         self.collective(Call("close"), end)
 
     # -- join ------------------------------------------------------------------
-    def join(self):
+    def join(self, on_call=None, follow_optimizer=True):
         """Takes part in the other ranks' calls with zeros until every rank has joined.
+
+        Args:
+            on_call: None, or a function called with a :class:`ReplayedCall`
+                before and after each call this rank takes part in (see
+                :meth:`mpikv.KVStore.join`).
+            follow_optimizer: whether a replayed push installs the other ranks'
+                optimizer hyperparameters (:meth:`mpikv.engine.Engine.follow_optimizer`).
 
         Returns:
             int: the rank that joined last (see :meth:`mpikv.KVStore.join`).
@@ -167,17 +177,35 @@ class Protocol:
             records = t.allgather_records(None, what)
             rec = next(r for r in records if r is not None)
             flight.relabel(entry, f"join: {rec['op']}", [k for k, _, _ in rec["keys"]],
-                           sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
-                               for _, shape, dtype in rec["keys"]))
-            if explain(records) is None:
-                self._replay(rec)
+                           _record_nbytes(rec))
+            # A call that is bad among the others, or that joined ranks cannot take
+            # part in: theirs to raise; this rank waits for the next one.
+            if explain(records) is None and rec["op"] in JOINABLE:
+                self._replay(rec, on_call, follow_optimizer)
             flight.ended(entry)
 
-    def _replay(self, rec):
-        """A joined rank's part in another rank's call (its ``record``): zeros in."""
+    def _replay(self, rec, on_call, follow_optimizer):
+        """A joined rank's part in another rank's call (its ``record``), shown to
+        ``on_call`` before and after its data moves."""
+        call = ReplayedCall(rec["op"], [k for k, _, _ in rec["keys"]], dict(rec["settings"]))
+        given = None if on_call is None else on_call(call)
+        if given is not None and call.op != "allreduce_":
+            raise TypeError(f"kv.join(on_call=): on_call returned {type(given).__name__} "
+                            f"before a {call.op}; only an allreduce_ takes this rank's array")
+        if call.op == "allreduce_":
+            call.array = _contribution(given, call.settings)
+            self.transport.allreduce_(call.array, ("allreduce_", []))
+        else:
+            self._replay_data(rec, follow_optimizer)
+        if on_call is not None:
+            call.done = True
+            if on_call(call) is not None:
+                raise TypeError(f"kv.join(on_call=): on_call returned a value after a "
+                                f"{call.op}; it gives an array only before an allreduce_")
+
+    def _replay_data(self, rec, follow_optimizer):
+        """A key call or a barrier, run with zeros in."""
         op = rec["op"]
-        if op not in JOINABLE:
-            return  # the callers raise
         if op == "barrier":
             self.transport.barrier(("barrier", []))
             return
@@ -196,7 +224,8 @@ class Protocol:
                       values=([] if op == "pull" else
                               [engine.zeros_of(key) if bufs is None else bufs[key]]))
                  for key, shape, dtype in rec["keys"]]
-        engine.follow_optimizer(rec["settings"].get("optimizer"))
+        if follow_optimizer:
+            engine.follow_optimizer(rec["settings"].get("optimizer"))
         call = Call(op, items=items, settings=rec["settings"])
         call.zero_copy = bufs is not None
         self._job(call, op != "pull", op != "push", False)()
@@ -278,6 +307,74 @@ class Protocol:
     def _background_error(self, text):
         from .transport.watchdog import EXCEPTION_EXIT_CODE, abort
         abort(f"mpikv: rank {self.transport.rank}: {text}", EXCEPTION_EXIT_CODE)
+
+
+class ReplayedCall:
+    """A call of the other ranks that a joined rank takes part in, as ``on_call`` sees it.
+
+    :meth:`mpikv.KVStore.join` hands the same object to ``on_call`` twice:
+    before the call's data moves (``done`` False) and after (``done`` True).
+
+    Attributes:
+        op: "push", "pull", "pushpull", "barrier", "gather_gradients" or
+            "allreduce_".
+        keys: the call's keys in the store's order; ``[]`` for a barrier or an
+            allreduce_.
+        settings: a copy of the call's settings as the other ranks made it:
+            ``priority``, ``updater``, ``optimizer`` (its config),
+            ``compression``; an allreduce_'s ``shape`` and ``dtype`` (strings).
+        done: whether the data has moved.
+        array: an allreduce_'s array on this rank once done (the sum, in
+            the array ``on_call`` gave, or in zeros); None otherwise.
+    """
+
+    __slots__ = ("op", "keys", "settings", "done", "array")
+
+    def __init__(self, op, keys, settings):
+        self.op, self.keys, self.settings = op, keys, settings
+        self.done = False
+        self.array = None
+
+    def __repr__(self):
+        return (f"<ReplayedCall {self.op} keys={self.keys!r} "
+                f"{'done' if self.done else 'before its data moves'}>")
+
+
+def _allreduce_layout(settings):
+    """An allreduce_'s ``(shape, dtype)`` from its settings."""
+    name = settings["dtype"]
+    dtype = VALUE_DTYPES.get(name)   # bfloat16 by its ml_dtypes name
+    return ast.literal_eval(settings["shape"]), dtype if dtype is not None else np.dtype(name)
+
+
+def _contribution(given, settings):
+    """This rank's array in a replayed allreduce_: ``on_call``'s, checked, or zeros.
+
+    Raises:
+        ValueTypeError: ``given`` is not a writable, contiguous array of the
+            other ranks' shape and dtype (the sum would be wrong, or never end).
+    """
+    shape, dtype = _allreduce_layout(settings)
+    if given is None:
+        return np.zeros(shape, dtype)
+    array = backends.as_native(given, writable=True, what="on_call's allreduce_ array")[1]
+    if tuple(array.shape) != tuple(shape) or array.dtype != dtype:
+        raise errors.ValueTypeError(
+            f"on_call's allreduce_ array is {array.dtype} {tuple(array.shape)}; the other "
+            f"ranks sum {dtype} {tuple(shape)}")
+    if not array.flags.c_contiguous:
+        raise errors.ValueTypeError("on_call's allreduce_ array is not contiguous")
+    return array
+
+
+def _record_nbytes(rec):
+    """The bytes of a call another rank made (its keys', or an allreduce_'s array);
+    keys a bad call names without a shape or dtype (unknown keys) count 0."""
+    if rec["op"] == "allreduce_" and "shape" in rec["settings"]:
+        shape, dtype = _allreduce_layout(rec["settings"])
+        return int(np.prod(shape)) * dtype.itemsize
+    return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
+               for _, shape, dtype in rec["keys"] if shape is not None and dtype is not None)
 
 
 def _nbytes(items):

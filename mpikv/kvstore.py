@@ -18,7 +18,7 @@ from ._arrays import is_half
 from ._closing import ClosesAfterWith
 from ._executor import Handle
 from ._logging import get_logger
-from ._protocol import Protocol
+from ._protocol import Protocol, ReplayedCall
 from .agreement import format_ranks
 from .calls import Call, CallReader
 from .engine import Engine
@@ -352,7 +352,8 @@ class KVStore(ClosesAfterWith):
         For small sums beside the keys (the torch Trainer's per-step status):
         no key, no updater or optimizer, never compressed, not in checkpoints.
         Agreed, watched and recorded as every call; :meth:`fail_next_call`
-        applies to it. A rank in :meth:`join` does not take part.
+        applies to it. A rank in :meth:`join` adds zeros (or its ``on_call``'s
+        array).
 
         Args:
             array: a writable, contiguous numpy or cupy array (or a tensor
@@ -395,23 +396,41 @@ class KVStore(ClosesAfterWith):
         self._engine.release()
         self._transport.close()
 
-    def join(self):
+    def join(self, on_call=None, follow_optimizer=True):
         """Takes part in the other ranks' calls with zeros until every rank has joined.
 
         For uneven data, as Horovod's ``join``: a rank that has run out of
         batches calls it; until every rank has called it, this rank adds
-        zeros to the others' pushes and pushpulls, runs its owner's share of
-        the updates, and takes part in their pulls, barriers and
-        ``gather_gradients``. Any other call made by a rank that has not
-        joined (init, a save...) is a :class:`MismatchError` on the ranks
-        that made it (the joined ranks keep waiting). Collective: it returns
-        on every rank once the last rank has joined.
+        zeros to the others' pushes, pushpulls and :meth:`allreduce_` calls,
+        runs its owner's share of the updates, and takes part in their pulls,
+        barriers and ``gather_gradients``. Any other call made by a rank that
+        has not joined (init, a save...) is a :class:`MismatchError` on the
+        ranks that made it (the joined ranks keep waiting). Collective: it
+        returns on every rank once the last rank has joined.
+
+        Args:
+            on_call: for a layer above the store that has its own part in the
+                others' calls (``mpikv.torch.Trainer.join``): called on this
+                thread with a :class:`ReplayedCall` (``op``, ``keys``,
+                ``settings``, ``done``, ``array``) before each call this rank
+                takes part in, and with the same object after its data moved.
+                Before an allreduce_ it may return this rank's array (the
+                others' shape and dtype, writable and contiguous; the sum is
+                written into it) instead of zeros; otherwise it returns None
+                (else ``TypeError``). An exception it raises leaves ``join``
+                on this rank only: the others wait, until the exception ends
+                the job (``abort_on_exception``) or the timeout does.
+            follow_optimizer: a replayed push installs the others' optimizer
+                hyperparameters (a ``set_learning_rate`` this rank did not
+                see) as a fresh optimizer with this rank's update count and
+                states. False keeps this rank's optimizer object, for a caller
+                that shares the hyperparameters itself.
 
         Returns:
             int: the rank that joined last (of ranks that joined in the same
             call of the others, the highest).
         """
-        return self._protocol.join()
+        return self._protocol.join(on_call, follow_optimizer)
 
     # -- local settings --------------------------------------------------
     def set_updater(self, updater):
@@ -671,4 +690,4 @@ class KVStore(ClosesAfterWith):
                 f"num_workers={self.num_workers} keys={len(self._engine.entries)}>")
 
 
-__all__ = ["create", "KVStore", "Handle", "STORE_TYPES"]
+__all__ = ["create", "KVStore", "Handle", "ReplayedCall", "STORE_TYPES"]

@@ -51,10 +51,7 @@ class HalfGradients:
 
     def gather(self, scale):
         """Every 16-bit ``.grad`` becomes the owners' sums times ``scale``, on every rank."""
-        flat = np.zeros(self._total, np.float32)
-        for i, offset, grad in self.owned_parts():
-            start = self._offset[i] + offset
-            flat[start:start + grad.size] = grad
+        flat = self.owned_flat()
         self._kv.allreduce_(flat)
         flat *= scale
         with torch.no_grad():
@@ -62,6 +59,16 @@ class HalfGradients:
                 start = self._offset[i]
                 part = flat[start:start + self._params[i].numel()]
                 self._grads[i].copy_(torch.from_numpy(part).view(self._params[i].shape))
+
+    def owned_flat(self):
+        """This rank's part of :meth:`gather`'s sum: the float32 sums of the parts it
+        owns, at their places in one flat vector of every 16-bit parameter, zeros
+        elsewhere."""
+        flat = np.zeros(self._total, np.float32)
+        for i, offset, grad in self.owned_parts():
+            start = self._offset[i] + offset
+            flat[start:start + grad.size] = grad
+        return flat
 
     def give_back(self):
         """The owners' parts take ``.grad`` as changed (clipped) since :meth:`gather`."""

@@ -47,26 +47,27 @@ class SharedHyperparameters:
             self._groups[index][name] = (tuple(type(v)(next(it)) for v in value)
                                          if isinstance(value, tuple) else type(value)(next(it)))
 
-    def share(self, scale, joined, source):
-        """One sum over the ranks; a joined rank takes ``source``'s values; collective.
-
-        Args:
-            scale: this rank's gradient scale.
-            joined: whether this rank has joined (it sends nothing, and takes).
-            source: the rank whose values joined ranks take.
-
-        Returns:
-            float: the gradient scale to use here.
-        """
+    def rows(self, scale=None):
+        """This rank's part of the sum: its row of ``scale`` and :meth:`values`,
+        zeros elsewhere; all zeros for a joined rank (``scale`` None)."""
         rows = self._rows
         rows[:] = 0
-        if not joined:
+        if scale is not None:
             rows[self._kv.rank] = [scale, *self.values()]
-        self._kv.allreduce_(rows)
-        if not joined:
-            return scale
-        self.set_values(rows[source, 1:])
-        return float(rows[source, 0])
+        return rows
+
+    def share(self, scale):
+        """A training rank's part: its scale and values go to the joined ranks; collective."""
+        self._kv.allreduce_(self.rows(scale))
+
+    def take(self, source):
+        """A joined rank's part, once :meth:`rows` was summed: takes ``source``'s values.
+
+        Returns:
+            float: ``source``'s gradient scale.
+        """
+        self.set_values(self._rows[source, 1:])
+        return float(self._rows[source, 0])
 
 
 __all__ = ["SharedHyperparameters"]

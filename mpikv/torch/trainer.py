@@ -246,27 +246,40 @@ class Trainer(ClosesAfterWith):
             self._launch(b)
         self.kvstore.wait(self._handles)
         self._handles = []
-        self._agree_on_status(gather)
+        self.kvstore.allreduce_(self._status_row(gather))
+        self._read_status()
         self._reduced = True
 
     def _rows(self):
         """The status vector's row per rank (a view)."""
         return self._status[:self.kvstore.num_workers * _ROW].reshape(-1, _ROW)
 
-    def _agree_on_status(self, gather):
-        """One small sum over the ranks: who wrote gradients late, who left some
-        unused, who has joined and whether the step gathers the gradients."""
-        unused = [i for i in range(len(self._params)) if not self._touched[i]]
+    def _status_row(self, gather):
+        """This rank's part of the status sum (the whole vector, its row filled): who
+        wrote gradients late, who left some unused, who has joined and whether the
+        step gathers the gradients."""
         status = self._status
         status[:] = 0
         row = self._rows()[self.kvstore.rank]
+        if self._joined:   # no gradients: zeros, and its ticket
+            row[_JOIN] = self._joined
+            return status
+        unused = [i for i in range(len(self._params)) if not self._touched[i]]
         row[0], row[1] = len(unused), len(self._late)
         row[2:2 + len(unused[:_NAMED])] = [i + 1 for i in unused[:_NAMED]]
-        row[_JOIN], row[_GATHER] = self._joined, gather
-        used = status[self.kvstore.num_workers * _ROW:]
-        used[:] = 0 if self._joined else self._touched   # a joined rank adds zeros only
-        self.kvstore.allreduce_(status)
+        row[_GATHER] = gather
+        status[self.kvstore.num_workers * _ROW:] = self._touched
+        return status
+
+    def _read_status(self):
+        """Reads the summed status (the same on every rank, joined or not).
+
+        Raises:
+            GradientError: gradients were written late, or (``unused_parameters=
+                "error"``) left unused, on some rank; the step is discarded.
+        """
         rows = self._rows()
+        used = self._status[self.kvstore.num_workers * _ROW:]
         self._unused_everywhere = frozenset(self._names[i] for i in np.flatnonzero(used == 0))
         self._joined_round = bool(rows[:, _JOIN].any())
         # The same on every rank: from now on until a step with no rank joined.
@@ -343,10 +356,17 @@ class Trainer(ClosesAfterWith):
         scale = self._scale
         if scale is None:  # optimizer.step() called directly: as update()
             scale = 1.0 if self._scaled else 1.0 / self.kvstore.num_workers
-        if self._joined_round:
-            scale = self._hyper.share(scale, bool(self._joined), self._first_training_rank())
+        if self._joined_round:   # the joined ranks take part (see Trainer.join)
+            self._hyper.share(scale)
             if self._gathering:
                 self._share_gradients()
+        self._update_owned(scale)
+        self._pull_weights()
+        self.num_update += 1
+        self._start_step()
+
+    def _update_owned(self, scale):
+        """The owners' update of the parts they own, gradients times ``scale``."""
         if self._scaled and self._half:
             self._half.give_back()
         if isinstance(self._rule, MXNetRule) and self._rule.inner.lr_scheduler is None:
@@ -354,9 +374,6 @@ class Trainer(ClosesAfterWith):
         self._rule.apply(scale, skip=self._unused_everywhere)
         self._cuda_ready()
         self._scale = None
-        self._pull_weights()
-        self.num_update += 1
-        self._start_step()
 
     def _first_training_rank(self):
         return int(np.flatnonzero(self._rows()[:, _JOIN] == 0)[0])
@@ -367,16 +384,20 @@ class Trainer(ClosesAfterWith):
         change theirs, and they own parts too."""
         sender = self.kvstore.rank == self._first_training_rank()
         self._cuda_ready()
+        for bits in self._gradient_bits():
+            if not sender:
+                bits[...] = 0
+            self.kvstore.allreduce_(bits)
+
+    def _gradient_bits(self):
+        """Every gradient array as integers, in bucket order: summed as integers, one
+        rank's bits and zeros give its values, bit for bit."""
         for arrays in self._grad_arrays:
             for grad in arrays:
-                # Summed as integers, one rank's bits and zeros: its values, bit for bit.
                 if isinstance(grad, torch.Tensor):   # a 16-bit parameter's own gradient
-                    bits = grad.view(torch.int16)
+                    yield grad.view(torch.int16)
                 else:
-                    bits = grad.view(_BITS[grad.dtype.itemsize])
-                if not sender:
-                    bits[...] = 0
-                self.kvstore.allreduce_(bits)
+                    yield grad.view(_BITS[grad.dtype.itemsize])
 
     def close(self):
         """Ends the Trainer on every rank (collective).
@@ -411,33 +432,19 @@ class Trainer(ClosesAfterWith):
         theirs. Those ranks must only make training steps (``step``, or
         ``allreduce_grads`` and ``update``) until they call ``join``
         themselves. Gradients are averaged over all ranks, joined or not (as
-        DDP's ``Join`` does by default).
+        DDP's ``Join`` does by default). It is the store's join, with this
+        rank's part in each step (:class:`_JoinedSteps`) as its ``on_call``.
 
         Returns:
             int: the rank that joined last (of ranks that joined at the same
             step, the highest).
         """
         self._between_steps()
-        self._joined = self.num_update + 1   # later joins: larger tickets
+        self._joined = self.num_update + 1   # nonzero: its status row says "joined"
         try:
-            while True:
-                with torch.no_grad():
-                    for grad in self._grads:
-                        grad.zero_()
-                self._touched = [True] * len(self._params)
-                for b in range(len(self._buckets)):
-                    self._launch(b)
-                try:
-                    self._reduce()
-                except errors.GradientError:
-                    continue   # the ranks still training raised it: nothing was applied
-                rows = self._rows()
-                if rows[:, _JOIN].all():
-                    tickets = [(rows[r, _JOIN], r) for r in range(len(rows))]
-                    return max(tickets)[1]
-                if self._gathering:
-                    self.allreduce_grads()
-                self._apply()
+            # The hyperparameters come with each step (SharedHyperparameters): the
+            # store must not replace the rule with a plain optimizer of the others'.
+            return self.kvstore.join(on_call=_JoinedSteps(self), follow_optimizer=False)
         finally:
             self._joined = 0
             self._rule.discard()
@@ -525,6 +532,91 @@ class Trainer(ClosesAfterWith):
     def __repr__(self):
         return (f"<mpikv.torch.Trainer {len(self._params)} parameters, "
                 f"{len(self._buckets)} buckets, {self.kvstore!r}>")
+
+
+class _JoinedSteps:
+    """A joined rank's part in the others' training steps: the ``on_call`` of
+    :meth:`mpikv.KVStore.join` in :meth:`Trainer.join`.
+
+    A step of the ranks still training is: its bucket pushes, the status sum;
+    when it gathers the gradients (:meth:`Trainer.allreduce_grads`), the
+    ``gather_gradients`` calls and the 16-bit sum; the hyperparameter sum; when
+    it gathers, one sum per gradient array (the first training rank's
+    gradients); then the weight pulls. The store moves the data, with zeros in
+    the pushes; this class gives this rank's array for each sum in turn, and
+    runs its owners' update after the last sum, before the pulls, as the
+    training ranks do.
+
+    Args:
+        trainer: the joined :class:`Trainer`.
+    """
+
+    def __init__(self, trainer):
+        self._trainer = trainer
+        self._first_bucket = frozenset(trainer._bucket_keys[0]) if trainer._bucket_keys else None
+        self._scale = None
+        self._new_step()
+
+    def _new_step(self):
+        # (this rank's array, what to do with the sum) of each sum still to come
+        self._sums = [(lambda: self._trainer._status_row(False), self._after_status)]
+
+    def __call__(self, call):
+        t = self._trainer
+        if call.op == "push" and not call.done and frozenset(call.keys) == self._first_bucket:
+            # A step's reduction starts with its first bucket: the parts an abandoned
+            # step recorded go, as the training ranks' zero_grad drops theirs.
+            t._rule.discard()
+            t._start_step()
+            self._new_step()
+        if call.op != "allreduce_":
+            return None
+        give, take = self._sums[0]
+        if not call.done:
+            return give()
+        del self._sums[0]
+        try:
+            take(call.array)
+        except errors.GradientError:   # the training ranks raised it: nothing was applied
+            self._new_step()
+            return None
+        if not self._sums:
+            t._update_owned(self._scale)
+            t.num_update += 1
+            t._start_step()
+            self._new_step()
+        return None
+
+    def _after_status(self, _):
+        t = self._trainer
+        t._read_status()
+        sums = []
+        if t._gathering:
+            t._scaled = True   # the update takes .grad back, as after allreduce_grads
+            if t._half:
+                # This rank's sums of its 16-bit parts; its .grad comes with the
+                # shared gradients below.
+                sums.append((t._half.owned_flat, _ignore))
+        sums.append((t._hyper.rows, self._take_hyperparameters))
+        if t._gathering:
+            sums.extend((self._zeroed(bits), _ignore) for bits in t._gradient_bits())
+        self._sums = sums
+
+    def _take_hyperparameters(self, _):
+        t = self._trainer
+        self._scale = t._hyper.take(t._first_training_rank())
+
+    def _zeroed(self, bits):
+        """Gives ``bits`` zeroed: the sum writes the first training rank's gradient into it."""
+        def give():
+            bits[...] = 0
+            self._trainer._cuda_ready()   # MPI reads the memory directly
+            return bits
+        return give
+
+
+def _ignore(_):
+    pass
 
 
 class _OwnersOptimizer(torch.optim.Optimizer):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import mpikv
+from mpikv._protocol import ReplayedCall, _contribution
 
 from .conftest import TEST_TIMEOUT, raises_everywhere
 
@@ -167,6 +168,121 @@ def test_init_message_names_the_joined_ranks(comm):
         return
     message = raises_everywhere(training, mpikv.MismatchError, lambda: kv.init("x", np.zeros(2)))
     assert message == ("MismatchError: init: rank 0 joined (kv.join()); until every rank has, "
-                       "only push, pull, pushpull, barrier, gather_gradients can run; "
+                       "only push, pull, pushpull, barrier, gather_gradients, allreduce_ can run; "
                        "nothing was applied")
     kv.join()
+
+
+# -- allreduce_ and on_call -------------------------------------------------------------
+#: allreduce_ arrays of each round: (shape, dtype)
+SUMS = [((5,), np.float64), ((2, 3), np.float32), ((4,), np.int64)]
+
+
+def rounds(rank, size):
+    """The last rank joins at once; rank 0 makes two rounds more than the others."""
+    if rank == size - 1:
+        return 0
+    return 2 + (2 if rank == 0 else 0)
+
+
+def summand(rank, step, shape, dtype):
+    return (np.arange(int(np.prod(shape))).reshape(shape) + 10 * step + rank + 1).astype(dtype)
+
+
+def test_join_replays_allreduce_with_zeros(comm):
+    if comm.Get_size() == 1:
+        pytest.skip("needs a joined rank and a rank still training")
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=50)
+    rank, size = kv.rank, kv.num_workers
+    keys = list(SHAPES)
+    kv.init(keys, [np.zeros(SHAPES[k]) for k in keys])
+    for step in range(rounds(rank, size)):
+        active = [r for r in range(size) if step < rounds(r, size)]
+        grads = [gradient(rank, step, k) for k in keys]
+        kv.pushpull(keys, grads)
+        for key, got in zip(keys, grads):   # the sum of the ranks with data: zeros added
+            np.testing.assert_array_equal(got, sum(gradient(r, step, key) for r in active))
+        for shape, dtype in SUMS:
+            array = summand(rank, step, shape, dtype)
+            kv.allreduce_(array)
+            np.testing.assert_array_equal(
+                array, sum(summand(r, step, shape, dtype) for r in active), err_msg=str(dtype))
+        kv.pushpull(keys[0], np.ones(SHAPES[keys[0]]))   # a one-key call between the sums
+    assert kv.join() == 0   # rank 0 joined last
+    out = [np.empty(SHAPES[k]) for k in keys]
+    kv.pull(keys, out=out)   # the joined ranks hold the last round's sums
+    last = rounds(0, size) - 1
+    for key, got in zip(keys[1:], out[1:]):
+        np.testing.assert_array_equal(got, gradient(0, last, key))
+    np.testing.assert_array_equal(out[0], np.ones(SHAPES[keys[0]]))
+
+
+def test_on_call_sees_each_replayed_call_and_gives_the_allreduce_array(comm):
+    if comm.Get_size() == 1:
+        pytest.skip("needs a joined rank and a rank still training")
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=50)
+    rank, size = kv.rank, kv.num_workers
+    keys = list(SHAPES)
+    kv.init(keys, [np.zeros(SHAPES[k]) for k in keys])
+    bufs = kv.gradient_buffers(keys)
+    joined = size - 1
+    training = comm.Split(0 if rank == joined else 1, rank)
+    if rank == joined:
+        seen, mine = [], np.full(3, 100.0)
+
+        def on_call(call):
+            assert isinstance(call, ReplayedCall)
+            seen.append((call.op, sorted(call.keys), call.done,
+                         None if call.array is None else call.array.copy()))
+            if call.op == "allreduce_" and not call.done:
+                assert (call.settings["shape"], call.settings["dtype"]) == ("(3,)", "float64")
+                return mine
+            return None
+        assert kv.join(on_call=on_call) == size - 2
+        ops = [op for op, _, done, _ in seen if not done]
+        assert ops == ["push", "pull", "pushpull", "barrier", "push", "gather_gradients",
+                       "allreduce_", "allreduce_"]
+        assert [op for op, _, done, _ in seen if done] == ops   # each before, then after
+        assert all(k == sorted(keys) for op, k, _, _ in seen if op not in ("barrier",
+                                                                          "allreduce_"))
+        trained = sum(range(1, size))   # the training ranks' r + 1
+        for (op, _, done, array), want in zip(
+                [s for s in seen if s[0] == "allreduce_"],
+                [None, trained + 100, None, 2 * trained + 100]):
+            np.testing.assert_array_equal(array, None if want is None else np.full(3, want))
+        np.testing.assert_array_equal(mine, np.full(3, 2 * trained + 100))   # summed in place
+        return
+    grads = [gradient(rank, 0, k) for k in keys]
+    kv.push(keys, grads)
+    kv.pull(keys, out=[np.empty(SHAPES[k]) for k in keys])
+    kv.pushpull(keys, grads)
+    # Calls the joined rank does not see: bad ones, and ones it cannot take part in.
+    raises_everywhere(training, mpikv.MPIKVError, lambda: kv.push("nokey", np.zeros(2)))
+    raises_everywhere(training, mpikv.MismatchError, lambda: kv.init("new", np.zeros(2)))
+    kv.barrier()
+    for buf, grad in zip(bufs, grads):
+        buf[...] = grad
+    kv.push(keys, bufs)
+    kv.gather_gradients(keys)
+    array = np.full(3, rank + 1.0)
+    kv.allreduce_(array)
+    np.testing.assert_array_equal(array, np.full(3, sum(range(1, size)) + 100.0))
+    array = np.full(3, rank + 1.0)
+    kv.allreduce_(array)   # the joined rank gives its array again, holding the first sum
+    np.testing.assert_array_equal(array, np.full(3, 2 * sum(range(1, size)) + 100.0))
+    assert kv.join() == size - 2
+
+
+def test_a_replayed_allreduce_takes_only_an_array_of_the_others_layout():
+    settings = {"shape": "(2, 3)", "dtype": "float32"}
+    zeros = _contribution(None, settings)
+    assert zeros.shape == (2, 3) and zeros.dtype == np.float32 and not zeros.any()
+    mine = np.ones((2, 3), np.float32)
+    assert _contribution(mine, settings) is mine
+    for bad in (np.ones((3, 2), np.float32), np.ones((2, 3)), np.ones((2, 6), np.float32)[:, ::2]):
+        with pytest.raises(mpikv.ValueTypeError):
+            _contribution(bad, settings)
+    read_only = np.ones((2, 3), np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises(mpikv.ValueTypeError):
+        _contribution(read_only, settings)

@@ -123,6 +123,72 @@ def test_a_16_bit_model_with_float32_masters_equals_one_process(comm, dtype, opt
     assert elements * 4 * (1 + moments) <= total <= elements * 4 * (1 + moments) + 8 * 64
 
 
+def _batches(rank):
+    """Rank 0 has three batches, the others one or two: they join early."""
+    return 3 if rank == 0 else 1 + rank % 2
+
+
+@pytest.mark.parametrize("how", ["step", "clip", "abandoned-backward", "late-gradient"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("opt,kw", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+                                    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.01})],
+                         ids=["sgd", "adamw"])
+def test_join_equals_a_run_whose_ranks_out_of_data_add_zero_gradients(comm, how, dtype, opt, kw):
+    # Trainer.join is the store's join with the Trainer's part in each step: the same
+    # weights, bit for bit, as ranks that go on stepping with zero gradients (which also
+    # step their schedulers; a joined rank takes rank 0's rates).
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    dt = getattr(torch, dtype)
+    per = cases.GLOBAL_BATCH // comm.size
+    rows = slice(comm.rank * per, (comm.rank + 1) * per)
+
+    def run(join):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                  torch.nn.Linear(16, 4)).to(dt)
+        trainer = mpikv.torch.Trainer(
+            net, opt, kw, mpikv.create("dist_sync", timeout=120, bigarray_bound=40),
+            lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
+        for step in range(_batches(comm.rank) if join else _batches(0)):
+            x, y = (t.to(dt) for t in cases.data(step, 0))
+
+            def backward(zero=step >= _batches(comm.rank)):
+                loss = ((net(x[rows]) - y[rows]).float() ** 2).mean()
+                (loss * 0 if zero else loss).backward()
+            trainer.zero_grad()
+            backward()
+            if how == "abandoned-backward":   # its step never comes: nothing is applied
+                trainer.zero_grad()
+                backward()
+            if how == "late-gradient" and step == 2:   # rank 0 alone, with join
+                if comm.rank == 0:
+                    backward()
+                with pytest.raises(mpikv.GradientError, match=r"on rank\(s\) 0;"):
+                    trainer.step()
+                trainer.zero_grad()
+                backward()
+            if how == "clip":
+                trainer.allreduce_grads()
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+                trainer.update()
+            else:
+                trainer.step()
+            trainer.lr_scheduler.step()
+        last = trainer.join() if join else None
+        weights = {n: p.detach().clone() for n, p in net.named_parameters()}
+        updates = trainer.num_update
+        trainer.close()
+        return weights, updates, last
+
+    got, updates, last = run(join=True)
+    want, want_updates, _ = run(join=False)
+    assert last == 0
+    assert updates == want_updates == _batches(0)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
 def _net_and_trainer(comm, **options):
     net = cases.Net()
     named = [(n, p) for n, p in net.named_parameters() if not n.startswith("spare")]
