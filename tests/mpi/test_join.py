@@ -189,13 +189,19 @@ def summand(rank, step, shape, dtype):
     return (np.arange(int(np.prod(shape))).reshape(shape) + 10 * step + rank + 1).astype(dtype)
 
 
-def test_join_replays_allreduce_with_zeros(comm):
+def _store_of_zeros(comm):
+    """A store holding zeros under every key of SHAPES, and its keys; skips on one rank."""
     if comm.Get_size() == 1:
         pytest.skip("needs a joined rank and a rank still training")
     kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=50)
-    rank, size = kv.rank, kv.num_workers
     keys = list(SHAPES)
     kv.init(keys, [np.zeros(SHAPES[k]) for k in keys])
+    return kv, keys
+
+
+def test_join_replays_allreduce_with_zeros(comm):
+    kv, keys = _store_of_zeros(comm)
+    rank, size = kv.rank, kv.num_workers
     for step in range(rounds(rank, size)):
         active = [r for r in range(size) if step < rounds(r, size)]
         grads = [gradient(rank, step, k) for k in keys]
@@ -218,12 +224,8 @@ def test_join_replays_allreduce_with_zeros(comm):
 
 
 def test_on_call_sees_each_replayed_call_and_gives_the_allreduce_array(comm):
-    if comm.Get_size() == 1:
-        pytest.skip("needs a joined rank and a rank still training")
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=50)
+    kv, keys = _store_of_zeros(comm)
     rank, size = kv.rank, kv.num_workers
-    keys = list(SHAPES)
-    kv.init(keys, [np.zeros(SHAPES[k]) for k in keys])
     bufs = kv.gradient_buffers(keys)
     joined = size - 1
     training = comm.Split(0 if rank == joined else 1, rank)
