@@ -31,7 +31,7 @@ zero-copy buffers in node shared memory, overwriting them
 (tests/mpi/test_fusion_store.py).
 
 Profiles (``MPIKV_PROPERTY_PROFILE``): ``ci`` (default; 200 examples of up to
-50 steps, seconds at 2 ranks) and ``long`` (2,000 of up to 100), for a developer by hand::
+50 steps: 10 s at 2 ranks, 25 s at 4 on 2 cores) and ``long`` (2,000 of up to 100), for a developer by hand::
 
     MPIKV_PROPERTY_PROFILE=long scripts/mpirun.sh -n 3 .venv/bin/python -m pytest \\
         tests/mpi/test_calls_property.py --with-mpi -q
