@@ -425,3 +425,48 @@ def synchronize(array):
 __all__ = ["KINDS", "array_module", "native_kind", "is_device", "as_native", "xp",
            "cupy_available", "module_of", "on", "contiguous", "empty", "zeros", "sum_into",
            "concatenate_into", "copyto", "synchronize", "INSTALL_HINT"]
+
+
+# -- where arrays are, and whether they share memory -----------------------------
+def kind_of(array):
+    """``"numpy"`` for a host array, ``"cupy"`` for a device one."""
+    return "numpy" if type(array) is np.ndarray else "cupy"
+
+
+def device_of(array):
+    """The GPU id of a device array, None for a host one."""
+    return None if type(array) is np.ndarray else array.device.id
+
+
+def same_place(a, b):
+    """Whether two arrays live on the host, or on the same GPU."""
+    if type(a) is np.ndarray or type(b) is np.ndarray:
+        return type(a) is type(b)
+    return type(a) is type(b) and a.device.id == b.device.id
+
+
+def zeros_on(home, size, dtype):
+    """``size`` zeros where ``home`` lives: the host, or ``home``'s GPU."""
+    return zeros(kind_of(home), size, dtype, device_of(home))
+
+
+def same_memory(a, b):
+    """Whether two arrays are the same memory seen the same way (address, shape,
+    strides, dtype): ``a`` may be another object viewing ``b``."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if type(a) is np.ndarray:
+        address = a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+    else:
+        address = a.data.ptr == b.data.ptr
+    return address and a.strides == b.strides
+
+
+def may_overlap(a, b):
+    """Whether two arrays may share memory (host arrays are checked; device arrays
+    only by identity)."""
+    if type(a) is np.ndarray and type(b) is np.ndarray:
+        return np.may_share_memory(a, b)
+    return a is b

@@ -188,7 +188,7 @@ class Engine:
     def zeros_of(self, key):
         """Zeros shaped like ``key``'s value, where it lives."""
         e = self._entries[key]
-        return _zeros_like(e.arena, e.array.size, e.array.dtype).reshape(e.array.shape)
+        return backends.zeros_on(e.arena, e.array.size, e.array.dtype).reshape(e.array.shape)
 
     def add_loaded_entries(self, entries):
         """Installs the keys a load created (key -> :class:`Entry`, placed by the plan
@@ -282,7 +282,7 @@ class Engine:
     def scratch(self, dtype, size, like):
         """A reusable buffer of ``size`` elements where ``like`` lives: the host or
         ``like``'s GPU (grown, never shrunk)."""
-        kind, device = _kind(like), _device(like)
+        kind, device = backends.kind_of(like), backends.device_of(like)
         key = (np.dtype(dtype), kind, device)
         buf = self._scratch.get(key)
         if buf is None or buf.size < size:
@@ -328,7 +328,7 @@ class Engine:
                 item = by_key[key]
                 entry = Entry(arena, offset, item.shape, placed[key])
                 if t.rank == 0:
-                    _copy(entry.array, item.values[0])
+                    backends.copyto(entry.array, item.values[0])
                 self._entries[key] = entry
             t.bcast_(wire_view(arena), 0, (op, bucket.keys))
         self._note_keys((i.key, i.dtype) for i in items)
@@ -465,10 +465,10 @@ class Engine:
                     and getattr(single.flags, "writeable", True)):  # cupy has no such flag
                 return None, single, True
             if (stored is not None and stored.dtype == single.dtype
-                    and _same_place(stored, single) and not _overlaps(stored, single)):
+                    and backends.same_place(stored, single) and not backends.may_overlap(stored, single)):
                 return single, stored, False
             home = self.entries[bucket.keys[0]].arena
-            if _same_place(single, home):
+            if backends.same_place(single, home):
                 return single, self.scratch(bucket.dtype, bucket.size, home), False
         if (stored is not None and stored.dtype == accumulate_dtype(bucket.dtype)
                 and not _inputs_overlap(stored, bucket, by_key)):
@@ -483,7 +483,7 @@ class Engine:
             return None, layout.grads[index]
         single = self._single(bucket, by_key)
         home = self.entries[bucket.keys[0]].arena
-        if single is not None and _same_place(single, home):
+        if single is not None and backends.same_place(single, home):
             return single, self.scratch(bucket.dtype, bucket.size, home)
         buf = self._gather(layout, index, bucket, by_key)
         return None, buf
@@ -557,11 +557,11 @@ class Engine:
         """Copies a summed bucket into the stored values: one copy if they are one arena."""
         if stored is not None:
             if stored is not buf:
-                _copy(stored, buf, "unsafe")
+                backends.copyto(stored, buf, "unsafe")
         else:
             for seg in bucket.segments:
                 e = self._entries[seg.key]
-                _copy(e.flat, buf[seg.offset:seg.offset + seg.size], "unsafe")
+                backends.copyto(e.flat, buf[seg.offset:seg.offset + seg.size], "unsafe")
         for key in bucket.keys:
             self._entries[key].stale = False
 
@@ -596,7 +596,7 @@ class Engine:
                     if type(out) is ndarray and type(array) is ndarray:
                         copyto(out, array)
                     else:
-                        _copy(out, array)
+                        backends.copyto(out, array)
 
     def _gather_bucket(self, stored, bucket, what):
         """One Allgatherv of the owners' blocks: in place when the stored values are
@@ -607,10 +607,10 @@ class Engine:
             return
         buf = self.scratch(bucket.dtype, bucket.size, self._entries[bucket.keys[0]].arena)
         for seg in bucket.segments:
-            _copy(buf[seg.offset:seg.offset + seg.size], self._entries[seg.key].flat)
+            backends.copyto(buf[seg.offset:seg.offset + seg.size], self._entries[seg.key].flat)
         t.allgatherv_(wire_view(buf), bucket.counts, bucket.displs, what)
         for seg in bucket.segments:
-            _copy(self._entries[seg.key].flat, buf[seg.offset:seg.offset + seg.size])
+            backends.copyto(self._entries[seg.key].flat, buf[seg.offset:seg.offset + seg.size])
 
     def _pull_one(self, key, what):
         t = self.transport
@@ -653,7 +653,7 @@ class Engine:
             layout.shared = [self.transport.shared_arena(b.size, b.dtype)
                              if shared and not self.device else None for b in layout.buckets]
             layout.grads = [a.mine if a is not None else
-                            _zeros_like(self._entries[b.keys[0]].arena, b.size, b.dtype)
+                            backends.zeros_on(self._entries[b.keys[0]].arena, b.size, b.dtype)
                             for a, b in zip(layout.shared, layout.buckets)]
             layout.views = {}
             for arena, bucket in zip(layout.grads, layout.buckets):
@@ -715,11 +715,11 @@ class Engine:
             if layout.stored[index] is not None:
                 continue
             home = self._entries[bucket.keys[0]].arena
-            arena = _zeros_like(home, bucket.size, bucket.dtype)
+            arena = backends.zeros_on(home, bucket.size, bucket.dtype)
             for key, offset in _key_offsets(bucket):
                 old = self._entries[key]
                 new = Entry(arena, offset, old.array.shape, old.placement)
-                _copy(new.array, old.array)
+                backends.copyto(new.array, old.array)
                 new.stale = old.stale
                 self._entries[key] = new
         self._moved()
@@ -730,28 +730,16 @@ def _gives_grads(layout, bucket, by_key):
     """Whether the call hands over exactly the bucket's zero-copy gradient buffers
     (the arrays themselves, or views of them such as the torch tensors over them)."""
     return layout.grads is not None and all(
-        len(by_key[key].values) == 1 and _same_buffer(by_key[key].values[0], layout.views[key])
+        len(by_key[key].values) == 1 and backends.same_memory(by_key[key].values[0], layout.views[key])
         for key, _ in _key_offsets(bucket))
 
 
-def _same_buffer(a, b):
-    """Whether two arrays are the same memory seen the same way (address, shape,
-    strides, dtype): ``a`` may be another object viewing ``b``."""
-    if a is b:
-        return True
-    if type(a) is not type(b) or a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if type(a) is np.ndarray:
-        address = a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-    else:
-        address = a.data.ptr == b.data.ptr
-    return address and a.strides == b.strides
 
 
 def _inputs_overlap(target, bucket, by_key):
     """Whether any input of the bucket's keys may share memory with ``target``
     (an array that owns its memory cannot: only views are checked)."""
-    return any(v.base is not None and _overlaps(target, v)
+    return any(v.base is not None and backends.may_overlap(target, v)
                for k in bucket.keys for v in by_key[k].values)
 
 
@@ -766,18 +754,8 @@ def _agreed_in_place(bucket):
     return len(bucket.keys) > 1
 
 
-def _overlaps(a, b):
-    """Whether two arrays may share memory (host arrays only; device ones never here)."""
-    if type(a) is np.ndarray and type(b) is np.ndarray:
-        return np.may_share_memory(a, b)
-    return a is b
 
 
-def _same_place(a, b):
-    """Whether two arrays live on the host, or on the same GPU."""
-    if type(a) is np.ndarray or type(b) is np.ndarray:
-        return type(a) is type(b)
-    return type(a) is type(b) and a.device.id == b.device.id
 
 
 def _distinct_memory(items):
@@ -786,26 +764,12 @@ def _distinct_memory(items):
     return len(set(bases)) == len(bases)
 
 
-def _kind(array):
-    return "numpy" if type(array) is np.ndarray else "cupy"
 
 
-def _device(array):
-    """The GPU id of a device array, None for a host one."""
-    return None if type(array) is np.ndarray else array.device.id
 
 
-def _zeros_like(home, size, dtype):
-    """Zeros where ``home`` lives: the host, or ``home``'s GPU."""
-    return backends.zeros(_kind(home), size, dtype, _device(home))
 
 
-def _copy(dst, src, casting="same_kind"):
-    """numpy.copyto, or a host/device copy when either side is on a GPU."""
-    if type(dst) is np.ndarray and type(src) is np.ndarray:
-        np.copyto(dst, src, casting=casting)
-    else:
-        backends.copyto(dst, src, casting=casting)
 
 
 def _ordered(buckets, order):
