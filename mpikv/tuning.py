@@ -288,6 +288,12 @@ def write_cache(path, key, table):
 _resolved = {}   # json key -> Table: one probe or cache read per process
 
 
+def forget():
+    """Drops the tables this process resolved: the next store reads its cache (or
+    probes) again (tests that write a cache between stores)."""
+    _resolved.clear()
+
+
 def resolve(transport, reducer="auto", autotune=True):
     """The table a store uses; collective over the transport. Rank 0 decides.
 

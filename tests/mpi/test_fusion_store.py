@@ -356,7 +356,7 @@ def test_columns_naming_different_strategies_still_match(comm, tmp_path_factory,
     from mpikv.transport.mpi import MPITransport
     cache = comm.bcast(str(tmp_path_factory.mktemp("cache")) if comm.rank == 0 else None)
     monkeypatch.setenv("MPIKV_CACHE_DIR", cache)
-    monkeypatch.setattr(tuning, "_resolved", {})
+    tuning.forget()
     t = MPITransport(comm, config.resolve(timeout=TEST_TIMEOUT, autotune=False))
     key = tuning.cache_key(t)
     table = tuning.Table({**{(tuning.IN_PLACE, s): "reduce_bcast" for s in tuning.SIZES},
@@ -388,7 +388,7 @@ def test_stores_on_sub_communicators_whose_layout_only_some_ranks_have_met(comm,
     from mpikv import tuning
     if comm.size < 3:
         pytest.skip("needs three ranks")
-    monkeypatch.setattr(tuning, "_resolved", {})
+    tuning.forget()
     first = comm.Split(0 if comm.rank in (0, 2) else MPI_UNDEFINED(), comm.rank)
     if comm.rank in (0, 2):
         mpikv.create("dist_sync", comm=first, timeout=20, autotune=False).barrier()

@@ -9,10 +9,31 @@ import time
 import numpy as np
 
 import mpikv
+from mpikv import config, tuning
+from mpikv.kvstore import KVStore
+from mpikv.transport.mpi import MPITransport
+
+
+class _StuckInData(MPITransport):
+    """Arrives at every agreement, then never joins a data collective."""
+
+    def allreduce_(self, buf, what):
+        time.sleep(300)
+
+
+def _store(case, timeout):
+    if case != "stuck_in_data":
+        return mpikv.create("dist_sync", timeout=timeout)
+    from mpi4py import MPI
+    options = config.resolve(timeout=timeout, autotune=False)
+    last = MPI.COMM_WORLD.size - 1
+    transport = (_StuckInData if MPI.COMM_WORLD.rank == last else MPITransport)(
+        MPI.COMM_WORLD, options)
+    return KVStore("dist_sync", transport, options, tuning.forced("allreduce", "fault"))
 
 
 def main(case, timeout):
-    kv = mpikv.create("dist_sync", timeout=timeout)
+    kv = _store(case, timeout)
     last = kv.num_workers - 1
     kv.init(["b", "w"], [np.zeros(3), np.zeros(3)])
     if case == "exception" and kv.rank == last:
@@ -28,9 +49,6 @@ def main(case, timeout):
             other.barrier()
     if case == "stuck_root" and kv.rank == 0:
         time.sleep(300)
-    if case == "stuck_in_data" and kv.rank == last:
-        # Arrive at the agreement, then never join the data collective.
-        kv._transport.allreduce_ = lambda *a: time.sleep(300)
     if case == "updater_raises":
         def update(key, value, stored):
             raise ValueError(f"bad update of {key}")
