@@ -110,6 +110,9 @@ def test_pull_and_pushpull_write_into_the_callers_ndarrays():
     kv = mpikv.mxnet.create("local")
     kv.init("w", mx.nd.full((1000,), 3.0))
     out = mx.nd.zeros((1000,))
+    # MXNet allocates an NDArray's memory when its first operator runs: its address
+    # is fixed only once the zeros are written (before, it could read another one).
+    out.wait_to_read()
     before = _data_pointer(out)
     kv.pull("w", out=out)
     assert _data_pointer(out) == before and (out.asnumpy() == 3).all()
