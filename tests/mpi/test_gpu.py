@@ -236,8 +236,18 @@ def test_refused_device_buffers_fall_back_to_staging(cp, comm, caplog):
     # on every rank alike) costs one warning, not the job: calls are staged.
     if not getattr(cp, "STAND_IN", False) or cuda.detect().aware is not True:
         pytest.skip("needs the stand-in with MPIKV_CUDA_AWARE=1")
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT)
-    kv._transport.comm = _RefusingComm(kv._transport.comm, cp)
+    from mpikv import config, tuning
+    from mpikv.kvstore import KVStore
+    from mpikv.transport.mpi import MPITransport
+
+    class RefusingTransport(MPITransport):
+        def __init__(self, comm, options):
+            super().__init__(comm, options)
+            self.comm = _RefusingComm(self.comm, cp)
+
+    options = config.resolve(timeout=TEST_TIMEOUT, autotune=False)
+    kv = KVStore("dist_sync_device", RefusingTransport(comm, options), options,
+                 tuning.forced("allreduce", "test"))
     kv.init("w", cp.zeros(4, cp.float32))
     value = cp.full(4, comm.rank + 1, cp.float32)
     kv.pushpull("w", value)

@@ -116,7 +116,7 @@ def test_schedule_sees_the_global_step_on_every_rank(comm):
     for _ in range(5):
         kv.push([1, 2, 3], [np.ones(3)] * 3)
     # num_update is the largest key count, whichever keys this rank owns.
-    assert all(n == 5 for n in comm.allgather(kv._engine.optimizer.num_update))
+    assert all(n == 5 for n in comm.allgather(kv.optimizer.num_update))
     out = np.zeros(3)
     kv.pull(1, out=out)
     expect = -sum(sched(t) * comm.size for t in range(1, 6))
@@ -195,7 +195,7 @@ def test_checkpoint_restores_values_optimizer_and_states(comm, mpi_tmp_path):
     want = _pull_all(kv)
     kv2 = _store()
     kv2.load_checkpoint(path)  # creates the keys, the optimizer and its states
-    assert kv2._engine.optimizer.get_config() == kv._engine.optimizer.get_config()
+    assert kv2.optimizer.get_config() == kv.optimizer.get_config()
     _train(kv2, grads, range(2, STEPS), comm)
     got = _pull_all(kv2)
     for key in SHAPES:
