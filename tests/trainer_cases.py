@@ -52,6 +52,11 @@ CASES = {
     "clip": {"clip": 0.05},
     "clip-batch-size": {"clip": 0.05, "batch_size": True},
     "scheduler": {"opt": torch.optim.AdamW, "kw": {"lr": 0.02}, "sched": True},
+    # Schedulers that also cycle momentum (or Adam's beta1), with their defaults: they
+    # read trainer.optimizer.defaults and change each group's momentum or betas.
+    "onecycle-sgd": {"sched": "onecycle"},
+    "onecycle-adam": {"opt": torch.optim.Adam, "kw": {"lr": 0.01}, "sched": "onecycle"},
+    "cyclic-sgd": {"sched": "cyclic"},
     "split-keys": {"store": {"bigarray_bound": 10}},
     "param-groups": {"groups": True},
     "batch-size": {"batch_size": True},
@@ -65,6 +70,16 @@ def settings(name):
          "store": {}, "groups": False, "batch_size": False}
     s.update(CASES[name])
     return s
+
+
+#: the lr schedulers of the cases (``sched``): True is StepLR
+SCHEDULERS = {
+    True: lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5),
+    "onecycle": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05,
+                                                              total_steps=STEPS + 3),
+    "cyclic": lambda o: torch.optim.lr_scheduler.CyclicLR(o, base_lr=0.01, max_lr=0.1,
+                                                          step_size_up=2),
+}
 
 
 def data(step, micro):
@@ -113,7 +128,7 @@ def train(name, kv_type="dist_sync", rank=0, size=1, extra=0, joined=None):
     net = Net()
     store = mpikv.create(kv_type, timeout=120, **s["store"])
     opt, kw = (_mx_optimizer(), None) if s["opt"] == "mx" else (s["opt"], s["kw"])
-    sched = (lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5)) if s["sched"] else None
+    sched = SCHEDULERS[s["sched"]] if s["sched"] else None
     trainer = mpikv.torch.Trainer(_params(s, net), opt, kw, store, lr_scheduler=sched)
     per = GLOBAL_BATCH // size
     rows = slice(rank * per, (rank + 1) * per)
@@ -156,7 +171,7 @@ def reference(name, size, extra=0):
         else:
             groups = [p for _, p in named]
         opt = s["opt"](groups, **s["kw"])
-        sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if s["sched"] else None
+        sched = SCHEDULERS[s["sched"]](opt) if s["sched"] else None
     per = GLOBAL_BATCH // size
     for step in range(max(steps_of(r, size, extra) for r in range(size))):
         net.zero_grad(set_to_none=True)

@@ -9,7 +9,8 @@ from .base import Optimizer, register
 class RMSProp(Optimizer):
     """RMSProp: Tieleman & Hinton, or centered (Graves 2013).
 
-    MXNet 1.9 calls ``rho`` ``gamma1`` and ``momentum`` ``gamma2``. With
+    MXNet 1.9 calls ``rho`` ``gamma1`` and ``momentum`` ``gamma2``; both
+    spellings are taken (one of each pair). With
     ``g = clip(rescale_grad * grad + wd * w, clip_gradient)`` (decay added
     before clipping, as in MXNet's kernels):
 
@@ -25,8 +26,10 @@ class RMSProp(Optimizer):
     Args:
         learning_rate: Defaults to 0.001, or to the scheduler's ``base_lr``
             (see :class:`~mpikv.optimizer.Optimizer`).
-        rho: Decay of the squared-gradient average, in [0, 1).
-        momentum: Momentum of ``delta`` (centered only), in [0, 1).
+        rho: Decay of the squared-gradient average, in [0, 1) (MXNet 1.9:
+            ``gamma1``).
+        momentum: Momentum of ``delta`` (centered only), in [0, 1) (MXNet 1.9:
+            ``gamma2``).
         epsilon: > 0; added inside the square root.
         centered: Whether to use the centered variant.
         clip_weights: None or <= 0: no weight clipping.
@@ -36,11 +39,12 @@ class RMSProp(Optimizer):
     name = "rmsprop"
     default_learning_rate = 0.001
 
-    def __init__(self, learning_rate=None, rho=0.9, momentum=0.9, epsilon=1e-8,
-                 centered=False, clip_weights=None, **kwargs):
+    def __init__(self, learning_rate=None, rho=None, momentum=None, epsilon=1e-8,
+                 centered=False, clip_weights=None, gamma1=None, gamma2=None, **kwargs):
         super().__init__(learning_rate=learning_rate, **kwargs)
-        self.rho = _checks.unit_interval("rho", rho)
-        self.momentum = _checks.unit_interval("momentum", momentum)
+        self.rho = _checks.unit_interval("rho", _one_of("rho", rho, "gamma1", gamma1, 0.9))
+        self.momentum = _checks.unit_interval(
+            "momentum", _one_of("momentum", momentum, "gamma2", gamma2, 0.9))
         self.epsilon = _checks.real("epsilon", epsilon, low=0.0, low_open=True)
         self.centered = _checks.flag("centered", centered)
         self.clip_weights = _checks.optional_real("clip_weights", clip_weights)
@@ -71,3 +75,11 @@ class RMSProp(Optimizer):
         if self.clip_weights is not None and self.clip_weights > 0:
             xp.clip(new, -self.clip_weights, self.clip_weights, out=new)
         return new
+
+
+def _one_of(name, value, alias, alias_value, default):
+    """The value given under ``name`` or under MXNet 1.9's ``alias``, else ``default``."""
+    if value is not None and alias_value is not None:
+        raise ValueError(f"give {name} or {alias} (MXNet 1.9's name for it), not both")
+    return default if value is None and alias_value is None else (
+        value if value is not None else alias_value)

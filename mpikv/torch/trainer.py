@@ -96,13 +96,13 @@ class Trainer(ClosesAfterWith):
         half = any(p.dtype in _HALF for p in self._params)
         if multi_precision is None:
             multi_precision = half
-        rule, groups = _make_rule(optimizer, optimizer_params or {}, hyper_groups, self._names,
-                                  self._group_of, bool(multi_precision))
+        rule, groups, defaults = _make_rule(optimizer, optimizer_params or {}, hyper_groups,
+                                            self._names, self._group_of, bool(multi_precision))
         self._rule = rule
         kv.set_optimizer(rule)
         self.optimizer = _OwnersOptimizer(self, [
             {"params": [p for p, g in zip(self._params, self._group_of) if g == index], **hyper}
-            for index, hyper in enumerate(groups)])
+            for index, hyper in enumerate(groups)], defaults)
         if hasattr(rule, "bind"):
             rule.bind(self.optimizer.param_groups)
         self._wire(bucket_bytes)
@@ -622,9 +622,11 @@ def _ignore(_):
 class _OwnersOptimizer(torch.optim.Optimizer):
     """The Trainer's torch face: param groups for schedulers; ``step`` is the Trainer's."""
 
-    def __init__(self, trainer, param_groups):
+    def __init__(self, trainer, param_groups, defaults):
         self._trainer = trainer
-        super().__init__(param_groups, {})
+        # torch's schedulers read defaults (OneCycleLR and CyclicLR look for momentum
+        # or betas there), as they would on the user's own optimizer class.
+        super().__init__(param_groups, defaults)
 
     def step(self, closure=None):
         loss = None
@@ -679,22 +681,31 @@ def _make_rule(optimizer, optimizer_params, hyper_groups, names, group_of, multi
             if any(g.get(flag) for g in groups):
                 raise errors.OptimizerError(f"{flag}=True is not supported on the owners")
         hyper = [{k: g[k] for k in rule_class.hyper} for g in groups]
+        defaults = {k: v for k, v in probe.defaults.items() if k in rule_class.hyper}
         return rule_class(hyper, [[n, g] for n, g in zip(names, group_of)],
-                          multi_precision=multi_precision), hyper
+                          multi_precision=multi_precision), hyper, defaults
     if isinstance(optimizer, str):
         optimizer = mx_optimizer.create(optimizer, **optimizer_params)
     elif optimizer_params:
         raise errors.OptimizerError("optimizer_params go with an optimizer class or name, "
                                     "not with an optimizer object")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        cls = type(optimizer)
+        raise errors.OptimizerError(
+            f"optimizer must be a torch.optim class, not a {cls.__name__} object (the owners "
+            f"build it on their parts of the parameters): pass the class and its arguments, "
+            f"as Trainer(model, {cls.__module__}.{cls.__qualname__}, "
+            f"{{'lr': {optimizer.defaults.get('lr', 0.1)!r}}})")
     if not isinstance(optimizer, mx_optimizer.Optimizer):
         raise errors.OptimizerError(f"optimizer must be a torch.optim class, an "
-                                    f"mpikv.optimizer.Optimizer or a name, not {optimizer!r}")
+                                    f"mpikv.optimizer.Optimizer or a name, not "
+                                    f"{type(optimizer).__name__}")
     if len(hyper_groups) > 1 or any(hyper_groups):
         raise errors.OptimizerError("param groups with their own hyperparameters need a "
                                     "torch.optim class (mpikv optimizers use lr_mult/wd_mult)")
     if multi_precision:
         optimizer.multi_precision = True
-    return MXNetRule(optimizer, names), [{"lr": optimizer.lr}]
+    return MXNetRule(optimizer, names), [{"lr": optimizer.lr}], {"lr": optimizer.lr}
 
 
 #: an integer dtype of each element size, to copy bits through a sum

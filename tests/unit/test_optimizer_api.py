@@ -130,6 +130,9 @@ def test_from_config_errors():
     ("rmsprop", dict(momentum=1.5), ValueError),
     ("rmsprop", dict(epsilon=-1e-8), ValueError),
     ("rmsprop", dict(centered=None), TypeError),
+    ("rmsprop", dict(rho=0.8, gamma1=0.8), ValueError),       # one name of each pair
+    ("rmsprop", dict(momentum=0.5, gamma2=0.5), ValueError),
+    ("rmsprop", dict(gamma1=1.0), ValueError),
     ("lamb", dict(lower_bound=5.0, upper_bound=1.0), ValueError),
     ("lamb", dict(epsilon=0), ValueError),
     ("lamb", dict(beta1=1.2), ValueError),
@@ -137,6 +140,23 @@ def test_from_config_errors():
 def test_invalid_arguments(name, kwargs, exc):
     with pytest.raises(exc):
         opt_mod.create(name, **kwargs)
+
+
+def test_rmsprop_takes_mxnet_1_9_names():
+    """MXNet 1.9 spells rho gamma1 and momentum gamma2: the same optimizer, the same step."""
+    old = opt_mod.create("rmsprop", learning_rate=0.01, gamma1=0.8, gamma2=0.5, centered=True)
+    new = opt_mod.RMSProp(learning_rate=0.01, rho=0.8, momentum=0.5, centered=True)
+    assert old.get_config() == new.get_config()
+    assert (old.rho, old.momentum) == (0.8, 0.5)
+    weights = []
+    for opt in (old, new):
+        w = np.linspace(-1.0, 1.0, 5)
+        state = opt.create_state(0, w)
+        for step in range(3):
+            opt.update(0, w, np.full(5, 0.3 * (step + 1)), state)
+        weights.append(w)
+    np.testing.assert_array_equal(weights[0], weights[1])
+    assert weights[0].tolist() != np.linspace(-1.0, 1.0, 5).tolist()
 
 
 def test_clip_values_at_or_below_zero_mean_no_clipping():

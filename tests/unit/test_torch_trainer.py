@@ -182,6 +182,33 @@ def test_optimizers_the_trainer_cannot_run_are_refused(optimizer, kw, match):
         mpikv.torch.Trainer(cases.Net(), optimizer, kw, "local")
 
 
+def test_an_optimizer_object_is_refused_in_one_line_with_the_accepted_form():
+    net = cases.Net()
+    instance = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    with pytest.raises(mpikv.OptimizerError) as info:
+        mpikv.torch.Trainer(net, instance, None, "local")
+    assert str(info.value) == (
+        "optimizer must be a torch.optim class, not a SGD object (the owners build it on "
+        "their parts of the parameters): pass the class and its arguments, as "
+        "Trainer(model, torch.optim.sgd.SGD, {'lr': 0.05})")
+
+
+@pytest.mark.parametrize("name", ["OneCycleLR", "CyclicLR"])
+@pytest.mark.parametrize("opt", [torch.optim.SGD, torch.optim.Adam])
+def test_momentum_cycling_schedulers_take_the_trainer_optimizer_with_their_defaults(name, opt):
+    """They look for momentum or betas in optimizer.defaults, as on the user's own class."""
+    kw = {"lr": 0.01, "momentum": 0.9} if opt is torch.optim.SGD else {"lr": 0.01}
+    trainer = mpikv.torch.Trainer(cases.Net(), opt, kw, "local")
+    assert trainer.optimizer.defaults["lr"] == 0.01
+    make = {"OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 0.1, total_steps=5),
+            "CyclicLR": lambda o: torch.optim.lr_scheduler.CyclicLR(o, 0.01, 0.1)}[name]
+    sched = make(trainer.optimizer)
+    key = "momentum" if opt is torch.optim.SGD else "betas"
+    first = trainer.optimizer.param_groups[0][key]
+    sched.step()
+    assert trainer.optimizer.param_groups[0][key] != first   # the cycle moves it
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_16_bit_parameters_train_on_float32_masters(dtype):
     if dtype == torch.bfloat16:
