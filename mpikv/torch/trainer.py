@@ -619,6 +619,10 @@ def _ignore(_):
     pass
 
 
+_SHARDED_STATE = ("trainer.optimizer's state lives on the owners, each rank holding the "
+                  "parts it owns (ZeRO-1), not in trainer.optimizer")
+
+
 class _OwnersOptimizer(torch.optim.Optimizer):
     """The Trainer's torch face: param groups for schedulers; ``step`` is the Trainer's."""
 
@@ -638,6 +642,24 @@ class _OwnersOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none=True):
         self._trainer.zero_grad()
+
+    def state_dict(self):
+        """Refused: the state lives on the owners, in parts; an empty dict saved as a
+        checkpoint would resume with no momentum or moments, silently."""
+        raise errors.OptimizerError(_SHARDED_STATE + "; save it with "
+                                    "trainer.save_checkpoint(path) (collective)")
+
+    def load_state_dict(self, state_dict):
+        """Takes a state dict's hyperparameters; refuses one that holds optimizer state
+        (a plain torch optimizer's, such as a DDP run's), rather than ignore it."""
+        if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
+            raise errors.OptimizerError("load_state_dict takes a torch optimizer's "
+                                        "state_dict (with 'state' and 'param_groups')")
+        if state_dict.get("state"):
+            raise errors.OptimizerError(_SHARDED_STATE + ": a torch optimizer's state "
+                                        "cannot be loaded into it; resume from "
+                                        "trainer.save_checkpoint with trainer.load_checkpoint")
+        super().load_state_dict(state_dict)
 
 
 def _check_compressible(names, params):

@@ -193,6 +193,27 @@ def test_an_optimizer_object_is_refused_in_one_line_with_the_accepted_form():
         "Trainer(model, torch.optim.sgd.SGD, {'lr': 0.05})")
 
 
+def test_optimizer_state_dict_is_refused_never_empty_or_ignored():
+    """The state is on the owners: saving trainer.optimizer.state_dict() would lose it,
+    and loading a torch optimizer's state (a DDP checkpoint) must not be ignored."""
+    net = cases.Net()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, "local")
+    with pytest.raises(mpikv.OptimizerError, match="save_checkpoint"):
+        trainer.optimizer.state_dict()
+    twin = cases.Net()
+    plain = torch.optim.SGD([p for p in twin.parameters() if p.requires_grad], lr=0.1,
+                            momentum=0.9)
+    sum(p.sum() for p in twin.parameters()).backward()
+    plain.step()                                   # momentum buffers: state to lose
+    with pytest.raises(mpikv.OptimizerError, match="cannot be loaded"):
+        trainer.optimizer.load_state_dict(plain.state_dict())
+    # Hyperparameters alone are taken, as torch's load_state_dict takes them.
+    fresh = torch.optim.SGD([p for p in twin.parameters() if p.requires_grad], lr=0.03,
+                            momentum=0.9).state_dict()
+    trainer.optimizer.load_state_dict(fresh)
+    assert trainer.optimizer.param_groups[0]["lr"] == 0.03
+
+
 @pytest.mark.parametrize("name", ["OneCycleLR", "CyclicLR"])
 @pytest.mark.parametrize("opt", [torch.optim.SGD, torch.optim.Adam])
 def test_momentum_cycling_schedulers_take_the_trainer_optimizer_with_their_defaults(name, opt):
