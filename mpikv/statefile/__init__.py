@@ -73,7 +73,8 @@ arguments), :mod:`.writer` (:func:`write_part`, :func:`commit`) and
 :mod:`.reader` (:func:`read_manifest`, :func:`read_slices`).
 """
 
-from .atomic import StagedFile, atomic_write_bytes, discard_part, stage_bytes
+from .atomic import (StagedFile, atomic_write_bytes, discard_part, remove_dead_temps,
+                     stage_bytes)
 from .format import (DTYPES, FORMAT, PART_FORMAT, PART_MAGIC, PARTS_SUFFIX,
                      VERSION, Entry, Manifest, Part, new_generation,
                      parts_dir)
@@ -83,6 +84,6 @@ from .writer import commit, write_part
 __all__ = [
     "FORMAT", "VERSION", "PART_FORMAT", "PART_MAGIC", "PARTS_SUFFIX",
     "DTYPES", "Entry", "Part", "Manifest", "new_generation",
-    "atomic_write_bytes", "stage_bytes", "StagedFile", "write_part", "commit", "read_manifest",
+    "atomic_write_bytes", "stage_bytes", "StagedFile", "remove_dead_temps", "write_part", "commit", "read_manifest",
     "read_slices", "list_arrays", "parts_dir", "discard_part",
 ]

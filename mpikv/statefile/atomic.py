@@ -192,7 +192,17 @@ def _remove_stale(path: str, generation: str) -> None:
             _fsync_dir(directory)
         except StateFileError:
             pass
-    parent, base = os.path.split(os.path.abspath(path))
+    remove_dead_temps(path)
+
+
+def remove_dead_temps(path: PathLike) -> None:
+    """Best effort: deletes the temporary files that writes of ``path`` left behind.
+
+    A job killed between staging a file (:func:`stage_bytes`) and committing
+    it leaves ``.NAME.tmp-PID-XXXXXXXX`` beside it; call this after a commit
+    of ``path``, when no other write of it can be in flight.
+    """
+    parent, base = os.path.split(os.path.abspath(os.fspath(path)))
     tmp_re = re.compile(re.escape(f".{base}.tmp-") + r"[0-9]+-[0-9a-f]{8}")
     try:
         names = os.listdir(parent)

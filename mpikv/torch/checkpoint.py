@@ -53,6 +53,9 @@ def save(kv, path, meta):
             staged.commit()
         except StateFileError as e:
             kv.fail_next_call(StateFileError, f"{final} could not be renamed into place: {e}")
+        else:
+            # A job ended during an earlier save left its staged file behind.
+            statefile.remove_dead_temps(final)
     # Also what keeps every rank here until the file is in place.
     kv.barrier()
 

@@ -332,6 +332,19 @@ def test_a_checkpoint_save_leaves_no_temporary_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "ck.parts", "ck.trainer.json"]
 
 
+def test_a_save_removes_what_an_aborted_save_left(tmp_path):
+    """A job ended during a save (a rank that never came, the watchdog) leaves rank 0's
+    staged Trainer file; the next save of that checkpoint removes it."""
+    trainer = mpikv.torch.Trainer(cases.Net(), torch.optim.SGD, {"lr": 0.1}, "local")
+    dead = tmp_path / ".ck.trainer.json.tmp-4242-0badf00d"
+    dead.write_text("{}")
+    other = tmp_path / ".other.trainer.json.tmp-4242-0badf00d"   # another file's: kept
+    other.write_text("{}")
+    trainer.save_checkpoint(tmp_path / "ck")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".other.trainer.json.tmp-4242-0badf00d", "ck", "ck.parts", "ck.trainer.json"]
+
+
 def test_a_store_save_that_fails_leaves_the_trainer_file_as_it_was(tmp_path):
     trainer = mpikv.torch.Trainer(cases.Net(), torch.optim.SGD, {"lr": 0.1}, "local")
     trainer.save_checkpoint(tmp_path / "ck")
