@@ -496,3 +496,31 @@ def test_the_status_sum_is_a_store_call_that_names_ranks_that_differ(comm):
     if comm.size > 1:
         assert f"rank {comm.size - 1}: a failure here" in message
     kv.close()
+
+
+def test_optimizer_objects_and_state_dicts_are_refused_on_every_rank(comm):
+    """Issue 27's refusals, at every rank count: the same one-line error everywhere,
+    and the store still trains after them (no rank left waiting)."""
+    net = cases.Net()
+    instance = torch.optim.SGD(net.parameters(), lr=0.05)
+    msg = raises_everywhere(comm, mpikv.OptimizerError,
+                            lambda: mpikv.torch.Trainer(net, instance, None))
+    assert "pass the class and its arguments" in msg and "\n" not in msg
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+    msg = raises_everywhere(comm, mpikv.OptimizerError, trainer.optimizer.state_dict)
+    assert "save_checkpoint" in msg
+    twin = cases.Net()
+    plain = torch.optim.SGD([p for p in twin.parameters() if p.requires_grad], lr=0.1,
+                            momentum=0.9)
+    sum(p.sum() for p in twin.parameters()).backward()
+    plain.step()
+    msg = raises_everywhere(comm, mpikv.OptimizerError,
+                            lambda: trainer.optimizer.load_state_dict(plain.state_dict()))
+    assert "cannot be loaded" in msg
+    before = [p.detach().clone() for p in net.parameters()]
+    x, y = cases.data(0, 0)
+    torch.nn.functional.mse_loss(net(x, False), y).backward()
+    trainer.step()
+    changed = any(not torch.equal(a, p.detach()) for a, p in zip(before, net.parameters()))
+    assert all(comm.allgather(changed))
+    trainer.close()
