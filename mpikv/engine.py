@@ -300,11 +300,11 @@ class Engine:
         are a shared window.
         """
         device = type(dst) is not np.ndarray
-        window = (layout.shared[index] if layout.shared and self._owners.kind is None
-                  else None)
         key = (index, device)
         found = layout.chosen.get(key)
         if found is None:
+            window = (layout.shared[index] if layout.shared and self._owners.kind is None
+                      else None)
             bucket = layout.buckets[index]
             found = layout.chosen[key] = self.chooser.get(
                 bucket, bucket.size * dst.itemsize, _agreed_in_place(bucket), device, window)

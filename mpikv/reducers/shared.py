@@ -7,6 +7,8 @@ Two strategies: ``shared`` copies a bucket into a scratch window of its own;
 
 import numpy as np
 
+from .. import backends
+
 from .base import Reducer
 
 
@@ -74,7 +76,7 @@ class WindowReducer(Reducer):
         arena = self.arena
         mine = arena.mine
         n = dst.size
-        if _is(dst, mine):
+        if backends.same_memory(dst, mine):
             # The buffers are (or now hold) the stored values: the sum goes there.
             if src is not None:
                 np.copyto(mine, src)
@@ -92,10 +94,3 @@ class WindowReducer(Reducer):
         if out is not dst:
             np.copyto(dst, out)
 
-
-def _is(a, segment):
-    """Whether ``a`` is the segment itself, or a view of all of it as it lies."""
-    return a is segment or (a.size == segment.size and a.dtype == segment.dtype
-                            and a.flags.c_contiguous and np.may_share_memory(a, segment)
-                            and a.__array_interface__["data"][0]
-                            == segment.__array_interface__["data"][0])
