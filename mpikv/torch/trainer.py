@@ -624,10 +624,19 @@ _SHARDED_STATE = ("trainer.optimizer's state lives on the owners, each rank hold
 
 
 class _OwnersOptimizer(torch.optim.Optimizer):
-    """The Trainer's torch face: param groups for schedulers; ``step`` is the Trainer's."""
+    """The Trainer's torch face: param groups for schedulers; ``step`` is the Trainer's.
+
+    Its ``state`` stays empty: the state lives on the owners, in parts. As with
+    torch's ``ZeroRedundancyOptimizer``, :meth:`consolidate_state_dict` gathers
+    it onto one rank, where :meth:`state_dict` gives it in the user's torch
+    class's format; :meth:`load_state_dict` puts a torch optimizer's state on
+    the owners (see :mod:`mpikv.torch.optimizer_state`).
+    """
 
     def __init__(self, trainer, param_groups, defaults):
+        from .optimizer_state import ShardedTorchState
         self._trainer = trainer
+        self._sharded = ShardedTorchState(trainer)
         # torch's schedulers read defaults (OneCycleLR and CyclicLR look for momentum
         # or betas there), as they would on the user's own optimizer class.
         super().__init__(param_groups, defaults)
@@ -643,23 +652,55 @@ class _OwnersOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none=True):
         self._trainer.zero_grad()
 
+    def consolidate_state_dict(self, to=0):
+        """Gathers the owners' parts of the optimizer state onto rank ``to``; collective.
+
+        Every rank calls it, between steps (a backward whose step has not come
+        is dropped, as by ``trainer.save_checkpoint``). Then :meth:`state_dict`
+        on rank ``to`` gives the state as torch's own optimizer class would.
+
+        Args:
+            to: the rank that receives the state.
+
+        Raises:
+            OptimizerError: on every rank, for an mpikv optimizer (its state has
+                no torch format: use ``trainer.save_checkpoint``) or a bad ``to``.
+        """
+        self._sharded.consolidate(to)
+
     def state_dict(self):
-        """Refused: the state lives on the owners, in parts; an empty dict saved as a
-        checkpoint would resume with no momentum or moments, silently."""
-        raise errors.OptimizerError(_SHARDED_STATE + "; save it with "
-                                    "trainer.save_checkpoint(path) (collective)")
+        """The state :meth:`consolidate_state_dict` gathered, in torch's format.
+
+        ``{"state": {index: {...}}, "param_groups": [...]}`` as ``state_dict()``
+        of the user's torch class over ``param_groups`` gives it: momentum
+        buffers (SGD), ``step``, ``exp_avg``, ``exp_avg_sq`` (and
+        ``max_exp_avg_sq``) (Adam, AdamW), shaped as the parameters, on their
+        device; float32 for 16-bit parameters with float32 masters
+        (``multi_precision``), as for a float32 model.
+
+        Raises:
+            OptimizerError: on a rank other than ``to``, before a consolidation,
+                after a step since the last one (it would be stale), or for an
+                mpikv optimizer.
+        """
+        return self._sharded.state_dict()
 
     def load_state_dict(self, state_dict):
-        """Takes a state dict's hyperparameters; refuses one that holds optimizer state
-        (a plain torch optimizer's, such as a DDP run's), rather than ignore it."""
-        if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
-            raise errors.OptimizerError("load_state_dict takes a torch optimizer's "
-                                        "state_dict (with 'state' and 'param_groups')")
-        if state_dict.get("state"):
-            raise errors.OptimizerError(_SHARDED_STATE + ": a torch optimizer's state "
-                                        "cannot be loaded into it; resume from "
-                                        "trainer.save_checkpoint with trainer.load_checkpoint")
-        super().load_state_dict(state_dict)
+        """Puts a torch optimizer's state (a DDP run's, say) on the owners; collective.
+
+        Every rank calls it with the whole dict (``torch.load`` on every rank);
+        each owner takes its parts, exactly, and the hyperparameters go into
+        ``param_groups``, as torch's ``load_state_dict`` takes them. The
+        loaded state replaces the owners' (a parameter without an entry starts
+        afresh, as in torch).
+
+        Raises:
+            OptimizerError: on every rank, with nothing changed, when some rank's
+                dict cannot be mapped (another optimizer's state, other shapes or
+                numbers of parameters, a flag the owners do not run), or for an
+                mpikv optimizer.
+        """
+        self._sharded.load(state_dict)
 
 
 def _check_compressible(names, params):

@@ -1,6 +1,8 @@
 """mpikv.torch.Trainer on 1-4 ranks: every case of tests/trainer_cases.py against
 one process with the global batch, DDP's weights, the errors, no hang."""
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,7 @@ from tests import trainer_cases as cases  # noqa: E402
 
 import mpikv  # noqa: E402
 import mpikv.torch  # noqa: E402
+from mpikv.torch import optimizer_state  # noqa: E402
 
 from .conftest import raises_everywhere  # noqa: E402
 
@@ -507,16 +510,16 @@ def test_optimizer_objects_and_state_dicts_are_refused_on_every_rank(comm):
                             lambda: mpikv.torch.Trainer(net, instance, None))
     assert "pass the class and its arguments" in msg and "\n" not in msg
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+    # Before a consolidation the state is on the owners only.
     msg = raises_everywhere(comm, mpikv.OptimizerError, trainer.optimizer.state_dict)
-    assert "save_checkpoint" in msg
+    assert "consolidate_state_dict(to) on every rank" in msg and "save_checkpoint" in msg
     twin = cases.Net()
-    plain = torch.optim.SGD([p for p in twin.parameters() if p.requires_grad], lr=0.1,
-                            momentum=0.9)
+    plain = torch.optim.Adam([p for p in twin.parameters() if p.requires_grad], lr=0.1)
     sum(p.sum() for p in twin.parameters()).backward()
     plain.step()
     msg = raises_everywhere(comm, mpikv.OptimizerError,
                             lambda: trainer.optimizer.load_state_dict(plain.state_dict()))
-    assert "cannot be loaded" in msg
+    assert "not a state of torch.optim.SGD" in msg and "\n" not in msg
     before = [p.detach().clone() for p in net.parameters()]
     x, y = cases.data(0, 0)
     torch.nn.functional.mse_loss(net(x, False), y).backward()
@@ -524,3 +527,142 @@ def test_optimizer_objects_and_state_dicts_are_refused_on_every_rank(comm):
     changed = any(not torch.equal(a, p.detach()) for a, p in zip(before, net.parameters()))
     assert all(comm.allgather(changed))
     trainer.close()
+
+
+# -- trainer.optimizer's state in torch's format (issue 27, item 3) -----------------------
+STATE_OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True,
+                              "weight_decay": 1e-3}),
+    "adam-amsgrad": (torch.optim.Adam, {"lr": 0.01, "amsgrad": True, "weight_decay": 1e-3}),
+    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05}),
+}
+
+
+def _trained(net):
+    return [p for p in net.parameters() if p.requires_grad]
+
+
+def _plain_step(net, opt, step):
+    """One step of one process on the global batch (the head stays unused)."""
+    x, y = cases.data(step, 0)
+    opt.zero_grad(set_to_none=True)
+    torch.nn.functional.mse_loss(net(x, False), y).backward()
+    opt.step()
+
+
+def _rank_step(comm, net, trainer, step):
+    """One Trainer step on this rank's rows of the global batch."""
+    x, y = cases.data(step, 0)
+    per = cases.GLOBAL_BATCH // comm.size
+    rows = slice(comm.rank * per, (comm.rank + 1) * per)
+    trainer.zero_grad()
+    torch.nn.functional.mse_loss(net(x[rows], False), y[rows]).backward()
+    trainer.step()
+
+
+def _assert_same_state(got, want, tol=0.0):
+    assert got["param_groups"] == want["param_groups"]
+    assert sorted(got["state"]) == sorted(want["state"])
+    for j, entry in want["state"].items():
+        assert list(got["state"][j]) == list(entry), j
+        for name, t in entry.items():
+            g = got["state"][j][name]
+            assert g.dtype == t.dtype and g.shape == t.shape, (j, name)
+            np.testing.assert_allclose(g.numpy(), t.numpy(), rtol=tol, atol=tol,
+                                       err_msg=f"{j} {name}")
+
+
+def _store(split):
+    return mpikv.create("dist_sync", timeout=120, **({"bigarray_bound": 10} if split else {}))
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("name", sorted(STATE_OPTIMIZERS))
+def test_consolidated_state_equals_one_torch_process_with_the_global_batch(comm, name, split,
+                                                                           monkeypatch):
+    """consolidate_state_dict gathers every owner's parts (whole keys, or flat shards
+    of split keys) onto rank `to`, in the format of the plain torch optimizer."""
+    if split:   # many windows, each cutting arrays and shards anywhere
+        monkeypatch.setattr(optimizer_state, "WINDOW_BYTES", 40)
+    opt, kw = STATE_OPTIMIZERS[name]
+    ref, net = cases.Net(), cases.Net()
+    plain = opt(_trained(ref), **kw)
+    trainer = mpikv.torch.Trainer(net, opt, kw, _store(split))
+    for step in range(3):
+        _plain_step(ref, plain, step)
+        _rank_step(comm, net, trainer, step)
+    to = comm.size - 1
+    trainer.optimizer.consolidate_state_dict(to=to)
+    if comm.rank == to:
+        _assert_same_state(trainer.optimizer.state_dict(), plain.state_dict(), tol=1e-12)
+    else:
+        with pytest.raises(mpikv.OptimizerError, match=f"onto rank {to}, not this rank"):
+            trainer.optimizer.state_dict()
+    trainer.close()
+    trainer.kvstore.close()
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("name", sorted(STATE_OPTIMIZERS))
+def test_a_torch_state_loads_on_the_owners_and_training_goes_on_as_torch(comm, name, split):
+    """A one-process torch run's state (as a DDP run saves it, loaded on every rank):
+    each owner takes its parts exactly, and the next steps equal torch's."""
+    opt, kw = STATE_OPTIMIZERS[name]
+    ref = cases.Net()
+    plain = opt(_trained(ref), **kw)
+    for step in range(3):
+        _plain_step(ref, plain, step)
+    saved = copy.deepcopy(plain.state_dict())
+    net = copy.deepcopy(ref)
+    trainer = mpikv.torch.Trainer(net, opt, {**kw, "lr": 0.5}, _store(split))
+    trainer.optimizer.load_state_dict(saved)
+    assert trainer.optimizer.param_groups[0]["lr"] == kw["lr"]
+    trainer.optimizer.consolidate_state_dict(to=0)
+    if comm.rank == 0:
+        _assert_same_state(trainer.optimizer.state_dict(), saved)   # bit for bit
+    for step in range(3, 6):
+        _plain_step(ref, plain, step)
+        _rank_step(comm, net, trainer, step)
+    for (n, a), b in zip(ref.named_parameters(), net.parameters()):
+        np.testing.assert_allclose(b.detach().numpy(), a.detach().numpy(), rtol=1e-10,
+                                   atol=1e-10, err_msg=n)
+    trainer.close()
+    trainer.kvstore.close()
+
+
+def test_a_state_bad_on_one_rank_is_refused_on_every_rank_with_nothing_changed(comm):
+    opt, kw = STATE_OPTIMIZERS["sgd"]
+    net = cases.Net()
+    trainer = mpikv.torch.Trainer(net, opt, kw, _store(True))
+    _rank_step(comm, net, trainer, 0)
+    trainer.optimizer.consolidate_state_dict(to=0)
+    before = trainer.optimizer.state_dict() if comm.rank == 0 else None
+    hyper = [{k: v for k, v in g.items() if k != "params"}
+             for g in trainer.optimizer.param_groups]
+    ref = cases.Net()
+    plain = opt(_trained(ref), **{**kw, "lr": 0.02})
+    _plain_step(ref, plain, 0)
+    state = copy.deepcopy(plain.state_dict())
+    last = comm.size - 1
+    if comm.rank == last:   # this rank's file is another model's
+        state["state"][2]["momentum_buffer"] = torch.zeros(3, 3, dtype=torch.float64)
+    msg = raises_everywhere(comm, mpikv.OptimizerError,
+                            lambda: trainer.optimizer.load_state_dict(state))
+    where = f"rank {last}: " if comm.size > 1 else ""
+    assert msg == (f"OptimizerError: trainer.optimizer.load_state_dict: {where}momentum_buffer "
+                   f"of parameter 2 ('fc1.weight') has shape (3, 3), the parameter (16, 8); "
+                   f"nothing was applied")
+    assert [{k: v for k, v in g.items() if k != "params"}
+            for g in trainer.optimizer.param_groups] == hyper
+    trainer.optimizer.consolidate_state_dict(to=0)
+    if comm.rank == 0:
+        _assert_same_state(trainer.optimizer.state_dict(), before)
+    # Ranks that give different `to` are refused alike; training goes on.
+    if comm.size > 1:
+        msg = raises_everywhere(comm, mpikv.OptimizerError,
+                                lambda: trainer.optimizer.consolidate_state_dict(to=comm.rank))
+        assert "ranks gave different `to`: rank 0: 0, rank 1: 1" in msg
+    _rank_step(comm, net, trainer, 1)
+    assert trainer.num_update == 2
+    trainer.close()
+    trainer.kvstore.close()

@@ -1,0 +1,463 @@
+"""``trainer.optimizer``'s state in torch's format: gathered from the owners, or set on them.
+
+The Trainer's optimizer state lives on the owners (ZeRO-1): for each key, or
+each flat shard of a split key, only its owner holds the momentum buffer or
+Adam's moments and step count. As torch's ``ZeroRedundancyOptimizer`` does,
+:meth:`ShardedTorchState.consolidate` gathers the whole state onto one rank in
+the format of the user's torch optimizer (what a plain ``torch.optim.SGD`` or
+``Adam`` over the same parameters would give in ``state_dict()``), and
+:meth:`ShardedTorchState.load` takes such a state (a DDP run's, say) and puts
+each owner's parts of it on the owners.
+
+The data moves in store calls only (``kv.allreduce_``: agreed, watched and
+recorded as every call): each owner writes the bytes of its parts into a
+window of a flat integer buffer and the other ranks write zeros, so the sum
+is the owners' bytes, bit for bit. A load needs no data movement (every rank
+holds the whole dict); its checks are agreed by one ``kv.allreduce_``, which
+fails on every rank if a check failed on any (``kv.fail_next_call``).
+"""
+
+import numpy as np
+import torch
+
+from .. import halfbits
+from ..errors import OptimizerError
+from ..optimizer.base import COUNT, MASTER
+from .optimizers import MXNetRule, TorchAdam, TorchSGD, as_tensor
+
+#: the most bytes one ``allreduce_`` of a consolidation moves: what every rank
+#: holds beyond its own state while the state is gathered
+WINDOW_BYTES = 32 << 20
+#: torch's flags that the owners' rules do not run (the Trainer refuses them as True)
+_FLAGS = ("differentiable", "fused", "capturable")
+#: the rules whose state has a torch format
+_TORCH_RULES = (TorchSGD, TorchAdam)
+
+_MXNET = ("trainer.optimizer runs an mpikv optimizer (MXNet's rules), whose state has no "
+          "torch format; save and resume it with trainer.save_checkpoint(path) and "
+          "trainer.load_checkpoint(path) (collective)")
+
+
+def _scalar_dtype():
+    """The dtype of torch's Adam ``step`` tensors (``torch.optim.optimizer._get_scalar_dtype``):
+    float64 under a float64 default dtype, else float32."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _torch_class(rule, group):
+    """The torch class whose ``state_dict`` format the Trainer's rule gives.
+
+    AdamW and Adam share theirs; AdamW's ``load_state_dict`` keeps
+    ``decoupled_weight_decay=True``, so a group that decouples it reads as AdamW.
+    """
+    if isinstance(rule, TorchSGD):
+        return torch.optim.SGD
+    return torch.optim.AdamW if group.get("decoupled_weight_decay") else torch.optim.Adam
+
+
+def _describe(trainer, index, trainer_index):
+    return f"parameter {index} ({trainer._names[trainer_index]!r})"
+
+
+class ShardedTorchState:
+    """The torch face of the owners' optimizer state, for :class:`Trainer.optimizer`.
+
+    Args:
+        trainer: the :class:`mpikv.torch.Trainer`.
+    """
+
+    def __init__(self, trainer):
+        self._trainer = trainer
+        self._consolidated = None   # (state, trainer.num_update at consolidation), on `to`
+        self._to = None
+
+    # -- what belongs where ------------------------------------------------------
+    def _rule(self):
+        rule = self._trainer._rule
+        if isinstance(rule, MXNetRule) or not isinstance(rule, _TORCH_RULES):
+            raise OptimizerError(_MXNET)
+        return rule
+
+    def _torch_order(self):
+        """``[(trainer parameter index, group index)]`` in torch's numbering: parameters
+        counted over ``param_groups``, group by group."""
+        position = {id(p): i for i, p in enumerate(self._trainer._params)}
+        return [(position[id(p)], g)
+                for g, group in enumerate(self._trainer.optimizer.param_groups)
+                for p in group["params"]]
+
+    def _names_of(self, rule, group):
+        """The state names of a parameter of ``group`` that torch keeps and the owners hold."""
+        return tuple(n for n in _needed(rule, group) if n in rule.elementwise_state_names)
+
+    def _state_dtype(self, rule, key):
+        """The dtype of the owners' state of ``key``: float32 with a master copy (a
+        16-bit parameter under multi_precision), else the parameter's own."""
+        dtype = self._engine().entries[key].array.dtype
+        return np.dtype(np.float32) if rule.keeps_master(dtype) else np.dtype(dtype)
+
+    def _engine(self):
+        return self._trainer.kvstore._engine
+
+    def _owned(self, key):
+        """``[(shard start, stop, state or None, whole)]`` of each part of ``key`` this
+        rank owns."""
+        engine = self._engine()
+        placement, rank = engine.plan[key], self._trainer.kvstore.rank
+        return [(s.start, s.stop, engine.states.get((key, s.start)), not placement.split)
+                for s in placement.shards if s.owner == rank]
+
+    # -- consolidate_state_dict ----------------------------------------------------
+    def consolidate(self, to=0):
+        """Gathers the whole state onto rank ``to``; collective (every rank calls it).
+
+        Raises:
+            OptimizerError: on every rank, for an mpikv optimizer, a ``to`` that
+                is not a rank, or ranks that gave different ``to``.
+        """
+        trainer, kv = self._trainer, self._trainer.kvstore
+        rule = self._rule()   # the same on every rank: raises on all of them
+        trainer._between_steps()
+        self._consolidated, self._to = None, None
+        order = self._torch_order()
+        size, rank = kv.num_workers, kv.rank
+        valid = isinstance(to, (int, np.integer)) and not isinstance(to, bool) and 0 <= to < size
+        if not valid:
+            kv.fail_next_call(OptimizerError, f"to={to!r} is not a rank of the {size} rank(s)")
+        # Each parameter's update count (from the owner of its first element) and each
+        # rank's `to`: what every rank needs to lay out the same buffer.
+        head = np.zeros(len(order) + size, np.int64)
+        for j, (i, _) in enumerate(order):
+            for start, _, state, _ in self._owned(trainer._names[i]):
+                if start == 0 and state is not None:
+                    head[j] = int(state[COUNT].reshape(-1)[0])
+        head[len(order) + rank] = int(to) if valid else -1
+        try:
+            kv.allreduce_(head)
+        except OptimizerError as exc:
+            raise OptimizerError(_renamed(exc, "trainer.optimizer.consolidate_state_dict")) \
+                from None
+        targets = head[len(order):].tolist()
+        if len(set(targets)) > 1:
+            raise OptimizerError("trainer.optimizer.consolidate_state_dict: ranks gave "
+                                 "different `to`: " + ", ".join(
+                                     f"rank {r}: {t}" for r, t in enumerate(targets)))
+        groups = trainer.optimizer.param_groups
+        # (torch index, state name, dtype, shape, first byte) of every array to gather.
+        segments, total = [], 0
+        for j, (i, g) in enumerate(order):
+            if head[j] < 1:   # never updated: torch holds no state for it
+                continue
+            key = trainer._names[i]
+            dtype = self._state_dtype(rule, key)
+            shape = tuple(trainer._params[i].shape)
+            for name in self._names_of(rule, groups[g]):
+                segments.append((j, name, dtype, shape, total))
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                total += -(-nbytes // 8) * 8   # int64 lanes: every array starts on one
+        mine = rank == to
+        out = {}
+        if mine:
+            for j, name, dtype, shape, _ in segments:
+                out[(j, name)] = np.empty(int(np.prod(shape, dtype=np.int64)), dtype)
+        pieces = self._owned_pieces(order, segments)
+        for w0 in range(0, total, WINDOW_BYTES):
+            w1 = min(total, w0 + WINDOW_BYTES)
+            window = np.zeros((w1 - w0) // 8, np.int64)
+            raw = window.view(np.uint8)
+            for lo, hi, source in pieces:   # this rank's parts; zeros elsewhere
+                a, b = max(lo, w0), min(hi, w1)
+                if a < b:
+                    raw[a - w0:b - w0] = source[a - lo:b - lo]
+            kv.allreduce_(window)
+            if mine:
+                for j, name, dtype, shape, base in segments:
+                    target = out[(j, name)].view(np.uint8)
+                    a, b = max(base, w0), min(base + target.size, w1)
+                    if a < b:
+                        target[a - base:b - base] = raw[a - w0:b - w0]
+        self._to = int(to)
+        if not mine:
+            return
+        state = {}
+        for j, (i, g) in enumerate(order):
+            if head[j] < 1:
+                continue
+            p = trainer._params[i]
+            entry = {}
+            if isinstance(rule, TorchAdam):
+                entry["step"] = torch.tensor(float(head[j]), dtype=_scalar_dtype())
+            for name in self._names_of(rule, groups[g]):
+                entry[name] = as_tensor(out[(j, name)]).reshape(p.shape).to(p.device)
+            state[j] = entry
+        self._consolidated = (state, trainer.num_update)
+
+    def _owned_pieces(self, order, segments):
+        """``[(first byte, end byte, bytes)]`` of the state this rank owns, in the
+        consolidation's buffer (host bytes, in the segment's dtype)."""
+        trainer = self._trainer
+        pieces = []
+        for j, name, dtype, _, base in segments:
+            i = order[j][0]
+            for start, stop, state, _ in self._owned(trainer._names[i]):
+                if state is None:
+                    continue
+                flat = halfbits.astype(_on_host(state[name]).reshape(-1), dtype)
+                pieces.append((base + start * dtype.itemsize, base + stop * dtype.itemsize,
+                               np.ascontiguousarray(flat).view(np.uint8)))
+        return pieces
+
+    # -- state_dict -------------------------------------------------------------------
+    def state_dict(self):
+        """The consolidated state with the current hyperparameters, in torch's format.
+
+        Raises:
+            OptimizerError: for an mpikv optimizer; on a rank other than the last
+                consolidation's ``to``, before any, or after a step since it.
+        """
+        rule = self._rule()
+        trainer = self._trainer
+        if self._to is None:
+            raise OptimizerError(
+                "trainer.optimizer's state lives on the owners, in parts (ZeRO-1): call "
+                "trainer.optimizer.consolidate_state_dict(to) on every rank first, then "
+                "state_dict() on rank `to`; or save with trainer.save_checkpoint(path)")
+        if self._consolidated is None:
+            raise OptimizerError(
+                f"trainer.optimizer.consolidate_state_dict gathered the state onto rank "
+                f"{self._to}, not this rank ({trainer.kvstore.rank}): call state_dict() there")
+        state, at = self._consolidated
+        if at != trainer.num_update:
+            raise OptimizerError(
+                f"trainer.optimizer.consolidate_state_dict was called at update {at}, and the "
+                f"Trainer has made {trainer.num_update - at} more since: call it again (on "
+                f"every rank) before state_dict()")
+        groups, index = [], 0
+        for group in trainer.optimizer.param_groups:
+            cls = _torch_class(rule, group)
+            # The user's class's full set of hyperparameters (flags too), the Trainer's values.
+            full = {k: v for k, v in _probe(cls).param_groups[0].items() if k != "params"}
+            full.update({k: v for k, v in group.items() if k != "params"})
+            full["params"] = list(range(index, index + len(group["params"])))
+            index += len(group["params"])
+            groups.append(full)
+        return {"state": {j: dict(entry) for j, entry in state.items()}, "param_groups": groups}
+
+    # -- load_state_dict ----------------------------------------------------------------
+    def load(self, state_dict):
+        """Puts a torch optimizer's state on the owners and its hyperparameters into
+        ``param_groups``; collective (every rank calls it, each with the whole dict).
+
+        The loaded state replaces the owners' (as torch's ``load_state_dict``
+        replaces ``optimizer.state``): a parameter without an entry starts afresh.
+
+        Raises:
+            OptimizerError: on every rank, nothing changed, when the dict cannot be
+                mapped on any rank (another optimizer's state, other shapes, another
+                number of parameters or groups, a flag the owners do not run).
+        """
+        trainer, kv = self._trainer, self._trainer.kvstore
+        rule = self._rule()   # the same on every rank: raises on all of them
+        trainer._between_steps()
+        try:
+            groups, entries = self._read(rule, state_dict)
+            staged = self._stage(rule, entries)
+            failure = None
+        except OptimizerError as exc:
+            failure = str(exc)
+        except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank
+            failure = f"{type(exc).__name__}: {exc}"
+        if failure is not None:
+            kv.fail_next_call(OptimizerError, failure)
+        try:
+            kv.allreduce_(np.zeros(1, np.int64))   # raises on every rank if one failed
+        except OptimizerError as exc:
+            raise OptimizerError(_renamed(exc, "trainer.optimizer.load_state_dict")) from None
+        engine = self._engine()
+        engine.load_optimizer(engine.optimizer, {**engine.states, **staged}, dict(engine.counts))
+        # In place: the rule and the join's shared hyperparameters read these dicts.
+        for group, saved in zip(trainer.optimizer.param_groups, groups):
+            group.update({k: v for k, v in saved.items()
+                          if k not in ("params", "param_names") and k not in _FLAGS})
+        self._consolidated, self._to = None, None
+
+    def _read(self, rule, state_dict):
+        """Checks ``state_dict`` against the Trainer; changes nothing.
+
+        Returns:
+            ``(groups, entries)``: each group's hyperparameters (completed as the
+            torch class completes them), and per torch index ``(count, {name:
+            tensor})`` of the parameters it holds state for.
+        """
+        trainer = self._trainer
+        ours = trainer.optimizer.param_groups
+        if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
+                and isinstance(state_dict.get("param_groups"), (list, tuple))):
+            raise OptimizerError("load_state_dict takes a torch optimizer's state_dict: a dict "
+                                 "with a dict 'state' and a list 'param_groups'")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(ours):
+            raise OptimizerError(f"the state has {len(saved_groups)} param group(s), "
+                                 f"trainer.optimizer has {len(ours)}")
+        order = self._torch_order()
+        # Hyperparameters only another class has: a state of that class (say, Adam's
+        # betas in a state loaded into SGD) fails here, even with no state yet.
+        foreign = {k for other in _TORCH_RULES if not isinstance(rule, other)
+                   for k in other.hyper} - set(rule.hyper)
+        groups, id_map, index = [], {}, 0
+        for g, (mine, saved) in enumerate(zip(ours, saved_groups)):
+            if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
+                raise OptimizerError(f"param group {g} of the state has no 'params' list")
+            if len(saved["params"]) != len(mine["params"]):
+                raise OptimizerError(
+                    f"param group {g} of the state has {len(saved['params'])} parameters, "
+                    f"trainer.optimizer's {len(mine['params'])} (the Trainer trains the "
+                    f"parameters with requires_grad=True, tied ones once)")
+            other = sorted(k for k in saved if k in foreign)
+            cls = _torch_class(rule, mine)
+            if other:
+                raise OptimizerError(f"param group {g} of the state has {', '.join(other)}: "
+                                     f"not a state of torch.optim.{cls.__name__}")
+            complete = _completed(cls, saved)
+            missing = sorted(k for k in rule.hyper if k not in complete)
+            if missing:
+                raise OptimizerError(f"param group {g} of the state has no {', '.join(missing)}: "
+                                     f"not a state of torch.optim.{cls.__name__}")
+            flags = [f for f in _FLAGS if complete.get(f)]
+            if flags:
+                raise OptimizerError(f"param group {g} of the state has {flags[0]}=True, which "
+                                     f"the owners do not run")
+            for name in _needed(rule, complete):
+                if name not in rule.elementwise_state_names:
+                    # The owners' states were made without it: their steps would fail.
+                    setting = "momentum" if name == "momentum_buffer" else "amsgrad"
+                    raise OptimizerError(
+                        f"param group {g} of the state has {setting}={complete[setting]!r}, "
+                        f"whose {name} the owners do not keep: the Trainer was made without "
+                        f"{setting}; make it with the state's hyperparameters")
+            for saved_id in saved["params"]:
+                if saved_id in id_map:
+                    raise OptimizerError(f"the state lists parameter {saved_id!r} twice")
+                id_map[saved_id] = index
+                index += 1
+            groups.append(complete)
+        entries = {}
+        for saved_id, entry in state_dict["state"].items():
+            if saved_id not in id_map:
+                raise OptimizerError(f"the state holds parameter {saved_id!r}, which no param "
+                                     f"group lists")
+            j = id_map[saved_id]
+            i, g = order[j]
+            what = _describe(trainer, j, i)
+            if not isinstance(entry, dict):
+                raise OptimizerError(f"the state of {what} is not a dict")
+            entry = {k: v for k, v in entry.items()
+                     if not (k == "momentum_buffer" and v is None)}   # older torch: no buffer
+            if not entry:
+                continue   # nothing yet: as torch, the parameter starts afresh
+            names = _needed(rule, groups[g])
+            expected = (("step",) if isinstance(rule, TorchAdam) else ()) + names
+            if set(entry) != set(expected):
+                cls = _torch_class(rule, groups[g])
+                keeps = sorted(expected) if expected else "none (momentum=0)"
+                raise OptimizerError(
+                    f"the state of {what} has {sorted(entry)}; torch.optim.{cls.__name__} "
+                    f"with its param group's hyperparameters keeps {keeps}: a state of "
+                    f"another optimizer or setting")
+            p = trainer._params[i]
+            tensors = {}
+            for name in names:
+                t = entry[name]
+                if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                    raise OptimizerError(f"{name} of {what} is not a floating-point tensor")
+                if tuple(t.shape) != tuple(p.shape):
+                    raise OptimizerError(f"{name} of {what} has shape {tuple(t.shape)}, the "
+                                         f"parameter {tuple(p.shape)}")
+                tensors[name] = t.detach()
+            count = 1   # SGD keeps no count: one says "the buffer is there"
+            if isinstance(rule, TorchAdam):
+                count = _step(entry["step"], what)
+            entries[j] = (count, tensors)
+        return groups, entries
+
+    def _stage(self, rule, entries):
+        """The new states of the parts this rank owns, made before any is installed.
+
+        Returns:
+            ``{(key, shard start): state}``: each a fresh state (zeros, count 0)
+            holding the loaded parts; a 16-bit parameter's float32 master stays.
+        """
+        trainer, engine = self._trainer, self._engine()
+        staged = {}
+        for j, (i, _) in enumerate(self._torch_order()):
+            key = trainer._names[i]
+            entry = engine.entries[key]
+            count, tensors = entries.get(j, (0, {}))
+            for start, stop, old, whole in self._owned(key):
+                weight = entry.array if whole else entry.flat[start:stop]
+                fresh = rule.create_state(key, weight)
+                if old is not None and MASTER in old:
+                    fresh[MASTER] = old[MASTER]   # more exact than the weight it rounds to
+                fresh[COUNT][...] = count
+                with torch.no_grad():
+                    for name, t in tensors.items():
+                        target = as_tensor(fresh[name])
+                        part = t.reshape(-1)[start:stop].reshape(target.shape)
+                        target.copy_(part)   # in the owners' dtype, as torch casts to the param's
+                staged[(key, start)] = fresh
+        return staged
+
+
+def _needed(rule, group):
+    """The elementwise state names torch keeps for a parameter of ``group``: only
+    those the group uses (torch keeps no momentum buffer at momentum 0)."""
+    if isinstance(rule, TorchSGD):
+        return ("momentum_buffer",) if float(group["momentum"]) != 0 else ()
+    return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+
+def _step(value, what):
+    """Adam's ``step`` of a state as an update count (a whole number)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise OptimizerError(f"step of {what} is not a scalar")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OptimizerError(f"step of {what} is not a number")
+    if not (value == int(value) and 0 <= value < 2 ** 53):
+        raise OptimizerError(f"step of {what} is {value!r}, not a whole number of updates")
+    return int(value)
+
+
+_PROBES = {}
+
+
+def _probe(cls):
+    """A ``cls`` over one dummy parameter: its param group holds every hyperparameter."""
+    if cls not in _PROBES:
+        _PROBES[cls] = cls([torch.zeros(1, requires_grad=True)])
+    return _PROBES[cls]
+
+
+def _completed(cls, saved):
+    """A saved param group, its missing hyperparameters filled in as ``cls``'s own
+    ``load_state_dict`` fills them (a state from an older torch lacks some)."""
+    probe = cls([torch.zeros(1, requires_grad=True)])
+    group = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+    probe.load_state_dict({"state": {}, "param_groups": [{**group, "params": [0]}]})
+    return {k: v for k, v in probe.param_groups[0].items() if k != "params"}
+
+
+def _on_host(array):
+    """``array`` itself on the host, else a host copy (cupy)."""
+    return array if isinstance(array, np.ndarray) else array.get()
+
+
+def _renamed(exc, name):
+    """The store's message of a failed agreement, under the caller's name."""
+    text = str(exc)
+    head, sep, rest = text.partition(": ")
+    return f"{name}: {rest}" if sep and head == "allreduce_" else text
+
+
+__all__ = ["ShardedTorchState", "WINDOW_BYTES"]
