@@ -25,7 +25,8 @@ import numpy as np
 from . import backends, errors, flight
 from ._executor import Executor
 from ._routes import Routes
-from .agreement import explain, fingerprint, format_ranks, record
+from .agreement import (explain, fingerprint, format_ranks, in_context, is_joined,
+                        joined_record, record)
 from .calls import Call, Item
 from .dtypes import VALUE_DTYPES
 from .transport import staging as _staging
@@ -58,11 +59,51 @@ class Protocol:
         self._calls = 0
         self._failure = None   # (error class, message) of fail_next_call, or None
         self.closed = False
+        # What this rank is doing in its caller's terms (set_context):
+        # (activity, hint, (activity, hint) at exit), or None.
+        self.context = None
+        self._exited = False
 
     # -- what every call goes through ------------------------------------------
     def fail_next_call(self, exc_class, message):
         """This rank's next call fails on every rank (see :meth:`mpikv.KVStore.fail_next_call`)."""
         self._failure = (exc_class, str(message))
+
+    def set_context(self, activity, hint=None, exit=None):
+        """What this rank is doing, for the message of a call the ranks make
+        differently (see :meth:`mpikv.KVStore.set_context`)."""
+        if activity is None:
+            self.context = None
+            return
+        if exit is not None:
+            exit = (str(exit[0]), None if exit[1] is None else str(exit[1]))
+        self.context = (str(activity), None if hint is None else str(hint), exit)
+
+    def _said(self):
+        """``(activity, hint)`` of the context, for a record; or None."""
+        context = self.context
+        return None if context is None else context[:2]
+
+    def exit(self):
+        """The end of this rank's process: one agreed "exit" call (unless closed).
+
+        Ranks that all end their processes agree and nothing happens; a rank still
+        waiting in a call of the others gets a MismatchError at once, which names
+        this rank's exit (the context's exit words, else "ended its process").
+        Raises that error here too.
+        """
+        if self.closed or self._exited:
+            return
+        self._failure = None    # an adapter's pending failure is not the exit's
+        self._executor.drain()
+        context = self.context
+        exit = None if context is None else context[2]
+        self.context = (*(exit or ("ended its process", None)), None)
+        try:
+            self.collective(Call("exit"), lambda: None)
+        finally:
+            self.context = context
+        self._exited = True
 
     def collective(self, call, action):
         """A call that is not a data movement: agreed, background calls drained,
@@ -167,6 +208,9 @@ class Protocol:
         # Larger for a later join, the same on every rank for the same moment.
         ticket = ((t.agreements + 1) << _RANK_BITS) | t.rank
         what = ("join", [])
+        # What this rank says in the others' records while it is joined: the
+        # context it joined in (its caller may change the context meanwhile).
+        mine = joined_record(self._said())
         while True:
             entry = self._begin("join", [], 0)
             active, last = t.wait_joined(ticket, what)
@@ -174,8 +218,8 @@ class Protocol:
             if not active:
                 flight.ended(entry)
                 return last & ((1 << _RANK_BITS) - 1)
-            records = t.allgather_records(None, what)
-            rec = next(r for r in records if r is not None)
+            records = t.allgather_records(mine, what)
+            rec = next(r for r in records if not is_joined(r))
             flight.relabel(entry, f"join: {rec['op']}", [k for k, _, _ in rec["keys"]],
                            _record_nbytes(rec))
             # A call that is bad among the others, or that joined ranks cannot take
@@ -290,11 +334,11 @@ class Protocol:
         """After an agreement that failed, or that found joined ranks: every rank's
         record; one message, raised everywhere, or (joined ranks) the call goes on."""
         what = (call.op, call.keys)
-        records = self.transport.allgather_records(record(call), what)
+        records = self.transport.allgather_records(record(call, self._said()), what)
         verdict = explain(records)
         if verdict is None and joined and call.op not in JOINABLE:
-            verdict = (errors.MismatchError, (
-                f"{call.op}: {format_ranks([r for r, rec in enumerate(records) if rec is None])} "
+            verdict = (errors.MismatchError, in_context(records) or (
+                f"{call.op}: {format_ranks([r for r, rec in enumerate(records) if is_joined(rec)])} "
                 f"joined (kv.join()); until every rank has, only {', '.join(JOINABLE)} can run"))
         if verdict is None and joined:
             return
@@ -302,7 +346,12 @@ class Protocol:
             verdict = (errors.MismatchError, f"{call.op}: ranks made different calls")
         cls, message = verdict
         flight.failed(entry, cls.__name__)
-        raise cls(f"{message}; nothing was applied")
+        error = cls(f"{message}; nothing was applied")
+        # Raised alike on every rank that made a call: the lowest of them reports it
+        # first if it ends the job (joined ranks raise nothing).
+        error.first_rank = self.transport.world_rank(
+            next(r for r, rec in enumerate(records) if not is_joined(rec)))
+        raise error
 
     def _background_error(self, text):
         from .transport.watchdog import EXCEPTION_EXIT_CODE, abort

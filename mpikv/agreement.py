@@ -5,6 +5,12 @@ into a small JSON-able description; the transport compares fingerprints across r
 collective, and only when they differ (or some rank has an input error) are
 the full records gathered and :func:`explain` turns them into one message,
 the same on every rank.
+
+A record may also carry what its rank is doing in the caller's terms (its
+*context*: :meth:`mpikv.KVStore.set_context`, "is in step 13"), which is not
+in the fingerprint: when ranks made different calls in different contexts, the
+message says what each rank was doing and what to do about it, rather than
+which store calls differed.
 """
 
 import hashlib
@@ -65,14 +71,36 @@ def fingerprint(call, blob=None):
 _FINGERPRINTS = {}
 
 
-def record(call):
-    """The full, JSON-able description of a call, for :func:`explain` (only on failure)."""
-    return {
+def record(call, context=None):
+    """The full, JSON-able description of a call, for :func:`explain` (only on failure).
+
+    Args:
+        context: None, or ``(activity, hint)`` of the rank (see
+            :meth:`mpikv.KVStore.set_context`): ``doing`` and ``hint`` of the record.
+    """
+    rec = {
         "op": call.op,
         "settings": call.settings,
         "keys": json.loads(keys_blob(call)),
         "errors": [list(e) for e in call.errors],
     }
+    if context is not None:
+        rec["doing"], rec["hint"] = context
+    return rec
+
+
+def joined_record(context=None):
+    """The record of a rank that has joined (:meth:`mpikv.KVStore.join`): None, or
+    its context only (see :func:`record`)."""
+    if context is None:
+        return None
+    doing, hint = context
+    return {"joined": True, "doing": doing, "hint": hint}
+
+
+def is_joined(rec):
+    """Whether a gathered record is a joined rank's (which takes no part in a call)."""
+    return rec is None or "joined" in rec
 
 
 def describe(call):
@@ -126,22 +154,76 @@ def explain(records):
 
     Args:
         records: the :func:`describe` record of every rank, in rank order;
-            None for a rank that has joined (it takes no part).
+            a :func:`joined_record` for a rank that has joined (it takes no part).
 
     Returns:
         ``(exception class, message)``, or None when the call may proceed. The
-        message starts with the operation's name and is the same on every rank.
+        message is the same on every rank. It starts with the operation's
+        name, unless the ranks differ in their calls and in their contexts:
+        then a :class:`~mpikv.errors.MismatchError` says what each rank was
+        doing (:func:`in_context`).
     """
+    given, records = records, [None if is_joined(r) else r for r in records]
     ranks = [rank for rank, r in enumerate(records) if r is not None]
     problem = _differs("ranks called different operations",
                        [_JOINED if r is None else r["op"] for r in records])
     if problem:
-        return errors.MismatchError, problem
+        return errors.MismatchError, in_context(given) or problem
     verdict = _explain_one_op(records, ranks)
     if verdict is None:
         return None
     cls, message = verdict
+    if cls is errors.MismatchError:
+        told = in_context(given)
+        if told:
+            return cls, told
     return cls, f"{records[ranks[0]]['op']}: {message}"
+
+
+def in_context(records):
+    """What each rank was doing, in its caller's terms, or None when that does not
+    tell the ranks apart (no rank has a context, or all have the same).
+
+    A rank with no context is described by its call ("called push"), a joined
+    one as joined. The ranks with a hint come first (their call is the odd
+    one: "rank 1 closed the Trainer after step 12"), then the others after
+    "while" (those with a context first); then every distinct hint:
+
+        rank 1 closed the Trainer after step 12 while ranks 0, 2 are in step 13:
+        the ranks ran different numbers of steps; for uneven data use trainer.join()
+
+    An activity is written for one rank ("is in step 13"); for several, a
+    leading "is"/"has"/"was" becomes "are"/"have"/"were".
+    """
+    if not any(r is not None and r.get("doing") for r in records):
+        return None
+    groups = {}   # what the ranks were doing -> [ranks, hint, whether it was said]
+    for rank, r in enumerate(records):
+        doing = None if r is None else r.get("doing")
+        group = groups.setdefault(
+            doing or ("has joined (kv.join())" if is_joined(r) else f"called {r['op']}"),
+            [[], None, bool(doing)])
+        group[0].append(rank)
+        if group[1] is None and r is not None:
+            group[1] = r.get("hint")
+    if len(groups) < 2:
+        return None
+    # Those with a hint, then those with a context, then the others; by rank.
+    order = sorted(groups.items(), key=lambda g: (not g[1][1], not g[1][2], g[1][0][0]))
+    parts = [f"{format_ranks(ranks)} {_plural(doing) if len(ranks) > 1 else doing}"
+             for doing, (ranks, _, _) in order]
+    text = f"{parts[0]} while {' and '.join(parts[1:])}"
+    hints = list(dict.fromkeys(hint for _, (_, hint, _) in order if hint))
+    return f"{text}: {'; '.join(hints)}" if hints else text
+
+
+_PLURALS = {"is": "are", "has": "have", "was": "were"}
+
+
+def _plural(activity):
+    """``"is in step 13"`` -> ``"are in step 13"`` (for several ranks)."""
+    verb, _, rest = activity.partition(" ")
+    return f"{_PLURALS[verb]} {rest}" if verb in _PLURALS else activity
 
 
 def _explain_one_op(records, ranks):

@@ -6,7 +6,17 @@ the same class and message, so that ``except`` clauses stay in step.
 
 
 class MPIKVError(Exception):
-    """Base class of every error mpikv raises on purpose."""
+    """Base class of every error mpikv raises on purpose.
+
+    Attributes:
+        first_rank: for an error that the ranks' agreement raised on every
+            rank of a call alike, the ``COMM_WORLD`` rank that reports it first
+            if it ends the job (the lowest rank that raised it; see
+            :func:`mpikv.transport.watchdog.install_exception_hook`); None for
+            an error of this rank alone.
+    """
+
+    first_rank = None
 
 
 class InputError(MPIKVError, ValueError):

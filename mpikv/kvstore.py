@@ -95,6 +95,7 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
     table = tuning.resolve(transport, options.reducer, options.autotune)
     store = KVStore(name.lower(), transport, options, table)
     if kind == "mpi":
+        _OPEN.append(store)
         get_logger().info(
             "store %s: %d ranks; strategies from %s (4 MiB in place: %s, out of place: %s); "
             "buckets of %d bytes; keys of %d bytes or more unfused; timeout %g s; "
@@ -118,7 +119,37 @@ def _drain_at_exit():
         importlib.import_module(".transport.shm", __package__)  # registers its hook first
         from ._executor import drain_all
         atexit.register(drain_all)
+        # Runs before drain_all, the shared windows' release, the flight-recorder
+        # listener's end and MPI's finalization: all registered before it.
+        atexit.register(_end_of_process)
         _drain_registered = True
+
+
+#: the distributed stores not closed yet, in creation order (the same on every rank)
+_OPEN = []
+
+
+def _end_of_process():
+    """At the end of the process, every store still open makes one agreed "exit" call.
+
+    When every rank ends its process, the calls agree and nothing is printed.
+    A rank still in a call of the store (in a training step, say) gets a
+    MismatchError at once that says this rank's process ended, instead of
+    waiting for the timeout; here, the same error is printed on standard error
+    and the process ends with a nonzero status
+    (:func:`mpikv.transport.watchdog.exit_failed`).
+    """
+    from .transport.world import mpi_running
+    if not mpi_running():   # the program finalised MPI itself
+        return
+    # Newest first: a rank waiting in a call of the others waits, most likely, in
+    # the store they made last (the order is the same on every rank).
+    for store in list(reversed(_OPEN)):
+        try:
+            store._protocol.exit()
+        except Exception as exc:  # noqa: BLE001 - the process must end, not hang
+            from .transport.watchdog import exit_failed
+            exit_failed(exc, store._options.abort_on_exception)
 
 
 #: options that change which collectives a store calls: they must be equal on every rank
@@ -393,8 +424,45 @@ class KVStore(ClosesAfterWith):
         self._protocol.close(self._release)
 
     def _release(self):
+        if self in _OPEN:
+            _OPEN.remove(self)
         self._engine.release()
         self._transport.close()
+
+    def set_context(self, activity, hint=None, exit=None):
+        """Says what this rank is doing, in its caller's terms; not collective.
+
+        Each later call carries it in the record the ranks gather when their
+        calls differ (it is not compared: ranks in different contexts that make
+        the same call agree). When the ranks made different calls and differ
+        in context, the :class:`~mpikv.errors.MismatchError` says what each
+        rank was doing, the ranks with a hint first, then the hints:
+        ``rank 0 called save_checkpoint after step 12 while rank 1 is in step
+        13: save_checkpoint is collective: every rank must call it``. The torch
+        Trainer sets it for its steps and its collective calls.
+
+        Args:
+            activity: words that complete "rank N ...", for one rank ("is in
+                step 13"; a leading is/has/was becomes are/have/were for
+                several); None forgets the context.
+            hint: what to do about a difference, when this rank's call is the
+                odd one ("save_checkpoint is collective: every rank must call
+                it"), or None.
+            exit: ``(activity, hint)`` for the end of the process in this
+                context (see below), or None: ``"ended its process"``, no hint.
+
+        At the end of the process every store not closed makes one agreed
+        "exit" call, so a rank still in a call of the others gets this error
+        within seconds rather than at the timeout.
+        """
+        self._protocol.set_context(activity, hint, exit)
+
+    def _agree_on(self, op):
+        """A call that moves nothing, named ``op`` (the torch Trainer's close): every
+        rank must make it (a rank that has joined takes no part). Nothing on a closed
+        store (closing is collective: the same on every rank)."""
+        if not self._protocol.closed:
+            self._protocol.collective(Call(op), lambda: None)
 
     def join(self, on_call=None, follow_optimizer=True):
         """Takes part in the other ranks' calls with zeros until every rank has joined.

@@ -36,6 +36,10 @@ class Transport(ABC):
     def close(self):
         """Releases what the transport holds (after every rank's last call on it)."""
 
+    def world_rank(self, rank):
+        """The ``COMM_WORLD`` rank of the transport's ``rank`` (None if it has none)."""
+        return rank
+
     def wait_joined(self, ticket, what):
         """A joined rank's side of the next :meth:`agree` of the others.
 

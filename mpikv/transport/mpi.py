@@ -53,6 +53,10 @@ class MPITransport(Transport):
         self.staging = Staging()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
+        group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        self._world_ranks = group.Translate_ranks(list(range(self.size)), world)
+        group.Free()
+        world.Free()
         self.timeout = options.timeout
         self.piece_bytes = options.bucket_bytes
         self.library = MPI.Get_library_version().replace("\x00", "").strip()
@@ -222,6 +226,10 @@ class MPITransport(Transport):
             text = self.agree_comm.bcast(json.dumps(record) if self.rank == root else None,
                                          root=root)
         return json.loads(text)
+
+    def world_rank(self, rank):
+        world = self._world_ranks[rank]
+        return None if world == MPI.UNDEFINED else world
 
     @property
     def mpi_version(self):

@@ -25,6 +25,11 @@ TIMEOUT_EXIT_CODE = 3
 _ASK, _ANSWER = 32011, 32012
 #: how long the ending rank waits for the others' last calls
 ANSWER_WAIT = 3.0
+#: how long a rank leaves the first report of an error that every rank raised
+#: to the rank that reports it, before it prints its own traceback; that rank
+#: waits a little longer before it ends the job (see install_exception_hook)
+HEADLINE_WAIT = 0.5
+_LINGER = HEADLINE_WAIT + 0.5
 
 _hook_installed = False
 _aborting = threading.Lock()
@@ -42,8 +47,13 @@ def format_what(what):
     return f"{op} (key{'s' if len(keys) > 1 else ''} {shown}{more})"
 
 
-def abort(message, code):
-    """Prints ``message``, shows every rank's flight recorder, and aborts the job."""
+def abort(message, code, linger=0.0):
+    """Prints ``message``, shows every rank's flight recorder, and aborts the job.
+
+    Args:
+        linger: seconds to wait after the message, before the flight recorders
+            (the other ranks' tracebacks of the same error come in between).
+    """
     from mpi4py import MPI
     world = MPI.COMM_WORLD
     if not _aborting.acquire(blocking=False):
@@ -51,6 +61,7 @@ def abort(message, code):
         world.Abort(code)
     sys.stderr.write(message.rstrip("\n") + "\n")
     sys.stderr.flush()
+    time.sleep(linger)
     try:
         text = _last_calls(world, message.split("\n", 1)[0])
     except Exception as exc:  # noqa: BLE001 - the report must never stop the abort
@@ -142,11 +153,54 @@ def start_listener():
         _listener.join()
 
 
+def headline(exc):
+    """``"mpikv: MismatchError: <message>"``: the first line of the report of ``exc``."""
+    return f"mpikv: {type(exc).__name__}: {exc}"
+
+
+def _wait_for_first(exc, rank):
+    """Whether another rank reports ``exc`` (the same error, raised on every rank by
+    their agreement): it says so first and ends the job."""
+    first = getattr(exc, "first_rank", None)
+    return first is not None and first != rank
+
+
+def exit_failed(exc, abort_job=True):
+    """Ends a process whose store's exit call failed (the others were in another
+    call), without hanging: the error once on standard error, a nonzero status.
+
+    The rank that reports the error (:attr:`mpikv.MPIKVError.first_rank`) prints
+    it and ends the job, with every rank's flight recorder; another rank waits
+    for that, and ends the job itself only if it does not come.
+
+    Args:
+        exc: the exception of the exit call.
+        abort_job: end the whole job (``MPI_Abort``); else print and end this
+            process alone (``abort_on_exception`` off).
+    """
+    from mpi4py import MPI
+    line = headline(exc)
+    if not abort_job:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        os._exit(EXCEPTION_EXIT_CODE)
+    if _wait_for_first(exc, MPI.COMM_WORLD.Get_rank()):
+        time.sleep(_LINGER + ANSWER_WAIT + 5)   # its MPI_Abort ends this process
+        abort(line, EXCEPTION_EXIT_CODE)   # it did not
+    abort(line, EXCEPTION_EXIT_CODE, linger=_LINGER)
+
+
 def install_exception_hook():
     """Makes an uncaught exception on any rank end the job (once per process).
 
     The traceback is printed with the rank on every line, then ``MPI_Abort``
     stops the other ranks, which would otherwise wait in their next collective.
+
+    An mpikv error that the ranks' agreement raised alike on every rank of a
+    call (:attr:`mpikv.MPIKVError.first_rank`) is reported once, first:
+    ``mpikv: MismatchError: <message>`` by the lowest of those ranks, which
+    ends the job a second later; the others print only their ``[rank N]``
+    traceback, meanwhile (and end the job themselves if that rank does not).
     """
     global _hook_installed
     if _hook_installed:
@@ -160,8 +214,17 @@ def install_exception_hook():
         rank, size = world.Get_rank(), world.Get_size()
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         lines = "".join(f"[rank {rank}] {line}\n" for line in text.splitlines())
-        abort(f"mpikv: uncaught {exc_type.__name__} on rank {rank} of {size}; "
-              f"aborting the job so no rank waits forever\n{lines}", EXCEPTION_EXIT_CODE)
+        uncaught = (f"mpikv: uncaught {exc_type.__name__} on rank {rank} of {size}; "
+                    f"aborting the job so no rank waits forever\n")
+        if getattr(exc, "first_rank", None) is None:
+            abort(uncaught + lines, EXCEPTION_EXIT_CODE)
+        if _wait_for_first(exc, rank):
+            time.sleep(HEADLINE_WAIT)   # the reporting rank's headline comes first
+            sys.stderr.write(lines)
+            sys.stderr.flush()
+            time.sleep(_LINGER + ANSWER_WAIT + 5)   # its MPI_Abort ends this process
+            abort(f"{headline(exc)}\n{uncaught}", EXCEPTION_EXIT_CODE)   # it did not
+        abort(f"{headline(exc)}\n{uncaught}{lines}", EXCEPTION_EXIT_CODE, linger=_LINGER)
 
     sys.excepthook = hook
     _hook_installed = True

@@ -26,6 +26,11 @@ def rank_label():
     return None
 
 
+def mpi_running():
+    """Whether MPI is initialised and not yet finalised (never initialises it)."""
+    return rank_label() is not None
+
+
 def job_facts(comm=None):
     """Gathers the hosts of ``comm``'s ranks and the MPI library's facts; collective.
 
@@ -58,4 +63,4 @@ def job_facts(comm=None):
     }
 
 
-__all__ = ["job_facts", "rank_label"]
+__all__ = ["job_facts", "mpi_running", "rank_label"]
