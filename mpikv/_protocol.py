@@ -129,10 +129,14 @@ class Protocol:
         if remember is not None and type(remember[0]) in (int, str):
             self.routes.remember_one_key(call, *remember)
 
-    def submit(self, call, push=False, pull=False):
-        """A data call in the background: agreed now; returns its :class:`Handle`."""
+    def submit(self, call, push=False, pull=False, action=None):
+        """A data call in the background: agreed now; returns its :class:`Handle`.
+
+        Args:
+            action: runs the call instead of a push or pull (``gather_gradients``).
+        """
         entry = self._agree(call)
-        job = self._job(call, push, pull, self._executor.threaded)
+        job = self._job(call, push, pull, self._executor.threaded, action)
         if entry is not None:
             def traced(run=job):
                 run()
@@ -275,17 +279,21 @@ class Protocol:
         self._job(call, op != "pull", op != "push", False)()
 
     # -- the steps -------------------------------------------------------------
-    def _job(self, call, push, pull, background):
+    def _job(self, call, push, pull, background, action=None):
         """The data movement of an agreed call, as a function of no arguments.
 
         ``background``: it may run on the worker thread, which then needs the
         caller's GPU and streams handed over (:func:`mpikv.transport.staging.handover`).
+        ``action``: the movement itself, when it is neither a push nor a pull.
         """
         engine, op, items = self.engine, call.op, call.items
         order = _bucket_order(call)
         zero_copy = call.zero_copy
 
         def job():
+            if action is not None:
+                action()
+                return
             done = engine.push(op, items, order, zero_copy) if push else ()
             # After a zero-copy push with the default updater the buffers are the
             # stored values: nothing to pull.

@@ -699,12 +699,24 @@ class KVStore(ClosesAfterWith):
         Raises:
             ValueTypeError: the key list has no gradient buffers.
         """
+        call = self._gather_call(keys)
+        self._protocol.collective(call, lambda: self._engine.gather_grads(call.op, call.keys))
+
+    def gather_gradients_async(self, keys):
+        """:meth:`gather_gradients` in the background, after the calls made before
+        it (the push it gathers); returns a :class:`Handle`. Errors are raised
+        here, on every rank."""
+        call = self._gather_call(keys)
+        return self._protocol.submit(
+            call, action=lambda: self._engine.gather_grads(call.op, call.keys))
+
+    def _gather_call(self, keys):
         key_list = list(keys) if isinstance(keys, (list, tuple)) else [keys]
         call = self._read("gather_gradients", key_list)
         if not call.errors and self._engine.zero_copy_views(call.keys) is None:
             call.fail(errors.ValueTypeError, None, "gather_gradients needs keys whose "
                       "gradient_buffers were made (for this key list)")
-        self._protocol.collective(call, lambda: self._engine.gather_grads(call.op, call.keys))
+        return call
 
     def _install_optimizer(self, optimizer):
         self._engine.set_optimizer(optimizer)

@@ -60,13 +60,15 @@ def save(kv, path, meta):
     kv.barrier()
 
 
-def load(kv, path, groups):
+def load(kv, path, groups, check=None):
     """Loads the store's checkpoint; returns the Trainer file's dict; collective.
 
     Args:
         kv: the store.
         path: the checkpoint's path.
         groups: the Trainer's number of param groups (the file must have as many).
+        check: a function of the file's dict that says why it does not fit
+            (a string), or None when it does.
 
     Raises:
         StateFileError: on every rank, when some rank cannot read the file,
@@ -81,6 +83,8 @@ def load(kv, path, groups):
         elif len(meta["param_groups"]) != groups:
             failure = (f"{final} has {len(meta['param_groups'])} param groups, "
                        f"the Trainer {groups}")
+        elif check is not None and (why := check(meta)) is not None:
+            failure = f"{final} does not fit: {why}"
     except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
         failure = f"{final} cannot be read: {e}"
     if failure is not None:

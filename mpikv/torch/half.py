@@ -71,11 +71,22 @@ class HalfGradients:
         return flat
 
     def give_back(self):
-        """The owners' parts take ``.grad`` as changed (clipped) since :meth:`gather`."""
+        """The owners' parts take ``.grad`` where a script changed it (clipped it)
+        since :meth:`gather`; elsewhere their float32 sums, averaged, which
+        ``.grad`` holds rounded to 16 bits.
+
+        An element counts as changed when ``.grad`` differs from that rounding:
+        the same test on every rank and for any split of the parameters into
+        parts, whichever rank's gradients ``.grad`` holds.
+        """
+        scale = np.float32(1.0 / self._kv.num_workers)
         with torch.no_grad():
             for i, offset, grad in self.owned_parts():
-                flat = self._grads[i].reshape(-1)[offset:offset + grad.size]
-                grad[...] = flat.float().numpy()
+                grad *= scale
+                given = self._grads[i].reshape(-1)[offset:offset + grad.size]
+                averaged = torch.from_numpy(grad)
+                kept = given == averaged.to(given.dtype)
+                grad[...] = torch.where(kept, averaged, given.float()).numpy()
 
 
 __all__ = ["HALF", "HalfGradients"]

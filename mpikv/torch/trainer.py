@@ -4,10 +4,12 @@ import contextlib
 
 import numpy as np
 import torch
+from torch.autograd import Variable
 
 from .._closing import ClosesAfterWith
 from .. import errors
 from . import checkpoint
+from .buffers import SharedBuffers, refuse_without_module
 from ._params import backward_buckets, named_groups
 from .half import HALF as _HALF
 from .half import HalfGradients
@@ -61,6 +63,22 @@ class Trainer(ClosesAfterWith):
             kept on each rank), ``{"type": "fp16"}`` or ``{"type": "bf16"}``.
             float32 parameters only; :meth:`allreduce_grads` gathers the
             owners' sums uncompressed. Default: none.
+        shard: what lives on the owners only. ``"optimizer"`` (ZeRO-1; the
+            default without compression): the optimizer state; when
+            ``backward()`` returns, every ``.grad`` holds the gradient averaged
+            over the ranks, as with DDP, so a script may clip, scale or inspect
+            it before :meth:`step`. ``"gradients"`` (the default with
+            compression): each gradient is also reduced to its owners only (half
+            the traffic of an allreduce); ``.grad`` must then not be changed
+            between ``backward()`` and :meth:`step` (a :class:`mpikv.GradientError`
+            on every rank, nothing applied) and holds the average only where this
+            rank owns it, unless :meth:`allreduce_grads` gathers it.
+        broadcast_buffers: as DDP's: before a forward, if the forward before
+            it (or none) ran with gradients enabled and outside :meth:`no_sync`,
+            every rank takes the module's buffers (BatchNorm's running
+            statistics) from rank 0, or from the first rank still training
+            after a :meth:`join`. Default: on when ``params`` is a module (the
+            buffers are found on it); buffers are in checkpoints then.
 
     Attributes:
         kvstore: the store.
@@ -74,11 +92,22 @@ class Trainer(ClosesAfterWith):
 
     def __init__(self, params, optimizer, optimizer_params=None, kvstore=None, *,
                  bucket_bytes=8 << 20, unused_parameters="zeros", lr_scheduler=None,
-                 multi_precision=None, compression=None):
+                 multi_precision=None, compression=None, shard=None, broadcast_buffers=None):
         if unused_parameters not in ("zeros", "error"):
             raise ValueError(f"unused_parameters must be 'zeros' or 'error', "
                              f"not {unused_parameters!r}")
+        if shard is None:
+            shard = "optimizer" if compression is None else "gradients"
+        if shard not in ("optimizer", "gradients"):
+            raise ValueError(f"shard must be 'optimizer' or 'gradients', not {shard!r}")
+        #: backward leaves the averaged gradients in .grad (DDP's guarantee)
+        self._averaging = shard == "optimizer"
+        self.shard = shard
         named, hyper_groups = named_groups(params)
+        module = params if isinstance(params, torch.nn.Module) else None
+        if broadcast_buffers is None:
+            broadcast_buffers = module is not None
+        refuse_without_module(broadcast_buffers, module)
         self._names = [n for n, _, _ in named]
         self._params = [p for _, p, _ in named]
         self._group_of = [g for _, _, g in named]
@@ -117,6 +146,15 @@ class Trainer(ClosesAfterWith):
         self._start_step()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
                        for i, p in enumerate(self._params)]
+        # The module's buffers: shared before each forward, and in checkpoints.
+        self._buffers = SharedBuffers(kv, module) if module is not None else None
+        self._sender = 0   # the rank whose buffers the others take: the first training
+        # DDP's rule: a forward shares them when the forward before it (or none)
+        # ran with gradients enabled and outside no_sync.
+        self._share_next = True
+        self._forward_hooks = ([module.register_forward_pre_hook(self._before_forward),
+                                module.register_forward_hook(self._after_forward)]
+                               if broadcast_buffers and self._buffers else [])
 
     # -- setup -------------------------------------------------------------
     def _wire(self, bucket_bytes):
@@ -158,19 +196,39 @@ class Trainer(ClosesAfterWith):
         n = len(self._params)
         self._touched = [False] * n     # got a gradient since the last reduction
         self._fired = [False] * n       # its hook ran in this (synchronised) backward
+        self._versions = [0] * n        # .grad's torch version when its bucket left
         self._ready = [0] * len(self._buckets)
         self._launched = [False] * len(self._buckets)
+        self._gathered = [False] * len(self._buckets)
+        self._queued = False            # the end of this backward averages .grad
         self._next = 0
         self._handles = []
         self._late = []
-        self._reduced = False
+        self._sent = False      # every bucket's reduction has ended
+        self._checked = False   # the status of the step's gradients was summed
         self._scaled = False
         self._joined_round = False   # some rank has joined (known after the status sum)
         self._gathering = False      # the step gathers the gradients (likewise)
         self._unused_everywhere = frozenset()   # keys no rank gave a gradient (likewise)
+        self._tell_store()
+
+    def _before_forward(self, module, args):
+        """Every rank takes the sender's buffers, after a forward that was reduced."""
+        del module, args
+        if self._share_next:
+            self._buffers.share(self._sender)
+
+    def _after_forward(self, module, args, output):
+        del module, args, output
+        self._share_next = torch.is_grad_enabled() and self._sync
 
     def _hook(self, index):
         def hook(param):
+            if self._averaging and self._sent:
+                # A second backward before step(): its gradients accumulate on the
+                # averaged ones, and the sum is reduced again, as DDP does.
+                self._rule.discard()
+                self._start_step()
             b = self._bucket_of[index]
             if self._launched[b]:  # its bucket is on the wire: do not touch the buffer
                 self._late.append(self._names[index])
@@ -181,6 +239,9 @@ class Trainer(ClosesAfterWith):
                 return
             self._fired[index] = True
             self._ready[b] += 1
+            if self._averaging and not self._queued:
+                self._queued = True
+                Variable._execution_engine.queue_callback(self.allreduce_grads)
             # Buckets leave in order, so every rank issues the same calls in the same order.
             while (self._next < len(self._buckets)
                    and self._ready[self._next] == len(self._buckets[self._next])):
@@ -222,20 +283,29 @@ class Trainer(ClosesAfterWith):
         self._cuda_ready()
         self._launched[b] = True
         self._next = b + 1
-        self._handles.append(self.kvstore.push_async(self._bucket_keys[b], self._grad_arrays[b]))
+        for i in self._buckets[b]:
+            self._versions[i] = self._grads[i]._version
+        keys = self._bucket_keys[b]
+        self._handles.append(self.kvstore.push_async(keys, self._grad_arrays[b]))
+        if self._averaging and not self._is_half(b):
+            # Queued behind its push: the owners' sums reach every rank while
+            # backward goes on.
+            self._handles.append(self.kvstore.gather_gradients_async(keys))
+            self._gathered[b] = True
 
     def _reduce(self, gather=False):
-        """Sums every gradient on its owners (what backward has not started yet starts now).
+        """Sums every gradient on its owners and checks the step's status."""
+        self._send_all()
+        self._check(gather)
 
-        Args:
-            gather: the step gathers the sums (:meth:`allreduce_grads`): joined
-                ranks must take part.
-        """
-        if self._reduced:
+    def _send_all(self):
+        """Ends every bucket's reduction (what backward has not started yet starts now)."""
+        if self._sent:
             return
         for i in range(len(self._params)):
             if self._launched[self._bucket_of[i]]:
-                if not self._wired(i):  # replaced after its bucket left
+                # Replaced, or changed in place, after its bucket left.
+                if not self._wired(i) or self._grads[i]._version != self._versions[i]:
                     self._late.append(self._names[i])
                 continue
             if self._rewire(i):
@@ -246,9 +316,20 @@ class Trainer(ClosesAfterWith):
             self._launch(b)
         self.kvstore.wait(self._handles)
         self._handles = []
+        self._sent = True
+
+    def _check(self, gather=False):
+        """Sums the status of the step's gradients over the ranks, once per step.
+
+        Args:
+            gather: the step gathers the gradients (:meth:`allreduce_grads`):
+                joined ranks must take part.
+        """
+        if self._checked:
+            return
         self.kvstore.allreduce_(self._status_row(gather))
+        self._checked = True
         self._read_status()
-        self._reduced = True
 
     def _rows(self):
         """The status vector's row per rank (a view)."""
@@ -282,6 +363,7 @@ class Trainer(ClosesAfterWith):
         used = self._status[self.kvstore.num_workers * _ROW:]
         self._unused_everywhere = frozenset(self._names[i] for i in np.flatnonzero(used == 0))
         self._joined_round = bool(rows[:, _JOIN].any())
+        self._sender = self._first_training_rank()
         # The same on every rank: from now on until a step with no rank joined.
         self._rule.hyper_agreed = not self._joined_round
         self._gathering = bool(rows[:, _GATHER].any())
@@ -290,8 +372,12 @@ class Trainer(ClosesAfterWith):
             self._rule.discard()
             self._start_step()
             raise errors.GradientError(
-                f"gradients were written after their bucket was sent, on rank(s) {_few(late)}; "
-                f"run backward once per step, or inside trainer.no_sync(); nothing was applied")
+                f"gradients were changed after their reduction started, on rank(s) "
+                f"{_few(late)}; " + ("with shard='gradients' .grad must not change between "
+                                     "backward() and step() (shard='optimizer', the default, "
+                                     "leaves the averaged gradients in .grad); "
+                                     if not self._averaging else "")
+                + "run backward once per step, or inside trainer.no_sync(); nothing was applied")
         if self._error_unused and rows[:, 0].any():
             self._rule.discard()
             self._start_step()
@@ -305,14 +391,23 @@ class Trainer(ClosesAfterWith):
     def allreduce_grads(self):
         """Averages the gradients over the ranks; every rank then holds them all.
 
-        With :meth:`update` it splits a step in two, so gradients can be
-        changed in between (clipped, say): ``.grad`` holds the average over the
-        ranks, whole, on every rank.
+        With the default ``shard="optimizer"`` the end of ``backward()`` does
+        it, and a second call does nothing until the next backward. With
+        :meth:`update` it splits a step in two, so gradients can be changed in
+        between (clipped, say): ``.grad`` holds the average over the ranks,
+        whole, on every rank.
         """
-        self._reduce(gather=True)
+        self._queued = False
+        if self._scaled:
+            return
+        self._send_all()
+        if not self._averaging:
+            # (with shard="optimizer" the status is checked at the step, after the
+            # gradients are averaged: see _reduce_for_step and _JoinedSteps)
+            self._check(gather=True)
         scale = 1.0 / self.kvstore.num_workers
         for b, keys in enumerate(self._bucket_keys):
-            if not self._is_half(b):
+            if not self._is_half(b) and not self._gathered[b]:
                 self.kvstore.gather_gradients(keys)
         with torch.no_grad():
             for i, grad in enumerate(self._grads):
@@ -333,7 +428,7 @@ class Trainer(ClosesAfterWith):
                 does); else they are summed and divided by ``batch_size`` (as
                 Gluon's ``step(batch_size)`` does).
         """
-        self._reduce()
+        self._reduce_for_step()
         n = self.kvstore.num_workers
         if batch_size is None:
             scale = 1.0 if self._scaled else 1.0 / n
@@ -345,14 +440,26 @@ class Trainer(ClosesAfterWith):
     def step(self, batch_size=None):
         """:meth:`update` after the reduction that backward started.
 
-        After it, ``.grad`` holds the averaged gradient only on the parts this
-        rank owns; :meth:`allreduce_grads` then :meth:`update` give it everywhere.
+        After it ``.grad`` holds the averaged gradient (with ``shard=
+        "gradients"``: only on the parts this rank owns).
         """
         self.update(batch_size)
 
+    def _reduce_for_step(self):
+        """The reduction a step needs: with ``shard="optimizer"`` the averaged
+        gradients everywhere (if no backward gave them yet: a gradient set by
+        hand, or backward inside ``no_sync``), else the owners' sums."""
+        if self._averaging:
+            self.allreduce_grads()
+            for i in range(len(self._params)):
+                self._rewire(i)   # a .grad replaced since: the owners take it
+            self._check(gather=True)
+        else:
+            self._reduce()
+
     def _apply(self):
         """The owners' update and the gathering of the weights (``optimizer.step``)."""
-        self._reduce()
+        self._reduce_for_step()
         scale = self._scale
         if scale is None:  # optimizer.step() called directly: as update()
             scale = 1.0 if self._scaled else 1.0 / self.kvstore.num_workers
@@ -407,13 +514,28 @@ class Trainer(ClosesAfterWith):
         current values, no longer views of the store's buffers) and closes
         :attr:`kvstore` if the Trainer made it (a store passed in stays open). The model then trains on as
         any torch model; the Trainer must not be used again.
+
+        The ranks first agree that they all close (a store call, also on a store
+        passed in): a rank still training gets, as this one does, a
+        :class:`mpikv.MismatchError` such as "rank 1 closed the Trainer after
+        step 12 while rank 0 is in step 13: the ranks ran different numbers of
+        steps; for uneven data use trainer.join()", and nothing is closed.
         """
         if self._hooks is None:
             return
         self._between_steps()
+        self._tell_store("close")
+        try:
+            self.kvstore._agree_on("Trainer.close")
+        except BaseException:
+            self._tell_store()
+            raise
+        self.kvstore.set_context(None)
         for hook in self._hooks:
             hook.remove()
         self._hooks = None
+        for hook in self._forward_hooks:
+            hook.remove()
         with torch.no_grad():
             for p, grad in zip(self._params, self._grads):
                 p.data = p.data.clone()
@@ -441,6 +563,7 @@ class Trainer(ClosesAfterWith):
         """
         self._between_steps()
         self._joined = self.num_update + 1   # nonzero: its status row says "joined"
+        self._tell_store("join")   # what the others' errors say of this rank meanwhile
         try:
             # The hyperparameters come with each step (SharedHyperparameters): the
             # store must not replace the rule with a plain optimizer of the others'.
@@ -494,31 +617,80 @@ class Trainer(ClosesAfterWith):
 
     # -- checkpoints -----------------------------------------------------------
     def save_checkpoint(self, path):
-        """Saves weights, optimizer state, hyperparameters, scheduler and step count.
+        """Saves weights, optimizer state, hyperparameters, scheduler, step count
+        and (given a module) rank 0's buffers.
 
         The store's checkpoint (``path`` and ``path.parts/``, one part per
         owner) holds the weights and the state; ``path.trainer.json`` the rest.
-        It loads on any number of ranks. Call it between steps; collective.
+        It loads on any number of ranks. Call it between steps; collective (a
+        rank that is not in it gets, as the ranks that are, a
+        :class:`mpikv.MismatchError` that says where each rank is).
         """
         self._between_steps()
-        checkpoint.save(self.kvstore, path, self._meta())
+        self._tell_store("save_checkpoint")
+        try:
+            checkpoint.save(self.kvstore, path, self._meta())
+        finally:
+            self._tell_store()
 
     def load_checkpoint(self, path):
         """Restores a :meth:`save_checkpoint` save, on any number of ranks; collective."""
         self._between_steps()
-        meta = checkpoint.load(self.kvstore, path, len(self.optimizer.param_groups))
-        for group, saved in zip(self.optimizer.param_groups, meta["param_groups"]):
-            group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
-        if self.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
-            self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-        self.num_update = int(meta["num_update"])
-        self._pull_weights()
+        self._tell_store("load_checkpoint")
+        try:
+            meta = checkpoint.load(self.kvstore, path, len(self.optimizer.param_groups),
+                                   self._check_buffers)
+            for group, saved in zip(self.optimizer.param_groups, meta["param_groups"]):
+                group.update({k: tuple(v) if isinstance(v, list) else v
+                              for k, v in saved.items()})
+            if self.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
+                self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+            self.num_update = int(meta["num_update"])
+            if meta.get("buffers") is not None:
+                self._buffers.load_json(meta["buffers"])
+            self._pull_weights()
+        finally:
+            self._tell_store()
+
+    def _check_buffers(self, meta):
+        """Why a Trainer file's buffers do not fit this model, or None."""
+        saved = meta.get("buffers")
+        if saved is None:   # a model without buffers, or a checkpoint from before them
+            return None
+        if self._buffers is None:
+            return ("it holds a module's buffers, but this Trainer was given named "
+                    "parameters: pass the model itself")
+        return self._buffers.check_json(saved)
+
+    def _tell_store(self, call=None):
+        """Tells the store what this rank is doing (:meth:`mpikv.KVStore.set_context`),
+        for the error of a call the ranks make differently: in a step (``call`` None;
+        its exit words say after which step the process ended), or in the collective
+        method ``call``."""
+        n = self.num_update
+        after = f"after step {n}" if n else "before its first step"
+        steps = "the ranks ran different numbers of steps; for uneven data use trainer.join()"
+        if call is None:
+            self.kvstore.set_context(f"is in step {n + 1}",
+                                     exit=(f"ended its process {after}", steps))
+        elif call == "close":
+            self.kvstore.set_context(f"closed the Trainer {after}", steps)
+        elif call == "join":
+            self.kvstore.set_context(
+                f"called trainer.join() {after}", "after trainer.join() on some ranks, the "
+                "others may only make training steps until they call it too")
+        else:
+            self.kvstore.set_context(f"called {call} {after}",
+                                     f"{call} is collective: every rank must call it")
 
     def _meta(self):
         hyper = [{k: v for k, v in g.items() if k != "params"}
                  for g in self.optimizer.param_groups]
+        # Rank 0 writes the file: its buffers, as a DDP script saving on rank 0.
+        buffers = self._buffers.to_json() if self._buffers else None
         return {"num_update": self.num_update,
                 "param_groups": hyper,
+                "buffers": buffers,
                 "lr_scheduler": (None if self.lr_scheduler is None
                                  else self.lr_scheduler.state_dict())}
 
@@ -542,7 +714,10 @@ class _JoinedSteps:
     when it gathers the gradients (:meth:`Trainer.allreduce_grads`), the
     ``gather_gradients`` calls and the 16-bit sum; the hyperparameter sum; when
     it gathers, one sum per gradient array (the first training rank's
-    gradients); then the weight pulls. The store moves the data, with zeros in
+    gradients); then the weight pulls. With ``shard="optimizer"`` the
+    ``gather_gradients`` calls follow each push, and the 16-bit sum comes
+    before the status. Before a step's forward come one or two sums of the
+    module's buffers (``uint8``, the only sums of that dtype). The store moves the data, with zeros in
     the pushes; this class gives this rank's array for each sum in turn, and
     runs its owners' update after the last sum, before the pulls, as the
     training ranks do.
@@ -559,10 +734,17 @@ class _JoinedSteps:
 
     def _new_step(self):
         # (this rank's array, what to do with the sum) of each sum still to come
-        self._sums = [(lambda: self._trainer._status_row(False), self._after_status)]
+        t = self._trainer
+        self._sums = [(lambda: t._status_row(False), self._after_status)]
+        if t._averaging and t._half:
+            # shard="optimizer": the 16-bit sums come before the status (allreduce_grads
+            # at the end of backward); this rank's .grad comes with the shared gradients.
+            self._sums.insert(0, (t._half.owned_flat, _ignore))
 
     def __call__(self, call):
         t = self._trainer
+        if call.op == "allreduce_" and call.settings.get("dtype") == "uint8":
+            return self._buffer_sum(call)
         if call.op == "push" and not call.done and frozenset(call.keys) == self._first_bucket:
             # A step's reduction starts with its first bucket: the parts an abandoned
             # step recorded go, as the training ranks' zero_grad drops theirs.
@@ -587,13 +769,25 @@ class _JoinedSteps:
             self._new_step()
         return None
 
+    def _buffer_sum(self, call):
+        """A sum of the buffers' bytes before a forward (see :mod:`.buffers`): this
+        rank sends nothing and takes the sender's buffers, as DDP's joined ranks do."""
+        t = self._trainer
+        if not call.done:
+            return t._buffers.rows(None)
+        # None: taken; else the sender had joined, and this rank sends the next sum.
+        again = t._buffers.take(t._sender)
+        if again is not None:
+            t._sender = again
+        return None
+
     def _after_status(self, _):
         t = self._trainer
         t._read_status()
         sums = []
         if t._gathering:
             t._scaled = True   # the update takes .grad back, as after allreduce_grads
-            if t._half:
+            if t._half and not t._averaging:
                 # This rank's sums of its 16-bit parts; its .grad comes with the
                 # shared gradients below.
                 sums.append((t._half.owned_flat, _ignore))

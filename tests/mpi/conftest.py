@@ -62,3 +62,23 @@ def cp(request, comm, monkeypatch):
         yield cupy
     if request.param != "cupy":  # nothing was read before the GPU had finished writing it
         assert fakecupy.races() == []
+
+
+# -- torch.distributed over gloo on the same ranks, for comparisons with DDP ---------
+@pytest.fixture(scope="module")
+def gloo():
+    import torch.distributed as dist
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    port = comm.bcast(_free_port() if comm.rank == 0 else None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=comm.rank, world_size=comm.size)
+    yield dist
+    dist.destroy_process_group()
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -105,10 +105,11 @@ def test_a_16_bit_model_with_float32_masters_equals_one_process(comm, dtype, opt
         for m, p, total in zip(masters, ref.parameters(), sums):
             m.grad = total * (1.0 / comm.size)
             p.grad = m.grad.to(dt)
-        if clip:   # as the ranks do: on the 16-bit gradients
+        if clip:   # as the ranks do: on the 16-bit gradients; an element the clip
+            # left as it was keeps its float32 average
             torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
             for m, p in zip(masters, ref.parameters()):
-                m.grad = p.grad.float()
+                m.grad = torch.where(p.grad == m.grad.to(dt), m.grad, p.grad.float())
         ref_opt.step()
         with torch.no_grad():
             for p, m in zip(ref.parameters(), masters):
@@ -152,7 +153,9 @@ def test_join_equals_a_run_whose_ranks_out_of_data_add_zero_gradients(comm, how,
                                   torch.nn.Linear(16, 4)).to(dt)
         trainer = mpikv.torch.Trainer(
             net, opt, kw, mpikv.create("dist_sync", timeout=120, bigarray_bound=40),
-            lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
+            lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5),
+            # (by default a second backward reduces again, as DDP's does)
+            shard="gradients" if how == "late-gradient" else None)
         for step in range(_batches(comm.rank) if join else _batches(0)):
             x, y = (t.to(dt) for t in cases.data(step, 0))
 
@@ -253,30 +256,71 @@ def test_unused_parameter_is_an_error_on_every_rank_when_asked(comm):
     assert not torch.equal(net.fc1.weight, before["fc1.weight"])
 
 
-def test_a_second_backward_without_no_sync_is_an_error_on_every_rank(comm):
-    net, trainer = _net_and_trainer(comm)
+def test_a_second_backward_without_no_sync_is_an_error_on_every_rank_with_sharded_gradients(comm):
+    net, trainer = _net_and_trainer(comm, shard="gradients")
     before = _weights(net)
     x, y = cases.data(0, 0)
     net(x, True).sum().backward()
     if comm.rank == 0:  # one rank only: the others must still raise
         net(x, True).sum().backward()
     message = raises_everywhere(comm, mpikv.GradientError, trainer.step)
-    assert "after their bucket was sent, on rank(s) 0" in message
+    assert "after their reduction started, on rank(s) 0;" in message
     for n, w in _weights(net).items():
         assert torch.equal(w, before[n]), n
 
 
-def test_a_gradient_replaced_after_its_bucket_left_is_an_error_on_every_rank(comm):
+def test_a_second_backward_accumulates_as_ddp_and_on_one_rank_only_is_an_error(comm):
+    # DDP reduces again after each backward: .grad holds the sum of the averages.
+    x, y = cases.data(0, 0)
     net, trainer = _net_and_trainer(comm)
+    ref = cases.Net()
+    before = _weights(net)
+    net(x, True).sum().backward()
+    net(2 * x, True).sum().backward()
+    (ref(x, True).sum() + ref(2 * x, True).sum()).backward()
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        if not name.startswith("spare"):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+    trainer.step()
+    torch.testing.assert_close(net.fc1.weight.detach(), before["fc1.weight"] - 0.1 * ref.fc1.weight.grad,
+                               rtol=1e-12, atol=1e-12)
+    # A second backward on one rank only: an error on every rank, nothing applied.
+    before = _weights(net)
+    trainer.zero_grad()
+    got = None
+    try:
+        net(x, True).sum().backward()
+        if comm.rank == 0:
+            net(x, True).sum().backward()
+        trainer.step()
+    except mpikv.MPIKVError as exc:
+        got = type(exc).__name__
+    assert comm.allgather(got) == ["MismatchError"] * comm.size or comm.size == 1
+    for n, w in _weights(net).items():
+        assert comm.size == 1 or torch.equal(w, before[n]), n
+
+
+@pytest.mark.parametrize("shard,everywhere", [("optimizer", True), ("gradients", False),
+                                               ("gradients", True)])
+def test_a_gradient_replaced_after_backward(comm, shard, everywhere):
+    # shard="optimizer": .grad is the averaged gradient, to change or replace before
+    # step() (alike on every rank); shard="gradients": an error on every rank.
+    net, trainer = _net_and_trainer(comm, shard=shard)
     before = _weights(net)
     x, y = cases.data(0, 0)
     net(x, True).sum().backward()  # every bucket is sent during this backward
-    if comm.rank == comm.size - 1:
+    if everywhere or comm.rank == comm.size - 1:
         net.fc2.weight.grad = torch.ones_like(net.fc2.weight)
-    message = raises_everywhere(comm, mpikv.GradientError, trainer.step)
-    assert f"on rank(s) {comm.size - 1}" in message
-    for n, w in _weights(net).items():
-        assert torch.equal(w, before[n]), n
+    if shard == "gradients":
+        message = raises_everywhere(comm, mpikv.GradientError, trainer.step)
+        assert f"on rank(s) {comm.size - 1 if not everywhere else 0}" in message
+        for n, w in _weights(net).items():
+            assert torch.equal(w, before[n]), n
+    else:
+        trainer.step()
+        torch.testing.assert_close(net.fc2.weight.detach(), before["fc2.weight"] - 0.1,
+                                   rtol=0, atol=1e-15)
+        assert torch.equal(net.fc2.weight.grad, torch.ones_like(net.fc2.weight))
 
 
 def test_a_gradient_set_by_hand_before_step_is_summed(comm):
@@ -294,25 +338,6 @@ def test_an_unsupported_torch_optimizer_is_refused():
     with pytest.raises(mpikv.OptimizerError, match="RMSprop.*supported: torch.optim.SGD"):
         mpikv.torch.Trainer(net, torch.optim.RMSprop, {"lr": 0.1},
                             mpikv.create("dist_sync", timeout=120))
-
-
-@pytest.fixture(scope="module")
-def gloo():
-    import torch.distributed as dist
-    from mpi4py import MPI
-    comm = MPI.COMM_WORLD
-    port = comm.bcast(_free_port() if comm.rank == 0 else None)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=comm.rank, world_size=comm.size)
-    yield dist
-    dist.destroy_process_group()
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("opt,kw", [

@@ -3,7 +3,7 @@
 Usage: trainer_resume.py FIRST LAST [--load CKPT] [--save CKPT] [--out WEIGHTS.npz]
 
 Rank 0 computes the loss of the whole batch and the others backward a zero
-loss, and ``step(batch_size=1)`` sums without averaging: the sum is then the
+loss (of other data: the BatchNorm buffers are rank 0's, and in checkpoints), and ``step(batch_size=1)`` sums without averaging: the sum is then the
 same on any number of ranks, so runs on different rank counts can be compared
 bit for bit.
 """
@@ -20,7 +20,8 @@ import mpikv.torch
 
 def model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3))
+    return torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.BatchNorm1d(40), torch.nn.Tanh(),
+                               torch.nn.Linear(40, 3))
 
 
 def main(argv):
@@ -34,9 +35,12 @@ def main(argv):
     net = model()
     # Keys of 100 elements or more are split over the owners (fc 0 has 240).
     kv = mpikv.create("dist_sync", bigarray_bound=100, timeout=120)
+    # shard="gradients": the owners update from the sums themselves (the default
+    # averages .grad after backward, and step(batch_size) scales the average back:
+    # one rounding that depends on the number of ranks).
     trainer = mpikv.torch.Trainer(net, torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1},
                                   kv, lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(
-                                      o, step_size=2, gamma=0.5))
+                                      o, step_size=2, gamma=0.5), shard="gradients")
     if a.load:
         trainer.load_checkpoint(a.load)
         assert trainer.num_update == a.first, (trainer.num_update, a.first)
@@ -44,7 +48,9 @@ def main(argv):
         g = torch.Generator().manual_seed(100 + step)
         x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
         trainer.zero_grad()
-        loss = torch.nn.functional.mse_loss(net(x), y)
+        # The other ranks' batches differ, and so would their BatchNorm statistics:
+        # the buffers every rank takes before each forward are rank 0's.
+        loss = torch.nn.functional.mse_loss(net(x if kv.rank == 0 else 2 * x), y)
         (loss if kv.rank == 0 else loss * 0).backward()
         trainer.step(batch_size=1)
         trainer.lr_scheduler.step()
@@ -52,7 +58,8 @@ def main(argv):
         trainer.save_checkpoint(a.save)
     if a.out and kv.rank == 0:
         np.savez(a.out, lr=trainer.learning_rate,
-                 **{n: p.detach().numpy() for n, p in net.named_parameters()})
+                 **{n: p.detach().numpy() for n, p in net.named_parameters()},
+                 **{n: b.numpy() for n, b in net.named_buffers()})
     return 0
 
 

@@ -1,0 +1,216 @@
+"""What a DDP script does by habit, run through the Trainer and through DDP over gloo.
+
+One script (:func:`_train`) with BatchNorm, SGD with momentum, StepLR and an
+eval pass each epoch; each habit of :data:`HABITS` runs between
+``backward()`` and ``step()``, or around the forward. The Trainer and DDP
+run it on the same ranks, seeds and batches: weights, buffers, the numbers
+a script reads (gradient norms, eval losses) are equal within 1e-6 (float64,
+so in practice to rounding), on every rank.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import mpikv  # noqa: E402
+import mpikv.torch  # noqa: E402
+
+from .. import trainer_cases as cases  # noqa: E402
+from .conftest import raises_everywhere  # noqa: E402
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+class BNNet(torch.nn.Module):
+    """float64, with a BatchNorm whose statistics differ per rank's batch."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        kw = {"dtype": torch.float64}
+        self.fc1 = torch.nn.Linear(8, 16, **kw)
+        self.bn = torch.nn.BatchNorm1d(16, **kw)
+        self.fc2 = torch.nn.Linear(16, 4, **kw)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
+
+
+def _clip(model, seen):
+    seen.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+
+
+def _norm_log(model, seen):
+    seen.append(float(torch.linalg.vector_norm(
+        torch.stack([p.grad.norm() for p in model.parameters()]))))
+
+
+def _scale(model, seen):
+    del seen
+    for p in model.parameters():
+        p.grad.mul_(0.5)
+
+
+def _replace(model, seen):
+    del seen
+    for p in model.parameters():
+        p.grad = p.grad.clone() * 2.0
+
+
+#: habit -> what the script does between backward() and step() (and what it reads)
+HABITS = {
+    "plain": None,
+    "clip-grad-norm": _clip,
+    "log-grad-norm": _norm_log,
+    "scale-grad": _scale,
+    "replace-grad": _replace,
+    "no-sync-accumulation": "accumulate",
+}
+
+
+def _train(model, make_step, habit, comm, steps=4):
+    """The DDP script: returns (what the habit read, eval losses)."""
+    per = cases.GLOBAL_BATCH // comm.size
+    rows = slice(comm.rank * per, (comm.rank + 1) * per)
+    zero_grad, step, no_sync = make_step
+    seen, evals = [], []
+    for s in range(steps):
+        model.train()
+        zero_grad()
+        micro = 2 if habit == "accumulate" else 1
+        for m in range(micro):
+            x, y = cases.data(s, m)
+            context = no_sync() if m < micro - 1 else _nothing()
+            with context:
+                torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        if callable(habit):
+            habit(model, seen)
+        step()
+        model.eval()   # eval each epoch: no buffer broadcast, this rank's statistics
+        with torch.no_grad():
+            x, y = cases.data(100 + s, 0)
+            evals.append(float(torch.nn.functional.mse_loss(model(x), y)))
+    return seen, evals
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("name", list(HABITS))
+def test_a_ddp_habit_gives_ddp_s_weights_buffers_and_numbers(comm, gloo, name):
+    from torch.nn.parallel import DistributedDataParallel
+    habit = HABITS[name]
+    kw = {"lr": 0.1, "momentum": 0.9}
+
+    ours = BNNet()
+    trainer = mpikv.torch.Trainer(ours, torch.optim.SGD, kw, mpikv.create("dist_sync", timeout=120),
+                                  lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5))
+
+    def our_step():
+        trainer.step()
+        trainer.lr_scheduler.step()
+    got = _train(ours, (trainer.zero_grad, our_step, trainer.no_sync), habit, comm)
+
+    theirs = BNNet()
+    ddp = DistributedDataParallel(theirs)
+    opt = torch.optim.SGD(ddp.parameters(), **kw)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+
+    def their_step():
+        opt.step()
+        sched.step()
+    want = _train(ddp, (opt.zero_grad, their_step, ddp.no_sync), habit, comm)
+
+    for a, b in zip(got, want):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-9)
+    for (n, a), b in zip(ours.state_dict().items(), theirs.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=n)
+    # The buffers differ between ranks as DDP's do: each rank's last forward.
+    trainer.close()
+
+
+def test_buffers_are_rank_0_s_before_each_forward_and_switchable_off(comm):
+    net = BNNet()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
+                                  mpikv.create("dist_sync", timeout=120))
+    x = torch.full((4, 8), float(comm.rank), dtype=torch.float64)
+    net(x).sum().backward()   # each rank's own statistics
+    trainer.step()
+    everyone = comm.allgather(net.bn.running_mean.clone())
+    with torch.no_grad():
+        batch_mean = net.fc1(x).mean(0)
+    net(x).sum().backward()   # first: rank 0's buffers everywhere, then this batch's update
+    trainer.step()
+    expected = 0.9 * everyone[0] + 0.1 * batch_mean
+    torch.testing.assert_close(net.bn.running_mean, expected, rtol=1e-12, atol=1e-12)
+    assert int(net.bn.num_batches_tracked) == 2
+    with torch.no_grad():   # shares (the forward before had gradients), then this batch
+        net(x)
+    after_eval = comm.allgather(net.bn.running_mean.clone())
+    with torch.no_grad():
+        batch_mean = net.fc1(x).mean(0)
+    net(x)   # the forward before ran without gradients: nothing is shared (DDP's rule)
+    torch.testing.assert_close(net.bn.running_mean, 0.9 * after_eval[comm.rank] + 0.1 * batch_mean,
+                               rtol=1e-12, atol=1e-12)
+    trainer.close()
+
+    off = BNNet()
+    trainer = mpikv.torch.Trainer(off, torch.optim.SGD, {"lr": 0.1},
+                                  mpikv.create("dist_sync", timeout=120), broadcast_buffers=False)
+    off(x).sum().backward()
+    trainer.step()
+    off(x).sum().backward()
+    trainer.step()
+    means = comm.allgather(off.bn.running_mean.clone())
+    assert comm.size == 1 or not torch.equal(means[0], means[-1])
+    trainer.close()
+
+
+def test_buffers_need_the_module(comm):
+    net = BNNet()
+    with pytest.raises(mpikv.ValueTypeError, match="broadcast_buffers=True needs the model"):
+        mpikv.torch.Trainer(net.named_parameters(), torch.optim.SGD, {"lr": 0.1},
+                            mpikv.create("dist_sync", timeout=120), broadcast_buffers=True)
+
+
+def test_buffers_come_back_from_a_checkpoint_exactly(comm, tmp_path_factory):
+    path = comm.bcast(str(tmp_path_factory.mktemp("bn") / "ckpt") if comm.rank == 0 else None)
+    net = BNNet()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
+                                  mpikv.create("dist_sync", timeout=120))
+    x = torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(comm.rank))
+    for _ in range(3):
+        trainer.zero_grad()
+        net(x).sum().backward()
+        trainer.step()
+    saved = comm.bcast({k: v.clone() for k, v in net.named_buffers()})   # rank 0's
+    trainer.save_checkpoint(path)
+    with torch.no_grad():
+        net.bn.running_mean.zero_()
+        net.bn.running_var.fill_(7.0)
+        net.bn.num_batches_tracked.zero_()
+    trainer.load_checkpoint(path)
+    for name, b in net.named_buffers():
+        assert torch.equal(b, saved[name]), name
+    trainer.close()
+
+
+def test_a_checkpoint_whose_buffers_do_not_fit_is_refused_on_every_rank(comm, tmp_path_factory):
+    path = comm.bcast(str(tmp_path_factory.mktemp("bn2") / "ckpt") if comm.rank == 0 else None)
+    net = BNNet()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
+                                  mpikv.create("dist_sync", timeout=120))
+    trainer.save_checkpoint(path)
+    trainer.close()
+    other = BNNet()
+    other.bn.register_buffer("extra", torch.zeros(2))
+    trainer = mpikv.torch.Trainer(other, torch.optim.SGD, {"lr": 0.1},
+                                  mpikv.create("dist_sync", timeout=120))
+    message = raises_everywhere(comm, mpikv.StateFileError, lambda: trainer.load_checkpoint(path))
+    assert "not in the checkpoint: bn.extra" in message
+    trainer.close()
