@@ -377,7 +377,7 @@ class KVStore(ClosesAfterWith):
             self._engine.pull(call.op, call.items)
         self._protocol.collective(call, run)
 
-    def allreduce_(self, array):
+    def allreduce_(self, array, tag=None):
         """Sums ``array`` over the ranks, in place; collective.
 
         For small sums beside the keys (the torch Trainer's per-step status):
@@ -389,8 +389,13 @@ class KVStore(ClosesAfterWith):
         Args:
             array: a writable, contiguous numpy or cupy array (or a tensor
                 that views as one), of the same shape and dtype on every rank.
+            tag: a name for what is summed (a string), agreed like the shape:
+                ranks summing different things get a MismatchError naming
+                them; a joined rank's ``on_call`` sees it in ``settings["tag"]``.
         """
         call = Call("allreduce_")
+        if tag is not None:
+            call.settings["tag"] = str(tag)
         native = None
         try:
             native = backends.as_native(array, writable=True, what="allreduce_'s array")[1]

@@ -18,6 +18,10 @@ import torch
 from .. import errors
 
 
+#: the tag of the buffer sums (:meth:`mpikv.KVStore.allreduce_`)
+TAG = "buffers"
+
+
 class SharedBuffers:
     """The buffers of a module, sent from one rank to the others.
 
@@ -81,10 +85,10 @@ class SharedBuffers:
     def share(self, sender):
         """A training rank's part: every rank takes ``sender``'s buffers (or, if
         it has joined, those of the first rank still training); collective."""
-        self._kv.allreduce_(self.rows(sender))
+        self._kv.allreduce_(self.rows(sender), tag=TAG)
         again = self.take(sender)
         if again is not None:
-            self._kv.allreduce_(self.rows(again))
+            self._kv.allreduce_(self.rows(again), tag=TAG)
             self.take(again)
 
     # -- checkpoints -------------------------------------------------------
@@ -144,4 +148,4 @@ def refuse_without_module(broadcast_buffers, module):
             "named_parameters(): the Trainer finds the buffers on the module")
 
 
-__all__ = ["SharedBuffers", "refuse_without_module"]
+__all__ = ["TAG", "SharedBuffers", "refuse_without_module"]

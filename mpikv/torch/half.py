@@ -52,7 +52,7 @@ class HalfGradients:
     def gather(self, scale):
         """Every 16-bit ``.grad`` becomes the owners' sums times ``scale``, on every rank."""
         flat = self.owned_flat()
-        self._kv.allreduce_(flat)
+        self._kv.allreduce_(flat, tag="16-bit gradients")
         flat *= scale
         with torch.no_grad():
             for i in self._members:

@@ -58,7 +58,7 @@ class SharedHyperparameters:
 
     def share(self, scale):
         """A training rank's part: its scale and values go to the joined ranks; collective."""
-        self._kv.allreduce_(self.rows(scale))
+        self._kv.allreduce_(self.rows(scale), tag="hyperparameters")
 
     def take(self, source):
         """A joined rank's part, once :meth:`rows` was summed: takes ``source``'s values.

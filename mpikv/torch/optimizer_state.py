@@ -133,7 +133,7 @@ class ShardedTorchState:
                     head[j] = int(state[COUNT].reshape(-1)[0])
         head[len(order) + rank] = int(to) if valid else -1
         try:
-            kv.allreduce_(head)
+            kv.allreduce_(head, tag="optimizer state")
         except OptimizerError as exc:
             raise OptimizerError(_renamed(exc, "trainer.optimizer.consolidate_state_dict")) \
                 from None
@@ -169,7 +169,7 @@ class ShardedTorchState:
                 a, b = max(lo, w0), min(hi, w1)
                 if a < b:
                     raw[a - w0:b - w0] = source[a - lo:b - lo]
-            kv.allreduce_(window)
+            kv.allreduce_(window, tag="optimizer state")
             if mine:
                 for j, name, dtype, shape, base in segments:
                     target = out[(j, name)].view(np.uint8)
@@ -270,7 +270,7 @@ class ShardedTorchState:
         if failure is not None:
             kv.fail_next_call(OptimizerError, failure)
         try:
-            kv.allreduce_(np.zeros(1, np.int64))   # raises on every rank if one failed
+            kv.allreduce_(np.zeros(1, np.int64), tag="optimizer state check")   # raises on every rank if one failed
         except OptimizerError as exc:
             raise OptimizerError(_renamed(exc, "trainer.optimizer.load_state_dict")) from None
         engine = self._engine()

@@ -9,6 +9,7 @@ from torch.autograd import Variable
 from .._closing import ClosesAfterWith
 from .. import errors
 from . import checkpoint
+from . import buffers, syncbn
 from .buffers import SharedBuffers, refuse_without_module
 from ._params import backward_buckets, named_groups
 from .half import HALF as _HALF
@@ -78,7 +79,10 @@ class Trainer(ClosesAfterWith):
             every rank takes the module's buffers (BatchNorm's running
             statistics) from rank 0, or from the first rank still training
             after a :meth:`join`. Default: on when ``params`` is a module (the
-            buffers are found on it); buffers are in checkpoints then.
+            buffers are found on it); buffers are in checkpoints then. The
+            module's ``torch.nn.SyncBatchNorm`` layers (from
+            ``SyncBatchNorm.convert_sync_batchnorm``) sum their batch
+            statistics over the ranks through the store, switch or not.
 
     Attributes:
         kvstore: the store.
@@ -152,6 +156,9 @@ class Trainer(ClosesAfterWith):
         # DDP's rule: a forward shares them when the forward before it (or none)
         # ran with gradients enabled and outside no_sync.
         self._share_next = True
+        # torch's SyncBatchNorm sums over torch.distributed: here, over the store.
+        self._sync_bn = syncbn.sync_modules(module) if module is not None else []
+        syncbn.attach(self._sync_bn, kv)
         self._forward_hooks = ([module.register_forward_pre_hook(self._before_forward),
                                 module.register_forward_hook(self._after_forward)]
                                if broadcast_buffers and self._buffers else [])
@@ -327,7 +334,7 @@ class Trainer(ClosesAfterWith):
         """
         if self._checked:
             return
-        self.kvstore.allreduce_(self._status_row(gather))
+        self.kvstore.allreduce_(self._status_row(gather), tag="status")
         self._checked = True
         self._read_status()
 
@@ -494,7 +501,7 @@ class Trainer(ClosesAfterWith):
         for bits in self._gradient_bits():
             if not sender:
                 bits[...] = 0
-            self.kvstore.allreduce_(bits)
+            self.kvstore.allreduce_(bits, tag="shared gradients")
 
     def _gradient_bits(self):
         """Every gradient array as integers, in bucket order: summed as integers, one
@@ -536,6 +543,7 @@ class Trainer(ClosesAfterWith):
         self._hooks = None
         for hook in self._forward_hooks:
             hook.remove()
+        syncbn.detach(self._sync_bn)
         with torch.no_grad():
             for p, grad in zip(self._params, self._grads):
                 p.data = p.data.clone()
@@ -687,10 +695,10 @@ class Trainer(ClosesAfterWith):
         hyper = [{k: v for k, v in g.items() if k != "params"}
                  for g in self.optimizer.param_groups]
         # Rank 0 writes the file: its buffers, as a DDP script saving on rank 0.
-        buffers = self._buffers.to_json() if self._buffers else None
+        saved = self._buffers.to_json() if self._buffers else None
         return {"num_update": self.num_update,
                 "param_groups": hyper,
-                "buffers": buffers,
+                "buffers": saved,
                 "lr_scheduler": (None if self.lr_scheduler is None
                                  else self.lr_scheduler.state_dict())}
 
@@ -717,7 +725,7 @@ class _JoinedSteps:
     gradients); then the weight pulls. With ``shard="optimizer"`` the
     ``gather_gradients`` calls follow each push, and the 16-bit sum comes
     before the status. Before a step's forward come one or two sums of the
-    module's buffers (``uint8``, the only sums of that dtype). The store moves the data, with zeros in
+    module's buffers (tagged ``buffers``). The store moves the data, with zeros in
     the pushes; this class gives this rank's array for each sum in turn, and
     runs its owners' update after the last sum, before the pulls, as the
     training ranks do.
@@ -743,8 +751,10 @@ class _JoinedSteps:
 
     def __call__(self, call):
         t = self._trainer
-        if call.op == "allreduce_" and call.settings.get("dtype") == "uint8":
+        if call.op == "allreduce_" and call.settings.get("tag") == buffers.TAG:
             return self._buffer_sum(call)
+        if call.op == "allreduce_" and call.settings.get("tag") == syncbn.TAG:
+            return None   # SyncBatchNorm's sums: no samples here (zeros)
         if call.op == "push" and not call.done and frozenset(call.keys) == self._first_bucket:
             # A step's reduction starts with its first bucket: the parts an abandoned
             # step recorded go, as the training ranks' zero_grad drops theirs.
@@ -811,10 +821,6 @@ class _JoinedSteps:
 
 def _ignore(_):
     pass
-
-
-_SHARDED_STATE = ("trainer.optimizer's state lives on the owners, each rank holding the "
-                  "parts it owns (ZeRO-1), not in trainer.optimizer")
 
 
 class _OwnersOptimizer(torch.optim.Optimizer):

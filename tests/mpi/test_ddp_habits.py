@@ -214,3 +214,91 @@ def test_a_checkpoint_whose_buffers_do_not_fit_is_refused_on_every_rank(comm, tm
     message = raises_everywhere(comm, mpikv.StateFileError, lambda: trainer.load_checkpoint(path))
     assert "not in the checkpoint: bn.extra" in message
     trainer.close()
+
+
+class ConvBN(torch.nn.Module):
+    """float64; BatchNorm2d between convolutions, with and without affine parts."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        kw = {"dtype": torch.float64}
+        self.conv = torch.nn.Conv2d(2, 3, 3, padding=1, **kw)
+        self.bn = torch.nn.BatchNorm2d(3, **kw)
+        self.bn2 = torch.nn.BatchNorm2d(3, affine=False, momentum=None, **kw)
+        self.fc = torch.nn.Linear(3 * 4 * 4, 2, **kw)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.bn2(self.bn(self.conv(x)))).flatten(1))
+
+
+def test_sync_batchnorm_trains_as_batchnorm_on_the_global_batch(comm):
+    # convert_sync_batchnorm: the statistics are the global batch's, through the store
+    # (torch.distributed is not initialised: torch's own module would use each rank's).
+    net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(ConvBN())
+    ref = ConvBN()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9},
+                                  mpikv.create("dist_sync", timeout=120))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    per = cases.GLOBAL_BATCH // comm.size
+    rows = slice(comm.rank * per, (comm.rank + 1) * per)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(cases.GLOBAL_BATCH, 2, 4, 4, generator=g, dtype=torch.float64)
+        y = torch.randn(cases.GLOBAL_BATCH, 2, generator=g, dtype=torch.float64)
+        trainer.zero_grad()
+        torch.nn.functional.mse_loss(net(x[rows]), y[rows]).backward()
+        trainer.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    for (n, a), b in zip(net.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=n)
+    net.eval()
+    x = torch.randn(4, 2, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), ref.eval()(x), rtol=1e-9, atol=1e-12)
+    trainer.close()
+    assert "forward" not in net.bn.__dict__   # torch's own forward again
+
+
+def test_joined_ranks_take_the_buffers_of_the_first_rank_still_training(comm):
+    # Rank 0 runs out of data first: the buffers then come from rank 1, and rank 0,
+    # joined, takes them too. The weights are those of ranks stepping with zero losses
+    # (BatchNorm normalises with batch statistics: the buffers do not change them).
+    def batches(rank):
+        return 1 if rank == 0 else 3
+
+    def run(join):
+        net = BNNet()
+        trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9},
+                                      mpikv.create("dist_sync", timeout=120))
+        taken = []   # what the ranks took before each forward (after the Trainer's hook)
+        net.register_forward_pre_hook(
+            lambda m, a: taken.append({k: v.clone() for k, v in m.named_buffers()}))
+        most = max(batches(r) for r in range(comm.size))
+        for step in range(batches(comm.rank) if join else most):
+            x, y = cases.data(step, comm.rank)
+            trainer.zero_grad()
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            (loss * 0 if step >= batches(comm.rank) else loss).backward()
+            trainer.step()
+        if join:
+            trainer.join()
+        trainer.close()
+        return _state(net), taken
+
+    joined, taken = run(True)
+    padded, _ = run(False)
+    for name in ("fc1.weight", "fc2.bias", "bn.weight"):
+        torch.testing.assert_close(joined[name], padded[name], rtol=1e-12, atol=1e-14, msg=name)
+    if comm.size > 1:
+        last_taken = comm.bcast(taken[-1] if comm.rank == 1 else None, root=1)
+        if comm.rank == 0:   # joined after one step: holds what rank 1 sent last
+            for name, value in last_taken.items():
+                assert torch.equal(joined[name], value), name
+            assert int(joined["bn.num_batches_tracked"]) == 2
+
+
+def _state(net):
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}

@@ -375,3 +375,59 @@ def test_allreduce_on_a_local_store_is_the_identity_and_checks_its_array():
     kv.fail_next_call(mpikv.StateFileError, "a local failure")
     with pytest.raises(mpikv.StateFileError, match="allreduce_: a local failure"):
         kv.allreduce_(np.zeros(2))
+
+
+L = torch.optim.lr_scheduler
+#: every scheduler in torch.optim.lr_scheduler, with its required arguments only
+SCHEDULERS = {
+    "LambdaLR": lambda o: L.LambdaLR(o, lambda e: 0.9 ** e),
+    "MultiplicativeLR": lambda o: L.MultiplicativeLR(o, lambda e: 0.9),
+    "StepLR": lambda o: L.StepLR(o, 2),
+    "MultiStepLR": lambda o: L.MultiStepLR(o, [1, 3]),
+    "ConstantLR": lambda o: L.ConstantLR(o),
+    "LinearLR": lambda o: L.LinearLR(o),
+    "ExponentialLR": lambda o: L.ExponentialLR(o, 0.9),
+    "SequentialLR": lambda o: L.SequentialLR(o, [L.ConstantLR(o), L.ExponentialLR(o, 0.9)], [2]),
+    "CosineAnnealingLR": lambda o: L.CosineAnnealingLR(o, 4),
+    "ChainedScheduler": lambda o: L.ChainedScheduler([L.ConstantLR(o), L.ExponentialLR(o, 0.9)]),
+    "ReduceLROnPlateau": lambda o: L.ReduceLROnPlateau(o, patience=0),
+    "CyclicLR": lambda o: L.CyclicLR(o, 0.01, 0.1),
+    "CosineAnnealingWarmRestarts": lambda o: L.CosineAnnealingWarmRestarts(o, 2),
+    "OneCycleLR": lambda o: L.OneCycleLR(o, 0.1, total_steps=6),
+    "PolynomialLR": lambda o: L.PolynomialLR(o),
+}
+
+
+def test_the_scheduler_table_has_every_torch_scheduler():
+    public = {n for n in L.__all__ if n != "LRScheduler"}
+    assert public <= set(SCHEDULERS), public - set(SCHEDULERS)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+@pytest.mark.parametrize("opt,kw", [(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+                                    (torch.optim.Adam, {"lr": 0.01})], ids=["sgd", "adam"])
+def test_every_torch_scheduler_steps_on_trainer_optimizer_as_on_torch_s(name, opt, kw):
+    """Constructed with its defaults on trainer.optimizer, each scheduler gives the
+    rates (and cycled momentum or betas) and the weights of the same scheduler on
+    the same torch optimizer."""
+    ours, theirs = cases.Net(), cases.Net()
+    named = [(n, p) for n, p in ours.named_parameters() if not n.startswith(("spare", "head"))]
+    trainer = mpikv.torch.Trainer(named, opt, kw, "local")
+    torch_opt = opt([p for n, p in theirs.named_parameters()
+                     if not n.startswith(("spare", "head")) and p.requires_grad], **kw)
+    sched, torch_sched = SCHEDULERS[name](trainer.optimizer), SCHEDULERS[name](torch_opt)
+    for step in range(6):
+        x, y = cases.data(step, 0)
+        for net, zero, apply in ((ours, trainer.zero_grad, trainer.step),
+                                 (theirs, torch_opt.zero_grad, torch_opt.step)):
+            zero()
+            torch.nn.functional.mse_loss(net(x, False), y).backward()
+            apply()
+        loss = float(step % 3)   # for ReduceLROnPlateau: a plateau, then a drop
+        for s in (sched, torch_sched):
+            s.step(loss) if name == "ReduceLROnPlateau" else s.step()
+        for key in ("lr", "momentum", "betas"):
+            assert (trainer.optimizer.param_groups[0].get(key)
+                    == torch_opt.param_groups[0].get(key)), (step, key)
+    for (n, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=n)
