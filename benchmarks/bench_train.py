@@ -22,6 +22,10 @@ Variants:
 
 - ``trainer-sgd``, ``trainer-adam``: ``mpikv.torch.Trainer(model, torch.optim.SGD
   or Adam, kwargs)``; a step is ``zero_grad()``, forward, ``backward()``, ``step()``.
+  Its default ``shard="optimizer"`` leaves the averaged gradients in ``.grad``
+  after backward, as DDP does.
+- ``shardgrads-sgd``, ``shardgrads-adam``: the same with ``shard="gradients"``
+  (the gradients reduced to their owners only, no gradient allgather).
 - ``ddp-sgd``, ``ddp-adam``: ``DistributedDataParallel`` over gloo (its
   defaults: 25 MiB buckets, gradients copied into them) + the same optimizer on
   every rank.
@@ -83,8 +87,8 @@ from benchmarks.common import Timer, library  # noqa: E402
 from benchmarks.models import Bert, ResNet18  # noqa: E402
 
 MODELS = ("resnet18", "bert")
-VARIANTS = ("trainer-sgd", "trainer-adam", "ddp-sgd", "ddp-adam", "ddp-zero-adam",
-            "horovod-sgd", "horovod-adam")
+VARIANTS = ("trainer-sgd", "trainer-adam", "shardgrads-sgd", "shardgrads-adam", "ddp-sgd",
+            "ddp-adam", "ddp-zero-adam", "horovod-sgd", "horovod-adam")
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4}),
               "adam": (torch.optim.Adam, {"lr": 1e-4})}
 #: Per model: (warm-up rounds, timed rounds); a BERT-base step takes seconds here.
@@ -175,10 +179,11 @@ def init_process_group(comm):
 def make_variant(variant, net, loss_fn, comm):
     """Wraps ``net`` (the variant's own copy) for ``variant``; returns ``step(batch)``."""
     kind, opt = variant.split("-", 1)
-    if kind == "trainer":
+    if kind in ("trainer", "shardgrads"):
         from mpikv.torch import Trainer
         cls, kwargs = OPTIMIZERS[opt]
-        trainer = Trainer(net, cls, dict(kwargs))
+        trainer = Trainer(net, cls, dict(kwargs),
+                          shard="gradients" if kind == "shardgrads" else "optimizer")
 
         def step(batch):
             trainer.zero_grad()

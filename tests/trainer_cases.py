@@ -217,3 +217,16 @@ def assert_close(got, want, tol=1e-12):
     assert sorted(got) == sorted(want)
     for n in want:
         np.testing.assert_allclose(got[n], want[n], rtol=tol, atol=tol, err_msg=n)
+
+
+def assert_same_state(got, want, tol=0.0):
+    """Two torch state dicts hold the same entries, dtypes, shapes and values."""
+    assert got["param_groups"] == want["param_groups"]
+    assert sorted(got["state"]) == sorted(want["state"])
+    for j, entry in want["state"].items():
+        assert list(got["state"][j]) == list(entry), j
+        for name, t in entry.items():
+            g = got["state"][j][name]
+            assert g.dtype == t.dtype and g.shape == t.shape and g.device == t.device, (j, name)
+            np.testing.assert_allclose(g.double().numpy(), t.double().numpy(), rtol=tol,
+                                       atol=tol, err_msg=f"{j} {name}")

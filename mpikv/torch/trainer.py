@@ -233,9 +233,12 @@ class Trainer(ClosesAfterWith):
         def hook(param):
             if self._averaging and self._sent:
                 # A second backward before step(): its gradients accumulate on the
-                # averaged ones, and the sum is reduced again, as DDP does.
+                # averaged ones, and the sum is reduced again, as DDP does (a
+                # gradient of the first pass only is summed again, not zeroed).
+                touched = self._touched
                 self._rule.discard()
                 self._start_step()
+                self._touched = touched
             b = self._bucket_of[index]
             if self._launched[b]:  # its bucket is on the wire: do not touch the buffer
                 self._late.append(self._names[index])

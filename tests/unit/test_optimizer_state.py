@@ -56,19 +56,6 @@ def trainer_step(net, trainer, step):
     trainer.step()
 
 
-def assert_same_state(got, want, tol=0.0):
-    """Two torch state dicts hold the same entries, dtypes, shapes and values."""
-    assert got["param_groups"] == want["param_groups"]
-    assert sorted(got["state"]) == sorted(want["state"])
-    for j, entry in want["state"].items():
-        assert list(got["state"][j]) == list(entry), j
-        for name, t in entry.items():
-            g = got["state"][j][name]
-            assert g.dtype == t.dtype and g.shape == t.shape and g.device == t.device, (j, name)
-            np.testing.assert_allclose(g.double().numpy(), t.double().numpy(), rtol=tol,
-                                       atol=tol, err_msg=f"{j} {name}")
-
-
 def assert_same_weights(a, b, tol=1e-12):
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=tol, atol=tol,
@@ -97,7 +84,7 @@ def test_consolidated_state_is_the_plain_torch_optimizers(name, grouped):
     got = consolidated(trainer)
     # The unused head and spare layer have no entry, as in torch.
     assert len(got["state"]) == 6
-    assert_same_state(got, plain.state_dict(), tol=1e-12)
+    cases.assert_same_state(got, plain.state_dict(), tol=1e-12)
     trainer.close()
 
 
@@ -113,7 +100,7 @@ def test_the_state_is_gathered_window_by_window(monkeypatch, window):
     for step in range(2):
         plain_step(ref, plain, step)
         trainer_step(net, trainer, step)
-    assert_same_state(consolidated(trainer), plain.state_dict(), tol=1e-12)
+    cases.assert_same_state(consolidated(trainer), plain.state_dict(), tol=1e-12)
 
 
 @pytest.mark.parametrize("grouped", [False, True])
@@ -134,12 +121,12 @@ def test_a_torch_optimizers_state_loads_and_training_goes_on_as_torch(name, grou
     trainer.optimizer.load_state_dict(saved)
     assert [g["lr"] for g in trainer.optimizer.param_groups] == \
         [g["lr"] for g in plain.param_groups]
-    assert_same_state(consolidated(trainer), saved)   # exactly what was loaded
+    cases.assert_same_state(consolidated(trainer), saved)   # exactly what was loaded
     for step in range(3, 6):
         plain_step(ref, plain, step)
         trainer_step(net, trainer, step)
     assert_same_weights(ref, net)
-    assert_same_state(consolidated(trainer), plain.state_dict(), tol=1e-12)
+    cases.assert_same_state(consolidated(trainer), plain.state_dict(), tol=1e-12)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -214,7 +201,7 @@ def test_a_16_bit_model_with_masters_gives_and_takes_float32_state():
     masters = {k: s[MASTER].copy() for k, s in states.items()}
     trainer.optimizer.load_state_dict(plain.state_dict())
     got = consolidated(trainer)
-    assert_same_state(got, plain.state_dict())
+    cases.assert_same_state(got, plain.state_dict())
     assert all(t.dtype == torch.float32 for e in got["state"].values()
                for n, t in e.items() if n != "step")
     assert sorted(states) == sorted(masters)
@@ -282,7 +269,7 @@ def test_a_state_that_cannot_be_mapped_is_refused_with_nothing_changed(bad):
     assert str(info.value).startswith("trainer.optimizer.load_state_dict: ")
     assert str(info.value).endswith("; nothing was applied")
     assert hyperparameters(trainer) == groups
-    assert_same_state(consolidated(trainer), before)
+    cases.assert_same_state(consolidated(trainer), before)
 
 
 @pytest.mark.parametrize("kw,state,match", [
