@@ -5,9 +5,12 @@
 
 Collective over ``MPI.COMM_WORLD`` (hosts are gathered, by
 :mod:`mpikv.transport.world`); only rank 0 prints.
-CUDA-awareness of the MPI library is a best guess: ``MPIKV_CUDA_AWARE=0|1``
+CUDA-awareness of the MPI library is a best guess: ``MPIKV_CUDA_AWARE=0|1|pull``
 overrides it; otherwise Open MPI is asked through ``ompi_info`` (the one next
-to the Python interpreter, else on ``PATH``); other libraries are "unknown".
+to the Python interpreter, else on ``PATH``), the MPICH family through its
+environment (``MPICH_GPU_SUPPORT_ENABLED``, ``MPIR_CVAR_ENABLE_GPU=0``,
+``MV2_USE_CUDA``); otherwise "unknown". A store decides with more probes
+(:mod:`mpikv.transport.cuda`).
 """
 
 import argparse
@@ -41,10 +44,15 @@ def cuda_aware(library_version, environ=None, ompi_info=None):
     try:
         override = cuda.parse_env(env)
     except ValueError:
-        return None, f"{cuda.ENV}={raw!r} is not 0 or 1"
+        return None, f"{cuda.ENV}={raw!r} is not 0, 1 or {cuda.PULL_ONLY}"
+    if override == cuda.PULL_ONLY:
+        return True, f"{cuda.ENV}={raw}: pulls and broadcasts direct, reductions staged"
     if override is not None:
         return override, f"{cuda.ENV}={raw}"
     if "Open MPI" not in library_version:
+        value, how = cuda.mpich_environment(library_version, env)
+        if value is not None and cuda.family(library_version) != "unknown":
+            return value, how
         return None, "only Open MPI can be asked (set MPIKV_CUDA_AWARE=0 or 1)"
     tool = ompi_info or cuda.find_ompi_info(env)
     text, note = cuda.run_ompi_info(tool, environ=env)

@@ -14,6 +14,7 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
+from . import cuda
 from .staging import Staging
 from .base import AGREED, DIFFER, JOINED, Transport
 from .watchdog import (TIMEOUT_EXIT_CODE, Watchdog, abort, format_what, install_exception_hook,
@@ -49,8 +50,14 @@ class MPITransport(Transport):
         # may be inside a data collective: separate communicators keep them apart.
         self.agree_comm = comm.Dup()
         self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
-        #: How device buffers reach MPI (the store's reducers stage through it too).
-        self.staging = Staging()
+        # Whether MPI takes GPU buffers: probed once per process, the same on every
+        # rank (one small Allreduce; staged where any rank stages), per kind of call.
+        self.cuda = cuda.agree(cuda.detect, self._min_over_ranks)
+        #: How device buffers of reductions reach MPI (the store's reducers stage
+        #: through it too); :attr:`pull_staging` for pulls and broadcasts.
+        self.staging = Staging(detect=lambda: self.cuda.for_op(cuda.REDUCE))
+        self.pull_staging = Staging(detect=lambda: self.cuda.for_op(cuda.PULL),
+                                    stager=self.staging.stager)
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
@@ -83,6 +90,11 @@ class MPITransport(Transport):
             # (which route a call takes) must never be the collective that makes it.
             self.nodes  # noqa: B018
         start_listener()   # answers the flight-recorder requests of a rank ending the job
+
+    def _min_over_ranks(self, vec):
+        out = np.empty_like(vec)
+        self.agree_comm.Allreduce(vec, out, op=MPI.MIN)
+        return out
 
     # -- node-local shared memory --------------------------------------------
     @property
@@ -244,11 +256,13 @@ class MPITransport(Transport):
         return counting_comm(self)
 
     # -- data ------------------------------------------------------------
-    def _device(self, call, buf, what, copy_in=True, copy_back=True):
+    def _device(self, call, buf, what, copy_in=True, copy_back=True, staging=None):
         """Runs a blocking collective on a GPU buffer: straight to a CUDA-aware MPI,
-        or staged through pinned host memory (and staged for good if MPI refuses)."""
+        or staged through pinned host memory (and staged for good if MPI refuses).
+        ``staging``: :attr:`pull_staging` for pulls and broadcasts, else reductions'."""
         with self._watchdog.watch(what):
-            self.staging.run(lambda b, _: call(b), buf, copy_in=copy_in, copy_back=copy_back)
+            (staging or self.staging).run(lambda b, _: call(b), buf, copy_in=copy_in,
+                                          copy_back=copy_back)
 
     def allreduce_(self, buf, what):
         if type(buf) is not np.ndarray:
@@ -307,7 +321,8 @@ class MPITransport(Transport):
     def bcast_(self, buf, root, what):
         if type(buf) is not np.ndarray:
             return self._device(lambda b: self.comm.Bcast(b, root=root), buf, what,
-                                copy_in=self.rank == root, copy_back=self.rank != root)
+                                copy_in=self.rank == root, copy_back=self.rank != root,
+                                staging=self.pull_staging)
         with self._watchdog.watch(what):
             self.comm.Bcast(buf, root=root)
 
@@ -315,7 +330,7 @@ class MPITransport(Transport):
         def gather(b):
             self.comm.Allgatherv(MPI.IN_PLACE, [b, (counts, displs), from_numpy_dtype(b.dtype)])
         if type(buf) is not np.ndarray:
-            return self._device(gather, buf, what)
+            return self._device(gather, buf, what, staging=self.pull_staging)
         with self._watchdog.watch(what):
             gather(buf)
 
@@ -343,5 +358,6 @@ class MPITransport(Transport):
         facts = super().describe()
         facts["mpi_library"] = self.library
         facts["cuda"] = self.staging.describe()
+        facts["cuda_paths"] = self.cuda.paths
         facts["timeout_s"] = self.timeout
         return facts

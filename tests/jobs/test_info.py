@@ -102,7 +102,11 @@ def test_cuda_aware_override_and_ompi_info(tmp_path):
     assert cuda_aware("MPICH 4.2", {"MPIKV_CUDA_AWARE": "0"})[0] is False
     assert cuda_aware("MPICH 4.2", {})[0] is None
     assert cuda_aware(OPEN_MPI, {"MPIKV_CUDA_AWARE": "maybe"}) == (
-        None, "MPIKV_CUDA_AWARE='maybe' is not 0 or 1")
+        None, "MPIKV_CUDA_AWARE='maybe' is not 0, 1 or pull")
+    assert cuda_aware(OPEN_MPI, {"MPIKV_CUDA_AWARE": "pull"})[0] is True
+    assert cuda_aware("MPI VERSION : CRAY MPICH version 8.1.28", {}) == (
+        False, "Cray MPICH without MPICH_GPU_SUPPORT_ENABLED=1")
+    assert cuda_aware("MPICH Version: 4.2.0", {"MPIR_CVAR_ENABLE_GPU": "0"})[0] is False
     fake = tmp_path / "ompi_info"
     line = "mca:mpi:base:param:mpi_built_with_cuda_support:value:true"  # Open MPI 4's name
     fake.write_text(f"#!/bin/sh\necho '{line}'\n")
