@@ -302,7 +302,7 @@ def sum_into(out, arrays):
         for a in arrays:
             if isinstance(a, mod.ndarray):
                 # cupy kernels need every operand on the current GPU.
-                inputs.append(a if _same_gpu(a, out) else a.copy())
+                inputs.append(a if _same_gpu(a, out) else peer_copy(a))
             else:
                 inputs.append(mod.asarray(a))
                 uploaded = True
@@ -377,7 +377,7 @@ def copyto(dst, src, casting="same_kind"):
              and contiguous(src))
     if dst_dev and src_dev:
         with dst.device:
-            _copy_on_gpu(cp, dst, src if _same_gpu(dst, src) else src.copy(), casting)
+            _copy_on_gpu(cp, dst, src if _same_gpu(dst, src) else peer_copy(src), casting)
         return
     if src_dev:  # device -> host
         with src.device:
@@ -402,6 +402,22 @@ def copyto(dst, src, casting="same_kind"):
         stream.synchronize()
 
 
+def peer_copy(src):
+    """A copy of the device array ``src`` on the current GPU (``src`` is on another).
+
+    cupy queues a copy between GPUs on the destination's current stream, which
+    waits for nothing on the source GPU: the copy is ordered after ``src``'s
+    writers by an event recorded on the source GPU's current stream and waited
+    for by the destination's.
+    """
+    cp = xp(CUPY)
+    with src.device:
+        written = cp.cuda.Event(disable_timing=True)
+        written.record()
+    cp.cuda.get_current_stream().wait_event(written)
+    return src.copy()
+
+
 def _copy_on_gpu(cp, dst, src, casting):
     """``cupy.copyto`` on ``dst``'s GPU; casts to or from bfloat16 by :mod:`mpikv.halfbits`."""
     if halfbits.is_bfloat16(src.dtype) or halfbits.is_bfloat16(dst.dtype):
@@ -424,7 +440,7 @@ def synchronize(array):
 
 __all__ = ["KINDS", "array_module", "native_kind", "is_device", "as_native", "xp",
            "cupy_available", "module_of", "on", "contiguous", "empty", "zeros", "sum_into",
-           "concatenate_into", "copyto", "synchronize", "INSTALL_HINT"]
+           "concatenate_into", "copyto", "peer_copy", "synchronize", "INSTALL_HINT"]
 
 
 # -- where arrays are, and whether they share memory -----------------------------
@@ -465,8 +481,30 @@ def same_memory(a, b):
 
 
 def may_overlap(a, b):
-    """Whether two arrays may share memory (host arrays are checked; device arrays
-    only by identity)."""
-    if type(a) is np.ndarray and type(b) is np.ndarray:
-        return np.may_share_memory(a, b)
-    return a is b
+    """Whether two arrays may share memory: host arrays by numpy's bounds, device
+    arrays on the same GPU by the byte ranges their pointers, shapes and strides
+    span (as numpy's bounds check: views that interleave count as overlapping)."""
+    if a is b:
+        return True
+    if type(a) is np.ndarray or type(b) is np.ndarray:
+        return type(a) is np.ndarray and type(b) is np.ndarray and np.may_share_memory(a, b)
+    if type(a) is not type(b) or a.device.id != b.device.id:
+        return False
+    lo_a, hi_a = _byte_range(a)
+    lo_b, hi_b = _byte_range(b)
+    return lo_a < hi_b and lo_b < hi_a
+
+
+def _byte_range(array):
+    """``[lo, hi)``: the bytes a device array's elements lie in (empty for no elements)."""
+    start = array.data.ptr
+    if array.size == 0:
+        return start, start
+    lo = hi = start
+    for n, stride in zip(array.shape, array.strides):
+        reach = (n - 1) * stride
+        if reach < 0:
+            lo += reach
+        else:
+            hi += reach
+    return lo, hi + array.itemsize

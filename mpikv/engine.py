@@ -320,9 +320,13 @@ class Engine:
         buckets = plan_buckets([(i.key, i.dtype, placed[i.key]) for i in items],
                                t.size, self.bucket_bytes, self.direct_bytes)
         for bucket in buckets:
-            on_gpu = self.device and any(backends.is_device(by_key[k].values[0])
-                                         for k in bucket.keys)
-            arena = backends.empty("cupy" if on_gpu else "numpy", bucket.size, bucket.dtype)
+            # A key lives on the GPU of its first value, not on the current GPU
+            # (model.to(f"cuda:{local_rank}") sets no current device); keys fused
+            # with it share its arena, so its GPU.
+            gpu = next((backends.device_of(by_key[k].values[0]) for k in bucket.keys
+                        if backends.is_device(by_key[k].values[0])), None) if self.device else None
+            on_gpu = gpu is not None
+            arena = backends.empty("cupy" if on_gpu else "numpy", bucket.size, bucket.dtype, gpu)
             self._on_gpu = self._on_gpu or on_gpu
             for key, offset in _key_offsets(bucket):
                 item = by_key[key]

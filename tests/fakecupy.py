@@ -1,8 +1,10 @@
 """A CPU stand-in for the part of cupy mpikv uses, so device code paths run without a GPU.
 
-It is a test double, not an emulator: arrays live in host memory, kernels are
-numpy calls, streams only count synchronisations. What it keeps from cupy is
-what catches bugs on a machine without a GPU:
+It is a test double, not an emulator: arrays live in host memory and kernels
+are numpy calls. What it keeps from cupy and CUDA is what catches bugs on a
+machine without a GPU, and it keeps it *honestly*: a missing synchronisation
+or a device buffer handed to the wrong MPI shows as a wrong value, not only in
+bookkeeping.
 
 * device arrays are not numpy arrays: ``numpy.asarray(d)`` raises, numpy
   arrays cannot be mixed into device arithmetic, and data crosses only
@@ -13,64 +15,175 @@ what catches bugs on a machine without a GPU:
   current device, and ``copy()`` copies to the current device;
 * bfloat16 arrays (ml_dtypes' dtype, as cupy 14 holds them) are raw 16-bit
   memory: they may be made, viewed, copied and moved, but no kernel computes
-  on them (no arithmetic, no cast to or from them), so mpikv's own integer
-  casts (:mod:`mpikv.halfbits`) are what the tests exercise;
-* ``__cuda_array_interface__`` exposes the memory, so mpi4py passes it to
-  MPI as a "device pointer" (host memory here, so any MPI moves it);
-* streams are per thread and per device, and every kernel or copy stays
-  *unfinished* until its stream (or its device) is synchronised.
-  An array remembers the kernel that last wrote it. MPI taking its pointer
-  before that kernel is finished, or a kernel or copy on another stream
-  reading it before then, is recorded in :func:`races`: on a GPU that read
-  could see old values.
+  on them, so mpikv's own integer casts (:mod:`mpikv.halfbits`) are what the
+  tests exercise;
+* **device memory the host cannot read**: the pointer that
+  ``__cuda_array_interface__`` and ``__dlpack__`` give (to mpi4py, say) is a
+  poison buffer (all bits set: NaN, -1), refilled at each hand-out and whose
+  writes are lost, unless the job declares a CUDA-aware MPI
+  (``MPIKV_CUDA_AWARE=1``); then it is the array's memory itself. A device
+  buffer that reaches a host-only MPI unstaged gives a wrong sum;
+* **kernels complete late**: every kernel or copy is queued on a stream (the
+  current one) and runs only when something waits for it: ``synchronize`` of
+  its stream or device, an event wait, a synchronous copy to the host
+  (``get()`` without a stream, ``item()``, ``float()``) on its stream. A new
+  array holds poison until its kernel runs. MPI (given the real memory) reads
+  whatever has run by then;
+* **streams as CUDA has them**: one legacy default stream per device, shared
+  by all threads (it waits for, and is waited for by, other blocking streams
+  of its device), non-blocking side streams (``Stream(non_blocking=True)``)
+  that order with nothing implicitly, events (``Event``, ``Stream.record``,
+  ``Stream.wait_event``); the current stream is per thread and per device;
+* **peer copies** (``copy()``/``asarray`` of another GPU's array) are queued on
+  the destination's current stream only: nothing orders them after the
+  source GPU's writers unless the code does (an event);
+* DLPack both ways, with device type CUDA (2), which numpy and a CPU-only
+  torch refuse: ``ndarray.__dlpack__``/``__dlpack_device__`` give real
+  capsules, and ``from_dlpack`` takes any producer whose capsule is on CUDA
+  (memory the stand-in knows, or a producer's own host memory labelled CUDA,
+  as a test double for CUDA torch tensors may give).
 
+Bookkeeping on top: an array remembers the kernel that last wrote it; a read
+(MPI taking its pointer, a host copy, a kernel on a stream not ordered after
+that kernel) while the writer has not run is recorded in :func:`races`.
 :func:`events` lists the synchronisations and host/device copies in order
-(a test may :func:`mark` its own steps among them), so a test can check
-that staging waits before it copies and copies before MPI reads.
+(a test may :func:`mark` its own steps among them).
 
 :func:`install` puts it into ``sys.modules`` as ``cupy`` and ``cupyx``;
 ``STAND_IN = True`` lets a benchmark refuse to report its figures.
 """
 
 import collections
+import ctypes
+import itertools
+import os
 import sys
 import threading
-import types
+import weakref
 
 import numpy as np
 
 STAND_IN = True
+#: The variable that declares a CUDA-aware MPI (mpikv.transport.cuda.ENV).
+AWARE_ENV = "MPIKV_CUDA_AWARE"
+POISON = 0xFF
 _state = threading.local()
+_lock = threading.RLock()   # every queue, clock and kernel run is under it
 _counts = {"synchronize": 0}
 # (what, stream): synchronisations and host <-> device copies, in order; bounded,
 # as a benchmark under the stand-in (build() without install()) never clears it.
 _events = collections.deque(maxlen=100_000)
 _allocated = {}  # device id -> bytes of new device arrays
 _device_count = [2]
+_roots = weakref.WeakValueDictionary()   # id -> root array, for from_dlpack's addresses
+_streams_by_ptr = weakref.WeakValueDictionary()
+_ptrs = itertools.count(0x1000)
 
 
 def _current_id():
     return getattr(_state, "device", 0)
 
 
-# -- cuda ----------------------------------------------------------------
-class Stream:
-    """Work is done at once, but stays "unfinished" until a synchronisation."""
+def _aware():
+    return os.environ.get(AWARE_ENV, "").strip() == "1"
 
-    def __init__(self, non_blocking=False):
-        self.non_blocking = non_blocking
+
+# -- cuda: streams, the queue of late kernels, events ------------------------
+class _Op:
+    """One queued kernel or copy: runs after ``deps`` and its stream's earlier ops."""
+
+    __slots__ = ("fn", "stream", "seq", "deps", "done", "clock")
+
+    def __init__(self, fn, stream, seq, deps, clock):
+        self.fn, self.stream, self.seq, self.deps, self.clock = fn, stream, seq, deps, clock
+        self.done = False
+
+
+class Stream:
+    """A CUDA stream: a queue of work that runs when something waits for it.
+
+    ``issued`` counts the work queued, ``finished`` the work run,
+    ``synchronized`` the calls of :meth:`synchronize`.
+    """
+
+    def __init__(self, null=False, non_blocking=False, ptr=0, *, _legacy=False):
+        self.non_blocking = bool(non_blocking)
+        self.legacy = _legacy
         self.synchronized = 0
-        self.issued = 0     # work items queued on this stream
-        self.finished = 0   # ... of which a synchronisation has waited for
+        self.issued = 0
+        self.finished = 0
         self.device = _current_id()
-        self.thread = threading.current_thread().name
+        self.thread = "all" if _legacy else threading.current_thread().name
+        self.ptr = 1 if _legacy else next(_ptrs)  # DLPack's 1: the legacy default stream
+        self._queue = collections.deque()
+        self._last = None
+        self.clock = {}   # stream -> last seq of it that this stream's next work comes after
         _all_streams.append(self)
+        if not _legacy:
+            _streams_by_ptr[self.ptr] = self
+
+    # the queue
+    def _enqueue(self, fn, deps=()):
+        with _lock:
+            deps = [d for d in deps if d is not None and not d.done]
+            for other in self._implicit():
+                last = other._last
+                if last is not None and not last.done:
+                    deps.append(last)
+                    _merge(self.clock, last.clock)
+            for d in deps:
+                _merge(self.clock, d.clock)
+            self.issued += 1
+            self.clock[self] = self.issued
+            op = _Op(fn, self, self.issued, deps, dict(self.clock))
+            self._queue.append(op)
+            self._last = op
+            return op
+
+    def _implicit(self):
+        """The streams the legacy default stream's semantics order this one after."""
+        if self.non_blocking:
+            return ()
+        if self.legacy:
+            return [s for s in _all_streams if s.device == self.device and not s.legacy
+                    and not s.non_blocking]
+        return [_legacy_stream(self.device)]
+
+    def _drain(self):
+        with _lock:
+            if self._last is not None:
+                _run_to(self._last)
 
     def synchronize(self):
+        self._drain()
         self.synchronized += 1
-        self.finished = self.issued
         _counts["synchronize"] += 1
         _events.append(("sync", self))
+
+    @property
+    def done(self):
+        return self._last is None or self._last.done
+
+    def record(self, event=None):
+        event = Event() if event is None else event
+        event.record(self)
+        return event
+
+    def wait_event(self, event):
+        """Work queued here from now on runs after the work ``event`` recorded."""
+        if event._op is not None and not event._op.done:
+            self._enqueue(None, [event._op])
+        else:
+            with _lock:
+                _merge(self.clock, event._clock)
+
+    def use(self):
+        stack = _streams()
+        if stack:
+            stack[-1] = self
+        else:
+            stack.append(self)
+        return self
 
     def __enter__(self):
         _streams().append(self)
@@ -79,9 +192,72 @@ class Stream:
     def __exit__(self, *exc):
         _streams().pop()
 
+    def __repr__(self):
+        kind = "legacy" if self.legacy else "non-blocking" if self.non_blocking else "blocking"
+        return f"<stand-in {kind} Stream {self.ptr:#x} on GPU {self.device}>"
+
+
+def _merge(clock, other):
+    for stream, seq in other.items():
+        if clock.get(stream, 0) < seq:
+            clock[stream] = seq
+
+
+def _run_to(op):
+    """Runs ``op``'s stream up to ``op``, each op after its dependencies."""
+    stream = op.stream
+    while not op.done:
+        head = stream._queue[0]
+        for dep in head.deps:
+            if not dep.done:
+                _run_to(dep)
+        stream._queue.popleft()
+        if head.fn is not None:
+            with np.errstate(all="ignore"):  # poison may be read by a wrong program
+                head.fn()
+        head.done = True
+        stream.finished = head.seq
+
+
+class Event:
+    """A CUDA event: the point of a stream's queue where it was recorded."""
+
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self._op = None
+        self._clock = {}
+
+    def record(self, stream=None):
+        stream = get_current_stream() if stream is None else stream
+        with _lock:
+            self._op = stream._last
+            self._clock = dict(stream.clock)
+
+    def synchronize(self):
+        with _lock:
+            if self._op is not None:
+                _run_to(self._op)
+
+    @property
+    def done(self):
+        return self._op is None or self._op.done
+
 
 _all_streams = []
 _races = []
+_legacy = {}  # device id -> its legacy default stream (all threads share it)
+
+
+def _legacy_stream(device):
+    with _lock:
+        stream = _legacy.get(device)
+        if stream is None:
+            saved = _current_id()
+            _state.device = device
+            try:
+                stream = _legacy[device] = Stream(_legacy=True)
+            finally:
+                _state.device = saved
+        return stream
 
 
 def _streams():
@@ -91,22 +267,24 @@ def _streams():
     return _state.streams.setdefault(_current_id(), [])
 
 
-_null_streams = {}
-
-
-def get_current_stream():
+def get_current_stream(device_id=None):
+    if device_id is not None:
+        return _stream_on(int(device_id))
     stack = _streams()
     if stack:
         return stack[-1]
-    key = (threading.get_ident(), _current_id())
-    stream = _null_streams.get(key)
-    if stream is None:
-        stream = _null_streams[key] = Stream()
-    return stream
+    return _legacy_stream(_current_id())
+
+
+def stream_from_ptr(ptr, device=None):
+    """The stream a DLPack ``stream=`` integer names (1: the legacy stream of ``device``)."""
+    if ptr in (None, 1, 2):
+        return _legacy_stream(_current_id() if device is None else device)
+    return _streams_by_ptr[int(ptr)]
 
 
 def _stream_on(device):
-    """This thread's current stream on ``device`` (``get`` copies with ``array.device`` current)."""
+    """This thread's current stream on ``device``."""
     saved = _current_id()
     _state.device = device
     try:
@@ -119,24 +297,45 @@ def _root(a):
     return a if a.base is None else a.base
 
 
-def _wrote(a, stream=None):
-    """``a`` was written by a kernel or copy on ``stream`` (default: the current one)."""
-    stream = get_current_stream() if stream is None else stream
-    stream.issued += 1
-    _root(a)._writer = (stream, stream.issued)
+def _ordered(op, stream):
+    """Whether work queued on ``stream`` now runs after ``op``."""
+    return op is None or op.done or stream.clock.get(op.stream, 0) >= op.seq
 
 
-def _check_read(a, what):
-    """Records a race if ``a``'s last writer is unfinished and not this thread's stream."""
-    writer, seq = getattr(_root(a), "_writer", (None, 0))
-    if writer is None or writer.finished >= seq:
+def _check_read(a, what, stream=None):
+    """Records a race if ``a``'s last writer is not ordered before this read:
+    for MPI (``stream=None``) it must have run, for work on ``stream`` it must be
+    run or ordered before it."""
+    op = getattr(_root(a), "_writer", None)
+    if op is None or op.done or (stream is not None and _ordered(op, stream)):
         return
-    if what != "MPI" and writer is _stream_on(_root(a)._dev):
-        return  # the same stream orders this read after the write
     _races.append(f"{what} in thread {threading.current_thread().name} of a device "
                   f"{_root(a)._a.dtype} array of {_root(a)._a.size} elements on GPU "
-                  f"{_root(a)._dev} while its writer stream (thread {writer.thread}, GPU "
-                  f"{writer.device}) is unfinished")
+                  f"{_root(a)._dev} while its writer (stream {op.stream!r}, thread "
+                  f"{op.stream.thread}) has not run")
+
+
+def _kernel(fn, reads=(), writes=(), stream=None):
+    """Queues ``fn`` on ``stream`` (default: the current one); it reads and writes
+    device arrays, whose writer it becomes."""
+    stream = get_current_stream() if stream is None else stream
+    with _lock:
+        for a in reads:
+            _check_read(a, "kernel", stream)
+        for a in writes:  # a write after a write on another stream: a race as well
+            _check_read(a, "kernel", stream)
+        op = stream._enqueue(fn)
+        for a in writes:
+            _root(a)._writer = op
+    return op
+
+
+def _settle_for_host(a, stream=None):
+    """A synchronous copy to the host: runs ``stream`` (default: the current one of
+    ``a``'s GPU), then checks that ``a``'s writer has run."""
+    stream = _stream_on(_root(a)._dev) if stream is None else stream
+    stream._drain()
+    _check_read(a, "host read")
 
 
 class Device:
@@ -158,11 +357,12 @@ class Device:
         _state.device = self.id
 
     def synchronize(self):
+        with _lock:
+            for stream in list(_all_streams):
+                if stream.device == self.id:
+                    stream._drain()
         _counts["synchronize"] += 1
         _events.append(("device sync", None))
-        for stream in _all_streams:
-            if stream.device == self.id:
-                stream.finished = stream.issued
 
     def __eq__(self, other):
         return isinstance(other, Device) and other.id == self.id
@@ -210,14 +410,11 @@ def _unwrap(obj, found):
     return obj
 
 
-def _wrap(result, device=None):
-    if isinstance(result, np.ndarray):
-        return ndarray._of(result, _current_id() if device is None else device)
-    if isinstance(result, np.generic):
-        return ndarray._of(np.asarray(result), _current_id() if device is None else device)
-    if isinstance(result, tuple):
-        return tuple(_wrap(r, device) for r in result)
-    return result
+def _poisoned(shape, dtype):
+    """New device memory: whatever was there before (all bits set, here)."""
+    a = np.empty(shape, dtype)
+    a.reshape(-1).view(np.uint8).fill(POISON) if a.flags.c_contiguous else None
+    return a
 
 
 def _is_bfloat16(dtype):
@@ -232,6 +429,35 @@ def _no_bfloat16_kernel(what, dtypes):
                         f"on {', '.join(map(str, dtypes))}): mpikv must cast bits itself")
 
 
+def _shares(result, found):
+    for a in found:
+        if isinstance(result, np.ndarray) and np.may_share_memory(result, a._a):
+            return a
+    return None
+
+
+def _result(result, found, recompute, device=None):
+    """The device array for a kernel's ``result`` (computed now only for its shape):
+    a view of an input if it is one, else a new array that the queued kernel fills."""
+    if isinstance(result, tuple):
+        return tuple(_result(r, found, (lambda i=i: recompute()[i]), device)
+                     for i, r in enumerate(result))
+    if isinstance(result, np.generic):
+        result = np.asarray(result)
+    if not isinstance(result, np.ndarray):
+        return result
+    owner = _shares(result, found)
+    if owner is not None:
+        return owner._view(result)
+    new = ndarray._of(_poisoned(result.shape, result.dtype),
+                      _current_id() if device is None else device)
+
+    def run():
+        np.copyto(new._a, recompute(), casting="unsafe")
+    _kernel(run, found, [new])
+    return new
+
+
 def _call(fn, args, kwargs):
     found = []
     args = _unwrap(args, found)
@@ -239,21 +465,25 @@ def _call(fn, args, kwargs):
     kwargs = {k: _unwrap(v, found) for k, v in kwargs.items()}
     _no_bfloat16_kernel(fn, [a.dtype for a in found])
     _check_device(found)
-    for a in found:
-        if a is not out:
-            _check_read(a, "kernel")
-    result = fn(*args, **kwargs)
-    if isinstance(out, ndarray):
-        _wrote(out)
-        return out
-    for a in found:
-        if result is a._a:  # an in-place operator: the same array
-            _wrote(a)
-            return a
-    result = _wrap(result)
-    if isinstance(result, ndarray):
-        _wrote(result)
-    return result
+    outs = [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, ndarray)]
+    name = getattr(fn, "__name__", "")
+    in_place = name.startswith("__i") or fn in _WRITES_FIRST
+    if outs or in_place:
+        writes = outs or found[:1]
+        _kernel(lambda: fn(*args, **kwargs), [a for a in found if all(a is not w for w in writes)],
+                writes)
+        if outs:
+            return out
+        return found[0] if name.startswith("__i") else None
+    with _lock, np.errstate(all="ignore"):
+        result = fn(*args, **kwargs)   # for its shape and dtype; the kernel runs later
+    if not isinstance(result, (np.ndarray, np.generic, tuple)):
+        # A host value (a bool, a shape): a synchronous read, as cupy's.
+        for a in found:
+            _settle_for_host(a)
+        with _lock:
+            return fn(*args, **kwargs)
+    return _result(result, found, lambda: fn(*args, **kwargs))
 
 
 class ndarray:  # noqa: N801 - cupy's name
@@ -269,13 +499,15 @@ class ndarray:  # noqa: N801 - cupy's name
         self.base = base  # the array this one views, as in cupy (None: owns its memory)
         if base is None:
             _allocated[device] = _allocated.get(device, 0) + a.nbytes
+            _roots[id(self)] = self
         return self
 
     def __init__(self, shape, dtype=float):
-        self._a = np.empty(shape, dtype)
+        self._a = _poisoned(shape, dtype)
         self._dev = _current_id()
         self.base = None
         _allocated[self._dev] = _allocated.get(self._dev, 0) + self._a.nbytes
+        _roots[id(self)] = self
 
     def _view(self, a):
         return ndarray._of(a, self._dev, self if self.base is None else self.base)
@@ -307,30 +539,68 @@ class ndarray:  # noqa: N801 - cupy's name
     data = property(lambda self: _Pointer(self._a.ctypes.data))
     T = property(lambda self: self._view(self._a.T))
 
+    # what MPI (or another library) sees: the device pointer
+    def _device_pointer(self):
+        """The address handed out: the memory itself under a CUDA-aware MPI, else a
+        poison buffer standing for memory the host cannot read."""
+        if _aware():
+            return self._a.ctypes.data
+        root = _root(self)
+        lo, hi = np.byte_bounds(root._a)
+        shadow = getattr(root, "_shadow", None)
+        if shadow is None:
+            shadow = root._shadow = np.empty(hi - lo, np.uint8)
+        shadow.fill(POISON)   # what a host-only MPI wrote there is lost
+        return shadow.ctypes.data + (self._a.ctypes.data - lo)
+
     @property
     def __cuda_array_interface__(self):
         _check_read(self, "MPI")
         a = self._a
         strides = None if a.flags.c_contiguous else a.strides
-        return {"shape": a.shape, "typestr": a.dtype.str, "data": (a.ctypes.data, False),
+        return {"shape": a.shape, "typestr": a.dtype.str, "data": (self._device_pointer(), False),
                 "version": 3, "strides": strides, "stream": None}
 
+    def __dlpack_device__(self):
+        return (DLPACK_CUDA, self._dev)
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        """A DLPack capsule on CUDA; the consumer's ``stream`` waits for this array's
+        GPU's current stream (the producer's order)."""
+        if stream is not None and stream != -1:
+            consumer = stream_from_ptr(stream, self._dev)
+            producer = _stream_on(self._dev)
+            if consumer is not producer:
+                consumer.wait_event(producer.record())
+        _check_read(self, "DLPack")
+        return _capsule(self._a, self._device_pointer(), self._dev, DLPACK_CUDA,
+                        _wants_versioned(max_version))
+
     # host <-> device
-    def get(self, stream=None, order="C", out=None):
-        _check_read(self, "get")
-        if out is None:
-            _events.append(("d2h-new", stream or _stream_on(self._dev)))
-            return self._a.copy()
-        if not isinstance(out, np.ndarray):
-            raise TypeError(f"Only numpy.ndarray can be obtained from cupy.ndarray, "
-                            f"not {type(out)}")
-        if out.shape != self.shape or out.dtype != self.dtype:
-            raise ValueError(f"Shape or dtype mismatch: {out.shape}/{out.dtype} vs "
-                             f"{self.shape}/{self.dtype}")
-        if not out.flags.c_contiguous or not self._a.flags.c_contiguous:
-            raise RuntimeError("Cannot get to or from a non-contiguous array")
-        np.copyto(out, self._a)
-        _events.append(("d2h", stream or _stream_on(self._dev)))
+    def get(self, stream=None, order="C", out=None, blocking=True):
+        if out is not None:
+            if not isinstance(out, np.ndarray):
+                raise TypeError(f"Only numpy.ndarray can be obtained from cupy.ndarray, "
+                                f"not {type(out)}")
+            if out.shape != self.shape or out.dtype != self.dtype:
+                raise ValueError(f"Shape or dtype mismatch: {out.shape}/{out.dtype} vs "
+                                 f"{self.shape}/{self.dtype}")
+            if not out.flags.c_contiguous or not self._a.flags.c_contiguous:
+                raise RuntimeError("Cannot get to or from a non-contiguous array")
+        if stream is not None and not blocking or stream is not None and out is not None:
+            # asynchronous: the host array is written when ``stream`` runs the copy
+            host = out if out is not None else _poisoned(self.shape, self.dtype)
+            _kernel(lambda: np.copyto(host, self._a), [self], (), stream)
+            _events.append(("d2h" if out is not None else "d2h-new", stream))
+            return host
+        used = stream or _stream_on(self._dev)
+        with _lock:
+            _settle_for_host(self, used)
+            if out is None:
+                _events.append(("d2h-new", used))
+                return self._a.copy()
+            np.copyto(out, self._a)
+        _events.append(("d2h", used))
         return out
 
     def set(self, arr, stream=None):
@@ -342,25 +612,38 @@ class ndarray:  # noqa: N801 - cupy's name
             raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
         if not self._a.flags.c_contiguous:
             raise RuntimeError("Cannot set to non-contiguous array")
-        np.copyto(self._a, arr)
+        given = stream
         stream = stream or _stream_on(self._dev)
-        _wrote(self, stream)   # cupy copies on the stream it is given
+        # With a stream the copy reads ``arr`` when it runs (asynchronous, from
+        # pinned memory); without one it is synchronous.
+        _kernel(lambda: np.copyto(self._a, arr), (), [self], stream)
         _events.append(("h2d", stream))
+        if given is None:
+            stream._drain()
 
-    # views and copies (no device check: cupy copies across devices here)
+    # views and copies
     def copy(self, order="C"):
-        _check_read(self, "copy")
-        new = ndarray._of(self._a.copy(order), _current_id())
-        _wrote(new)
+        """A copy on the current device, queued on its current stream (a peer copy
+        when ``self`` is on another GPU: ordered on the destination only)."""
+        new = ndarray._of(_poisoned(self.shape, self.dtype), _current_id())
+        src = self._a
+        _kernel(lambda: np.copyto(new._a, src), [self], [new])
         return new
 
     def __getitem__(self, index):
         found = []
         index = _unwrap(index, found)
         got = self._a[index]
-        if isinstance(got, np.ndarray) and np.shares_memory(got, self._a):
+        if isinstance(got, np.generic):  # a 0-d view, as cupy gives
+            more = index + (Ellipsis,) if isinstance(index, tuple) else (index, Ellipsis)
+            try:
+                got = self._a[more]
+            except IndexError:
+                pass
+        if isinstance(got, np.ndarray) and np.may_share_memory(got, self._a):
             return self._view(got)
-        return _wrap(got, self._dev)
+        with _device_of(self):
+            return _result(got, [self] + found, lambda: self._a[index], self._dev)
 
     def __setitem__(self, index, value):
         found = [self]
@@ -369,16 +652,23 @@ class ndarray:  # noqa: N801 - cupy's name
         _check_device(found)
         _no_bfloat16_kernel("setitem", [self.dtype] + [a.dtype for a in found[1:]]
                             + ([] if found[1:] else [np.float64]))
-        for a in found[1:]:
-            _check_read(a, "kernel")
-        self._a[index] = value
-        _wrote(self)
+        a = self._a
+
+        def run():
+            a[index] = value
+        _kernel(run, found[1:], [self])
 
     def reshape(self, *shape, order="C"):
-        return self._view(self._a.reshape(*shape, order=order))
+        got = self._a.reshape(*shape, order=order)
+        if np.may_share_memory(got, self._a):
+            return self._view(got)
+        return _result(got, [self], lambda: self._a.reshape(*shape, order=order))
 
     def ravel(self, order="C"):
-        return self._view(self._a.ravel(order))
+        got = self._a.ravel(order)
+        if np.may_share_memory(got, self._a):
+            return self._view(got)
+        return _result(got, [self], lambda: self._a.ravel(order))
 
     def view(self, dtype=None):
         return self._view(self._a.view(dtype))
@@ -386,24 +676,29 @@ class ndarray:  # noqa: N801 - cupy's name
     def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
         _check_device([self])
         _no_bfloat16_kernel("astype", [self.dtype, dtype])
-        b = self._a.astype(dtype, copy=copy)
-        if b is self._a:
+        if not copy and np.dtype(dtype) == self.dtype:
             return self
-        new = ndarray._of(b, self._dev)
-        _wrote(new)
+        new = ndarray._of(_poisoned(self.shape, dtype), self._dev)
+        src = self._a
+        _kernel(lambda: np.copyto(new._a, src, casting="unsafe"), [self], [new])
         return new
 
     def fill(self, value):
         _check_device([self])
         _no_bfloat16_kernel("fill", [self.dtype, np.float64])
-        self._a.fill(value)
-        _wrote(self)
+        a = self._a
+        _kernel(lambda: a.fill(value), (), [self])
+
+    # synchronous reads (cupy copies to the host on the current stream and waits)
+    def _host(self):
+        _settle_for_host(self)
+        return self._a
 
     def item(self):
-        return self._a.item()
+        return self._host().item()
 
     def tolist(self):
-        return self._a.tolist()
+        return self._host().tolist()
 
     def __len__(self):
         return len(self._a)
@@ -412,24 +707,28 @@ class ndarray:  # noqa: N801 - cupy's name
         return (self[i] for i in range(len(self)))
 
     def __float__(self):
-        return float(self._a)
+        return float(self._host())
 
     def __int__(self):
-        return int(self._a)
+        return int(self._host())
 
     def __bool__(self):
-        return bool(self._a)
+        return bool(self._host())
 
     def __repr__(self):
         return f"fakecupy.array({self._a!r}, device={self._dev})"
 
     def __getattr__(self, name):  # sum, max, min, mean, dot, ... as kernels
-        if name.startswith("_"):  # no numpy protocols (__dlpack__, buffers) leak through
+        if name.startswith("_"):  # no numpy protocols (buffers, interfaces) leak through
             raise AttributeError(name)
         method = getattr(self._a, name)
         if not callable(method):
             raise AttributeError(name)
         return lambda *args, **kwargs: _call(getattr(np.ndarray, name), (self,) + args, kwargs)
+
+
+def _device_of(a):
+    return Device(a._dev)
 
 
 def _binary(name):
@@ -443,7 +742,7 @@ def _binary(name):
 
 
 for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or",
-              "xor", "lt", "le", "gt", "ge", "eq", "ne"):
+              "xor", "lt", "le", "gt", "ge", "eq", "ne", "lshift", "rshift"):
     for _form in ("__%s__", "__r%s__", "__i%s__"):
         _dunder = _form % _name
         if hasattr(np.ndarray, _dunder):
@@ -461,8 +760,11 @@ def asarray(obj, dtype=None, order=None):
         return obj if dtype is None or np.dtype(dtype) == obj.dtype else obj.astype(dtype)
     if hasattr(obj, "__cuda_array_interface__"):
         raise TypeError("the stand-in wraps only its own arrays")
-    new = ndarray._of(np.array(obj, dtype=dtype, order=order or "K", copy=True), _current_id())
-    _wrote(new)
+    # cupy copies the host data now (through a pinned buffer); the device has it
+    # once the current stream runs the copy.
+    host = np.array(obj, dtype=dtype, order=order or "K", copy=True)
+    new = ndarray._of(_poisoned(host.shape, host.dtype), _current_id())
+    _kernel(lambda: np.copyto(new._a, host), (), [new])
     return new
 
 
@@ -473,8 +775,9 @@ def array(obj, dtype=None, copy=True, order="K"):
     return asarray(obj, dtype)
 
 
-def asnumpy(a, stream=None, out=None):
-    return a.get(out=out) if isinstance(a, ndarray) else np.asarray(a)
+def asnumpy(a, stream=None, out=None, blocking=True):
+    return a.get(stream=stream, out=out, blocking=blocking) if isinstance(a, ndarray) \
+        else np.asarray(a)
 
 
 def copyto(dst, src, casting="same_kind", where=None):
@@ -488,12 +791,154 @@ def _copy_into(src, casting, out, where=True):
     np.copyto(out, src, casting=casting, where=where)
 
 
+# -- DLPack ----------------------------------------------------------------
+DLPACK_CPU, DLPACK_CUDA, DLPACK_CUDA_MANAGED = 1, 2, 13
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):   # DLPack 1.0
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32),
+                ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p),
+                ("flags", ctypes.c_uint64), ("dl_tensor", _DLTensor)]
+
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype, _capsule_new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p,
+                                                                  ctypes.c_void_p]
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype, _capsule_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object,
+                                                                        ctypes.c_char_p]
+_capsule_rename = ctypes.pythonapi.PyCapsule_SetName
+_capsule_rename.restype, _capsule_rename.argtypes = ctypes.c_int, [ctypes.py_object,
+                                                                   ctypes.c_char_p]
+_capsule_valid = ctypes.pythonapi.PyCapsule_IsValid
+_capsule_valid.restype, _capsule_valid.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
+_DL_CODES = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}
+# The structures of the capsules handed out live on (a test double's leak, bounded).
+_kept = collections.deque(maxlen=100_000)
+
+
+def _capsule(a, pointer, device, device_type=DLPACK_CUDA, versioned=False):
+    """A DLPack capsule ("dltensor", or "dltensor_versioned" for DLPack 1.0) for numpy
+    array ``a``'s layout at ``pointer``."""
+    dtype = a.dtype
+    code = 4 if _is_bfloat16(dtype) else _DL_CODES[dtype.kind]
+    shape = (ctypes.c_int64 * max(a.ndim, 1))(*a.shape)
+    strides = (ctypes.c_int64 * max(a.ndim, 1))(*(s // a.itemsize for s in a.strides))
+    managed = _DLManagedTensorVersioned(1, 0) if versioned else _DLManagedTensor()
+    managed.dl_tensor = _DLTensor(pointer, _DLDevice(device_type, device), a.ndim,
+                                  _DLDataType(code, dtype.itemsize * 8, 1),
+                                  ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64)),
+                                  ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64)), 0)
+    _kept.append((managed, shape, strides, a))
+    name = b"dltensor_versioned" if versioned else b"dltensor"
+    return _capsule_new(ctypes.addressof(managed), name, None)
+
+
+def _wants_versioned(max_version):
+    return max_version is not None and tuple(max_version) >= (1, 0)
+
+
+def dlpack_capsule(a, device=0, device_type=DLPACK_CUDA, max_version=None):
+    """A capsule over a numpy array's own memory, labelled as on GPU ``device``: for
+    test doubles of other libraries' CUDA arrays (their ``__dlpack__``)."""
+    return _capsule(a, a.ctypes.data, device, device_type, _wants_versioned(max_version))
+
+
+def _dtype_of(code, bits):
+    if code == 4:
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    if code == 6:
+        return np.dtype(bool)
+    kind = {0: "i", 1: "u", 2: "f", 5: "c"}[code]
+    return np.dtype(f"{kind}{bits // 8}")
+
+
+def _known_memory(pointer):
+    """``(root, byte offset)`` of a device address the stand-in handed out, else None."""
+    for root in list(_roots.values()):
+        lo, hi = np.byte_bounds(root._a)
+        if lo <= pointer < hi or lo == pointer == hi:
+            return root, pointer - lo
+        shadow = getattr(root, "_shadow", None)
+        if shadow is not None and shadow.ctypes.data <= pointer < shadow.ctypes.data + shadow.size:
+            return root, pointer - shadow.ctypes.data
+    return None
+
+
 def from_dlpack(obj):
-    raise TypeError("the stand-in takes no DLPack producers")
+    """A device array viewing a CUDA DLPack producer's memory (no copy).
+
+    Stand-in arrays give views of themselves; other producers must be on CUDA
+    (device type 2 or 13): their capsule's address is the stand-in's own memory
+    (handed out before) or the producer's host memory standing for a GPU's.
+    Anything else (CPU arrays, numpy) is refused, as a GPU library would.
+    """
+    if isinstance(obj, ndarray):
+        return obj._view(obj._a)
+    try:
+        device_type, device = obj.__dlpack_device__()
+    except AttributeError:
+        raise TypeError(f"{type(obj).__name__} is not a DLPack producer") from None
+    if int(device_type) not in (DLPACK_CUDA, DLPACK_CUDA_MANAGED):
+        raise TypeError(f"the stand-in takes DLPack producers on CUDA, not device type "
+                        f"{int(device_type)}")
+    try:
+        capsule = obj.__dlpack__(stream=get_current_stream().ptr, max_version=(1, 0))
+    except TypeError:  # a producer of DLPack before 1.0
+        capsule = obj.__dlpack__(stream=get_current_stream().ptr)
+    if _capsule_valid(capsule, b"dltensor_versioned"):
+        t = _DLManagedTensorVersioned.from_address(
+            _capsule_pointer(capsule, b"dltensor_versioned")).dl_tensor
+        _capsule_rename(capsule, b"used_dltensor_versioned")
+    else:
+        t = _DLManagedTensor.from_address(_capsule_pointer(capsule, b"dltensor")).dl_tensor
+        _capsule_rename(capsule, b"used_dltensor")
+    dtype = _dtype_of(t.dtype.code, t.dtype.bits)
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    strides = (tuple(t.strides[i] * dtype.itemsize for i in range(t.ndim)) if t.strides
+               else None)
+    pointer = t.data + t.byte_offset
+    known = _known_memory(pointer)
+    if known is not None:
+        root, offset = known
+        raw = root._a.reshape(-1).view(np.uint8) if root._a.flags.c_contiguous else None
+        if raw is None:
+            raise BufferError("the stand-in views only contiguous memory")
+        return root._view(np.ndarray(shape, dtype, buffer=raw, offset=offset, strides=strides))
+    extent = max(1, dtype.itemsize * (int(np.prod(shape)) if strides is None else
+                                      1 + sum((n - 1) * s for n, s in zip(shape, strides))
+                                      // dtype.itemsize))
+    raw = (ctypes.c_char * extent).from_address(pointer)
+    a = np.ndarray(shape, dtype, buffer=raw, strides=strides)
+    new = ndarray._of(a, int(device))
+    new._producer = (obj, capsule)  # keeps the producer's memory alive
+    return new
 
 
 #: What may touch bfloat16 arrays: moves of bits, all of one dtype.
 _MOVES = {_copy_into, np.concatenate, np.broadcast_to, np.empty_like, np.zeros_like}
+#: Functions that write their first argument (no ``out=``).
+_WRITES_FIRST = {np.copyto, np.put, np.place, np.putmask, np.fill_diagonal}
 
 
 def get_array_module(*args):
@@ -504,8 +949,10 @@ def _creator(name):
     fn = getattr(np, name)
 
     def make(*args, **kwargs):
-        new = _wrap(fn(*args, **kwargs))
-        _wrote(new)
+        host = fn(*args, **kwargs)
+        new = ndarray._of(_poisoned(host.shape, host.dtype), _current_id())
+        if name != "empty":  # a fill kernel; empty memory stays what it was
+            _kernel(lambda: np.copyto(new._a, host), (), [new])
         return new
     make.__name__ = name
     return make
@@ -520,6 +967,7 @@ def _module_getattr(name):
 
 def build(device_count=2):
     """Fresh ``cupy`` and ``cupyx`` module objects backed by this file."""
+    import types
     _device_count[0] = device_count
     cp = types.ModuleType("cupy")
     cp.STAND_IN = STAND_IN
@@ -535,6 +983,7 @@ def build(device_count=2):
     cuda = types.ModuleType("cupy.cuda")
     cuda.Device = Device
     cuda.Stream = Stream
+    cuda.Event = Event
     cuda.get_current_stream = get_current_stream
     cuda.runtime = types.SimpleNamespace(getDeviceCount=_get_device_count)
     cp.cuda = cuda
@@ -554,7 +1003,7 @@ def install(monkeypatch, device_count=2):
     _races.clear()
     _events.clear()
     _all_streams.clear()
-    _null_streams.clear()
+    _legacy.clear()
     if hasattr(_state, "streams"):
         _state.streams = {}
     return modules["cupy"]
@@ -572,7 +1021,8 @@ def allocated():
 
 def events():
     """The synchronisations ("sync", "device sync") and copies ("d2h" into a given host
-    array, "d2h-new", "h2d") since :func:`install`, with the test's :func:`mark` steps."""
+    array, "d2h-new", "h2d") since :func:`install`, with the
+    test's :func:`mark` steps."""
     return [what for what, _ in _events]
 
 
@@ -587,12 +1037,26 @@ def mark(what):
 
 
 def races():
-    """What was read while its writer stream was unfinished, since :func:`install`."""
+    """What was read while its writer had not run and was not ordered before the
+    read, since :func:`install`."""
     return list(_races)
 
 
 def unfinished(array):
-    """Whether ``array``'s last writer is unfinished and not this thread's stream on its GPU."""
-    writer, seq = getattr(_root(array), "_writer", (None, 0))
-    return bool(writer is not None and writer.finished < seq
-                and writer is not _stream_on(_root(array)._dev))
+    """Whether ``array``'s last writer has not run and is not ordered before work
+    on this thread's current stream of its GPU."""
+    op = getattr(_root(array), "_writer", None)
+    return bool(op is not None and not op.done and not _ordered(op, _stream_on(_root(array)._dev)))
+
+
+def pending():
+    """How many queued kernels and copies have not run (on every stream)."""
+    with _lock:
+        return sum(len(s._queue) for s in _all_streams)
+
+
+def settle():
+    """Runs everything queued, as a device-wide synchronisation of every GPU would."""
+    with _lock:
+        for stream in list(_all_streams):
+            stream._drain()

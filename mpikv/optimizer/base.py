@@ -392,6 +392,8 @@ class Optimizer:
             return self._begin_on(key, weight, np.asarray(grad), state, dtype, np)
         xp = backends.module_of(weight)
         with backends.on(weight):
+            if isinstance(grad, xp.ndarray) and grad.device.id != weight.device.id:
+                grad = backends.peer_copy(grad)  # ordered after grad's GPU's writers
             return self._begin_on(key, weight, xp.asarray(grad), state, dtype, xp)
 
     def _begin_on(self, key, weight, grad, state, dtype, xp):
