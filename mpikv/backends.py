@@ -438,9 +438,20 @@ def synchronize(array):
             cp.cuda.get_current_stream().synchronize()
 
 
+def synchronize_gpus(arrays):
+    """Waits for the current stream of every GPU among ``arrays``' (once per GPU):
+    their queued writes are then complete for every stream and the host."""
+    cp = sys.modules.get("cupy")
+    if cp is None:
+        return
+    for device in sorted({a.device.id for a in arrays if isinstance(a, cp.ndarray)}):
+        with cp.cuda.Device(device):
+            cp.cuda.get_current_stream().synchronize()
+
+
 __all__ = ["KINDS", "array_module", "native_kind", "is_device", "as_native", "xp",
            "cupy_available", "module_of", "on", "contiguous", "empty", "zeros", "sum_into",
-           "concatenate_into", "copyto", "peer_copy", "synchronize", "INSTALL_HINT"]
+           "concatenate_into", "copyto", "peer_copy", "synchronize", "synchronize_gpus", "INSTALL_HINT"]
 
 
 # -- where arrays are, and whether they share memory -----------------------------

@@ -601,6 +601,11 @@ class Engine:
                         copyto(out, array)
                     else:
                         backends.copyto(out, array)
+        if self._on_gpu:
+            # The call returns with its device outputs written, for every stream:
+            # a reader on another stream (torch's side streams) has nothing to wait
+            # for. (Copies from a host store to a GPU wait in backends.copyto.)
+            backends.synchronize_gpus([o for i in items for o in i.outs])
 
     def _gather_bucket(self, stored, bucket, what):
         """One Allgatherv of the owners' blocks: in place when the stored values are

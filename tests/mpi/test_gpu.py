@@ -346,3 +346,97 @@ def test_async_handles_wait_for_every_gpu_they_touch(cp, comm):
         if getattr(cp, "STAND_IN", False):
             assert not fakecupy.unfinished(out0) and not fakecupy.unfinished(out1)
         assert out0.get().tolist() == out1.get().tolist() == [n] * 4
+
+
+# -- issue 26: placement and ordering ------------------------------------------------
+def _other_gpu(cp, comm):
+    count = cp.cuda.runtime.getDeviceCount()
+    if count < 2:
+        pytest.skip("needs two GPUs")
+    return (comm.rank + 1) % count   # not the current GPU (rank % count)
+
+
+def test_keys_live_on_the_gpu_of_their_first_value(cp, comm):
+    # model.to(f"cuda:{i}") sets no current GPU: a key's memory goes with its value.
+    n, r = comm.size, comm.rank
+    gpu = _other_gpu(cp, comm)
+    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=10)
+    with cp.cuda.Device(gpu):
+        values = [cp.full(4, 2, cp.float32), cp.zeros(30, cp.float32)]
+    kv.init(["w", "big"], values)
+    assert {kv._engine.entries[k].arena.device.id for k in ("w", "big")} == {gpu}
+    with cp.cuda.Device(gpu):
+        grads = [cp.full(4, r + 1, cp.float32), cp.ones(30, cp.float32)]
+    kv.pushpull(["w", "big"], grads)
+    assert grads[0].get().tolist() == [_tri(n)] * 4 and grads[1].get().tolist() == [n] * 30
+    assert grads[0].device.id == gpu
+    assert {buf.device.id for buf in kv._engine._scratch.values()} <= {gpu}
+
+
+@pytest.mark.parametrize("call", ["push", "pushpull", "sgd"])
+def test_values_from_another_gpu_are_read_after_their_writers(cp, comm, call):
+    # The store's GPU is not the value's: the copy between them must come after the
+    # kernel that wrote the value on its own GPU's stream (no synchronisation here).
+    n, r = comm.size, comm.rank
+    gpu = _other_gpu(cp, comm)
+    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT)
+    kv.init(["a", "b"], [cp.zeros(5, cp.float32), cp.zeros(3, cp.float64)])
+    if call == "sgd":
+        kv.set_optimizer(optimizer.SGD(learning_rate=1.0, rescale_grad=1.0))
+    with cp.cuda.Device(gpu):
+        a, b = cp.zeros(5, cp.float32), cp.zeros(3, cp.float64)
+        a += r + 1   # kernels queued on the other GPU's stream, not waited for
+        b += 2 * (r + 1)
+    outs = [cp.empty(5, cp.float32), cp.empty(3, cp.float64)]
+    if call == "pushpull":
+        kv.pushpull(["a", "b"], [a, b], out=outs)
+    else:
+        kv.push(["a", "b"], [a, b])
+        kv.pull(["a", "b"], out=outs)
+    sign = -1 if call == "sgd" else 1
+    assert outs[0].get().tolist() == [sign * _tri(n)] * 5
+    assert outs[1].get().tolist() == [sign * 2 * _tri(n)] * 3
+
+
+@pytest.mark.parametrize("call", ["pull", "pushpull", "broadcast"])
+def test_sync_calls_return_outputs_complete_for_every_stream(cp, comm, gkv, call):
+    # A synchronous call's device outputs are written when it returns: a kernel on a
+    # non-blocking stream (torch's side streams, say) reads them without waiting.
+    n, r = comm.size, comm.rank
+    gkv.init(["a", "b"], [cp.full(6, 7, cp.float32), cp.full((2, 2), 7, cp.float64)])
+    outs = [cp.zeros(6, cp.float32), cp.zeros((2, 2), cp.float64)]
+    if call == "pull":
+        want = 7
+        gkv.pull(["a", "b"], out=outs)
+    elif call == "pushpull":
+        want = _tri(n)
+        gkv.pushpull(["a", "b"], [cp.full(6, r + 1, cp.float32),
+                                  cp.full((2, 2), r + 1, cp.float64)], out=outs)
+    else:
+        want = 5
+        gkv.broadcast(["c", "d"], [cp.full(6, 5 + r, cp.float32),
+                                   cp.full((2, 2), 5 + r, cp.float64)], out=outs)
+    side = cp.cuda.Stream(non_blocking=True)
+    with side:
+        got = [o * 1 for o in outs]
+    side.synchronize()
+    assert got[0].get().tolist() == [want] * 6
+    assert got[1].get().tolist() == [[want] * 2] * 2
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_fused_push_of_the_stores_own_values_swapped(cp, comm, where):
+    # The inputs are views of the memory the sum is gathered into: overlaps of device
+    # views are found by memory ranges, as for host arrays, and the bucket is gathered
+    # elsewhere first.
+    n = comm.size
+    kv = mpikv.create("dist_sync_device" if where == "device" else "dist_sync",
+                      timeout=TEST_TIMEOUT)
+    make = cp if where == "device" else np
+    kv.init(["a", "b"], [make.full(4, 1, np.float32), make.full(4, 2, np.float32)])
+    va, vb = kv.value_buffers(["a", "b"])
+    kv.push(["a", "b"], [vb, va])   # a <- n * b, b <- n * a
+    outs = [make.zeros(4, np.float32), make.zeros(4, np.float32)]
+    kv.pull(["a", "b"], out=outs)
+    got = [o.get() if where == "device" else o for o in outs]
+    assert got[0].tolist() == [2 * n] * 4 and got[1].tolist() == [n] * 4

@@ -345,3 +345,54 @@ def test_synchronize_device(cp):
     a = cp.arange(10) * 2
     backends.synchronize(a)
     assert int(a.sum()) == 90
+
+
+# -- issue 26: copies between GPUs, overlaps of device views ---------------------------
+def _two_gpus(cp):
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+
+
+def _written_late_on_gpu1(cp, value, n=4):
+    """An array on GPU 1 whose writing kernel is still queued on GPU 1's stream."""
+    with cp.cuda.Device(1):
+        a = cp.zeros(n, cp.float32)
+        a += value   # a kernel nobody has waited for
+    return a
+
+
+@pytest.mark.parametrize("how", ["sum_into", "copyto", "peer_copy"])
+def test_copies_from_another_gpu_come_after_its_writers(cp, how):
+    # cupy queues a peer copy on the destination's stream only: without an event
+    # recorded on the source GPU's stream it may read the value before its writer ran.
+    _two_gpus(cp)
+    src = _written_late_on_gpu1(cp, 3)
+    with cp.cuda.Device(0):
+        out = cp.zeros(4, cp.float32)
+        if how == "sum_into":
+            backends.sum_into(out, [cp.ones(4, cp.float32), src])
+            want = 4
+        elif how == "copyto":
+            backends.copyto(out, src)
+            want = 3
+        else:
+            out = backends.peer_copy(src)
+            want = 3
+        assert out.device.id == 0
+        assert out.get().tolist() == [want] * 4
+    if getattr(cp, "STAND_IN", False):
+        assert fakecupy.races() == []
+
+
+def test_device_views_overlap_by_memory_range(cp):
+    a = cp.zeros(10, cp.float32)
+    assert backends.may_overlap(a[:4], a[2:6]) and backends.may_overlap(a, a[3:4])
+    assert not backends.may_overlap(a[:4], a[4:8])
+    assert backends.may_overlap(a[::2], a[1::2])   # interleaved: bounds overlap, as numpy says
+    assert backends.may_overlap(a.reshape(2, 5)[:, 1], a[5:7])
+    assert not backends.may_overlap(a[:0], a)
+    assert not backends.may_overlap(a, np.zeros(10, np.float32))
+    if cp.cuda.runtime.getDeviceCount() > 1:
+        with cp.cuda.Device(1):
+            b = cp.zeros(10, cp.float32)
+        assert not backends.may_overlap(a, b) or a.data.ptr == b.data.ptr
