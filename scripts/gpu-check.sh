@@ -1,0 +1,177 @@
+#!/usr/bin/env bash
+# The GPU check of issue 26: everything that only a GPU can test, in the order of
+# ../shared/notes/gpu_recipe.md's "first ten minutes", on a machine with a GPU and no
+# network, within 9 minutes. Each step runs under `timeout`, writes its own log, and
+# one line of the summary (step, rc, seconds, note). A global deadline skips the
+# steps left ("skipped: out of time").
+#
+# Usage:  scripts/gpu-check.sh [OUT_DIR] [--dry]
+#   OUT_DIR  where the logs and summary.tsv go (default: $OUT, else results/gpu-check)
+#   --dry    run no step: each log gets the command it would run (MPIKV_GPU_CHECK_DRY=1)
+# Environment:
+#   MPIKV_GPU_CHECK_BUDGET  seconds for the whole check (default 540: 9 minutes)
+#   MPIKV_PYTHON            the Python (default: python3; .venv/bin/python where there
+#                           are no wheels in .whl/ and a .venv exists)
+#   MPIKV_GPU_WHEELS_DIR    the wheels (default .whl/); MPIKV_GPU_SITE: where they go
+#                           (default /tmp/site)
+#
+# The wheels the GPU machine lacks (Open MPI, pytest-mpi, a matching mpi4py) come beside
+# the checkout in .whl/ (scripts/fetch-gpu-wheels.sh fetches them on a machine with a
+# network); they are installed into /tmp/site, offline. mpikv itself runs from the
+# checkout (PYTHONPATH). Tests run with MPIKV_TEST_GPU=1 (tests/conftest.py): real cupy
+# only, the stand-in's cases deselected, a skip for want of a GPU is a failure.
+# On a machine without a GPU the probe runs and the GPU steps are "skipped: no GPU".
+# Exit status: 0 when no step failed (skipped steps do not fail the check), else 1.
+set -u -o pipefail
+top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$top"
+
+out=${OUT:-}
+dry=${MPIKV_GPU_CHECK_DRY:-0}
+for arg in "$@"; do
+  case $arg in
+    --dry) dry=1 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    *) out=$arg ;;
+  esac
+done
+out=${out:-$top/results/gpu-check}
+mkdir -p "$out"
+budget=${MPIKV_GPU_CHECK_BUDGET:-540}
+start=$(date +%s)
+summary=$out/summary.tsv
+printf 'step\trc\tseconds\tnote\n' > "$summary"
+failed=0
+n=0
+
+# -- the environment: wheels from .whl/, the checkout on PYTHONPATH, Open MPI's settings --
+export PYTHONUNBUFFERED=1
+py=${MPIKV_PYTHON:-}
+whl=${MPIKV_GPU_WHEELS_DIR:-$top/.whl}
+if compgen -G "$whl/*.whl" > /dev/null; then
+  py=${py:-python3}
+  site=${MPIKV_GPU_SITE:-/tmp/site}
+  if [ "$dry" != 1 ]; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$whl"/*.whl \
+      > "$out/00-wheels.log" 2>&1 || echo "pip install of .whl/ failed: see 00-wheels.log" >&2
+  fi
+  export PYTHONPATH="$site:$top${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
+  export MPIKV_VENV=$site        # scripts/mpirun.sh puts $MPIKV_VENV/bin on PATH
+else
+  if [ -z "$py" ] && [ -x "$top/.venv/bin/python" ]; then py=$top/.venv/bin/python; fi
+  py=${py:-python3}
+  export PYTHONPATH="$top${PYTHONPATH:+:$PYTHONPATH}"
+fi
+# shellcheck source=env.sh
+. "$top/scripts/env.sh"
+export MPIKV_TEST_GPU=1
+mpirun=("$top/scripts/mpirun.sh")
+pytest=("$py" -m pytest -q -p no:randomly)
+
+gpu=0
+if command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L > /dev/null 2>&1; then gpu=1; fi
+
+record() {  # step rc seconds note
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$summary"
+  printf '%-22s rc=%-4s %5ss  %s\n' "$1" "$2" "$3" "$4"
+}
+
+# step NAME LIMIT NEEDS_GPU COMMAND: runs COMMAND (a bash string) under timeout, at most
+# LIMIT seconds and never past the global deadline.
+step() {
+  local name=$1 limit=$2 needs_gpu=$3 cmd=$4
+  n=$((n + 1))
+  local log
+  log=$out/$(printf '%02d' "$n")-$name.log
+  local left=$((start + budget - $(date +%s)))
+  if [ "$dry" = 1 ]; then
+    printf 'dry run; would run (limit %ss):\n%s\n' "$limit" "$cmd" > "$log"
+    record "$name" - 0 "dry"
+    return
+  fi
+  if [ "$left" -lt 15 ]; then
+    echo "skipped: out of time" > "$log"
+    record "$name" - 0 "skipped: out of time"
+    return
+  fi
+  if [ "$needs_gpu" = 1 ] && [ "$gpu" != 1 ]; then
+    echo "skipped: no GPU (nvidia-smi -L failed)" > "$log"
+    record "$name" - 0 "skipped: no GPU"
+    return
+  fi
+  [ "$limit" -gt $((left - 5)) ] && limit=$((left - 5))
+  local t0 rc note
+  t0=$(date +%s)
+  printf '$ %s\n' "$cmd" > "$log"
+  timeout -k 10 "$limit" bash -c "$cmd" >> "$log" 2>&1
+  rc=$?
+  note=$(grep -a -E '[0-9]+ (passed|failed|error)' "$log" | tail -1 | sed 's/\x1b\[[0-9;]*m//g')
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then note="timed out after ${limit}s${note:+; $note}"; fi
+  [ "$rc" = 0 ] || failed=1
+  record "$name" "$rc" $(($(date +%s) - t0)) "${note:-ok}"
+}
+
+echo "gpu-check: logs and summary in $out (budget ${budget}s, python $py, gpu=$gpu, dry=$dry)"
+
+# 0. what is there
+step probe 60 0 "
+nvidia-smi -L || echo 'no nvidia-smi / no GPU'
+$py - <<'PY'
+import importlib, platform
+print('python', platform.python_version(), platform.machine())
+for name in ('numpy', 'cupy', 'torch', 'mpi4py', 'ml_dtypes', 'pytest', 'pytest_mpi', 'hypothesis'):
+    try:
+        mod = importlib.import_module(name)
+        print(f'{name:10s}', getattr(mod, '__version__', '?'), getattr(mod, '__file__', ''))
+    except Exception as exc:
+        print(f'{name:10s} missing: {type(exc).__name__}: {exc}')
+try:
+    import torch
+    print('torch cuda', torch.version.cuda, 'available', torch.cuda.is_available(),
+          torch.cuda.device_count())
+except Exception as exc:
+    print('torch cuda: ', exc)
+try:
+    import cupy
+    print('cupy devices', cupy.cuda.runtime.getDeviceCount(), 'runtime', cupy.cuda.runtime.runtimeGetVersion())
+except Exception as exc:
+    print('cupy cuda: ', exc)
+from mpi4py import MPI
+print(MPI.Get_library_version().strip())
+from mpikv.transport import cuda
+print('detect():', cuda.detect())
+PY
+command -v ompi_info > /dev/null && ompi_info --parsable --all | grep built_with_cuda_support
+$py -m mpikv info
+"
+
+# 1. unit tests that touch real cupy and CUDA torch (DLPack, bfloat16 views, copies, detection)
+step unit-real-cupy 120 1 "${pytest[*]} tests/unit/test_backends.py tests/unit/test_cuda_detect.py"
+
+# 2. the store on real cupy, staged, 2 ranks sharing the GPU
+step store-staged-2 150 1 "MPIKV_CUDA_AWARE=0 ${mpirun[*]} -n 2 ${pytest[*]} --with-mpi tests/mpi/test_gpu.py tests/mpi/test_gpu_bfloat16.py"
+
+# 3. the torch Trainer on CUDA at 2 ranks (16-bit, allreduce_grads + update, join)
+if [ -f tests/mpi/test_trainer_device.py ]; then
+  step trainer-cuda-2 150 1 "MPIKV_CUDA_AWARE=0 ${mpirun[*]} -n 2 ${pytest[*]} --with-mpi tests/mpi/test_trainer_device.py"
+else
+  step trainer-cuda-2 150 1 "echo 'tests/mpi/test_trainer_device.py is missing'; exit 1"
+fi
+
+# 4. the stream-race stress: 256 MiB, 50 queued kernels before each pushpull(_async)
+step stream-race-2 150 1 "MPIKV_CUDA_AWARE=0 ${mpirun[*]} -n 2 ${pytest[*]} --with-mpi tests/gpu/test_stream_race.py"
+
+# 5. bfloat16 casts on the GPU against ml_dtypes, bit for bit
+step bf16-casts 90 1 "${pytest[*]} tests/gpu/test_bf16_casts.py"
+
+# 6. bench gpu (ResNet-50's gradients): the store staged against raw mpi4py staged;
+#    at 1 rank NCCL as well (NCCL needs a GPU per rank)
+step bench-gpu-2 120 1 "MPIKV_CUDA_AWARE=0 ${mpirun[*]} -n 2 $py -m mpikv bench gpu --workload resnet50 --iterations 10"
+step bench-gpu-1 60 1 "MPIKV_CUDA_AWARE=0 ${mpirun[*]} -n 1 $py -m mpikv bench gpu --workload resnet50 --iterations 10"
+
+# 7. the rest of tests/mpi, device cases only
+step mpi-device-rest 180 1 "MPIKV_CUDA_AWARE=0 ${mpirun[*]} -n 2 ${pytest[*]} --with-mpi tests/mpi -k 'cupy or cuda or gpu or device' --ignore=tests/mpi/test_gpu.py --ignore=tests/mpi/test_gpu_bfloat16.py --ignore=tests/mpi/test_trainer_device.py --ignore=tests/mpi/test_calls_property.py"
+
+total=$(($(date +%s) - start))
+record total "$failed" "$total" "$( [ "$failed" = 0 ] && echo 'no step failed' || echo 'a step failed')"
+exit "$failed"
