@@ -80,6 +80,12 @@ _streams_by_ptr = weakref.WeakValueDictionary()
 _ptrs = itertools.count(0x1000)
 
 
+try:
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds   # numpy 2
+except ImportError:  # numpy 1
+    _byte_bounds = np.byte_bounds
+
+
 def _current_id():
     return getattr(_state, "device", 0)
 
@@ -297,17 +303,18 @@ def _root(a):
     return a if a.base is None else a.base
 
 
-def _ordered(op, stream):
-    """Whether work queued on ``stream`` now runs after ``op``."""
-    return op is None or op.done or stream.clock.get(op.stream, 0) >= op.seq
+def _ordered(op, clock):
+    """Whether work with vector clock ``clock`` (a stream's, or a queued op's) runs
+    after ``op``."""
+    return op is None or op.done or clock.get(op.stream, 0) >= op.seq
 
 
-def _check_read(a, what, stream=None):
+def _check_read(a, what, clock=None):
     """Records a race if ``a``'s last writer is not ordered before this read:
-    for MPI (``stream=None``) it must have run, for work on ``stream`` it must be
-    run or ordered before it."""
+    for MPI (``clock=None``) it must have run, for queued work (its ``clock``) it
+    must have run or be ordered before it."""
     op = getattr(_root(a), "_writer", None)
-    if op is None or op.done or (stream is not None and _ordered(op, stream)):
+    if op is None or op.done or (clock is not None and _ordered(op, clock)):
         return
     _races.append(f"{what} in thread {threading.current_thread().name} of a device "
                   f"{_root(a)._a.dtype} array of {_root(a)._a.size} elements on GPU "
@@ -320,11 +327,9 @@ def _kernel(fn, reads=(), writes=(), stream=None):
     device arrays, whose writer it becomes."""
     stream = get_current_stream() if stream is None else stream
     with _lock:
-        for a in reads:
-            _check_read(a, "kernel", stream)
-        for a in writes:  # a write after a write on another stream: a race as well
-            _check_read(a, "kernel", stream)
         op = stream._enqueue(fn)
+        for a in list(reads) + list(writes):  # a write after another stream's write races too
+            _check_read(a, "kernel", op.clock)
         for a in writes:
             _root(a)._writer = op
     return op
@@ -546,7 +551,7 @@ class ndarray:  # noqa: N801 - cupy's name
         if _aware():
             return self._a.ctypes.data
         root = _root(self)
-        lo, hi = np.byte_bounds(root._a)
+        lo, hi = _byte_bounds(root._a)
         shadow = getattr(root, "_shadow", None)
         if shadow is None:
             shadow = root._shadow = np.empty(hi - lo, np.uint8)
@@ -572,7 +577,9 @@ class ndarray:  # noqa: N801 - cupy's name
             producer = _stream_on(self._dev)
             if consumer is not producer:
                 consumer.wait_event(producer.record())
-        _check_read(self, "DLPack")
+            _check_read(self, "DLPack", consumer.clock)
+        else:  # -1 (mpi4py): the consumer reads the memory now
+            _check_read(self, "DLPack (MPI)")
         return _capsule(self._a, self._device_pointer(), self._dev, DLPACK_CUDA,
                         _wants_versioned(max_version))
 
@@ -876,7 +883,7 @@ def _dtype_of(code, bits):
 def _known_memory(pointer):
     """``(root, byte offset)`` of a device address the stand-in handed out, else None."""
     for root in list(_roots.values()):
-        lo, hi = np.byte_bounds(root._a)
+        lo, hi = _byte_bounds(root._a)
         if lo <= pointer < hi or lo == pointer == hi:
             return root, pointer - lo
         shadow = getattr(root, "_shadow", None)
@@ -1046,7 +1053,8 @@ def unfinished(array):
     """Whether ``array``'s last writer has not run and is not ordered before work
     on this thread's current stream of its GPU."""
     op = getattr(_root(array), "_writer", None)
-    return bool(op is not None and not op.done and not _ordered(op, _stream_on(_root(array)._dev)))
+    return bool(op is not None and not op.done
+                and not _ordered(op, _stream_on(_root(array)._dev).clock))
 
 
 def pending():
