@@ -17,8 +17,9 @@
 #
 # The wheels the GPU machine lacks (Open MPI, pytest-mpi, a matching mpi4py) come beside
 # the checkout in .whl/ (scripts/fetch-gpu-wheels.sh fetches them on a machine with a
-# network); they are installed into /tmp/site, offline. mpikv itself runs from the
-# checkout (PYTHONPATH). Tests run with MPIKV_TEST_GPU=1 (tests/conftest.py): real cupy
+# network); they are installed offline with pip install --prefix /tmp/site (not --target,
+# which loses Open MPI's libraries), PATH, PYTHONPATH and LD_LIBRARY_PATH pointing there.
+# mpikv itself runs from the checkout (PYTHONPATH). Tests run with MPIKV_TEST_GPU=1 (tests/conftest.py): real cupy
 # only, the stand-in's cases deselected, a skip for want of a GPU is a failure.
 # On a machine without a GPU the probe runs and the GPU steps are "skipped: no GPU".
 # Exit status: 0 when no step failed (skipped steps do not fail the check), else 1.
@@ -51,12 +52,23 @@ whl=${MPIKV_GPU_WHEELS_DIR:-$top/.whl}
 if compgen -G "$whl/*.whl" > /dev/null; then
   py=${py:-python3}
   site=${MPIKV_GPU_SITE:-/tmp/site}
+  # --prefix, not --target: --target drops the wheel's data files under lib/, which are
+  # Open MPI's libraries (libmpi, libprrte), so mpiexec and mpi4py would not start.
+  # -I: the machine's own mpi4py must not count as "already installed".
   if [ "$dry" != 1 ]; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$whl"/*.whl \
-      > "$out/00-wheels.log" 2>&1 || echo "pip install of .whl/ failed: see 00-wheels.log" >&2
+    "$py" -m pip install -q -I --no-index --no-deps --no-compile --prefix "$site" "$whl"/*.whl \
+      > "$out/00-wheels.log" 2>&1 || echo "pip install of $whl failed: see 00-wheels.log" >&2
   fi
-  export PYTHONPATH="$site:$top${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
-  export MPIKV_VENV=$site        # scripts/mpirun.sh puts $MPIKV_VENV/bin on PATH
+  # Where pip put them depends on the interpreter's scheme (Debian's: $site/local/...).
+  found() { find "$site" "$@" -print 2>/dev/null | head -1; }
+  pkgs=$(found -type d -path '*-packages/mpi4py')
+  libmpi=$(found -name 'libmpi.so*')
+  mpiexec=$(found -name mpiexec)
+  pkgs=${pkgs:+$(dirname "$pkgs")}
+  prefix=$(dirname "$(dirname "${mpiexec:-$site/bin/mpiexec}")")
+  export PYTHONPATH="${pkgs:+$pkgs:}$top${PYTHONPATH:+:$PYTHONPATH}" PATH="$prefix/bin:$PATH"
+  export LD_LIBRARY_PATH="$(dirname "${libmpi:-$site/lib/x}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export MPIKV_VENV=$prefix      # scripts/mpirun.sh puts $MPIKV_VENV/bin on PATH
 else
   if [ -z "$py" ] && [ -x "$top/.venv/bin/python" ]; then py=$top/.venv/bin/python; fi
   py=${py:-python3}
@@ -108,7 +120,8 @@ step() {
   note=$(grep -a -E '[0-9]+ (passed|failed|error)' "$log" | tail -1 | sed 's/\x1b\[[0-9;]*m//g')
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then note="timed out after ${limit}s${note:+; $note}"; fi
   [ "$rc" = 0 ] || failed=1
-  record "$name" "$rc" $(($(date +%s) - t0)) "${note:-ok}"
+  [ -n "$note" ] || { [ "$rc" = 0 ] && note=ok || note=failed; }
+  record "$name" "$rc" $(($(date +%s) - t0)) "$note"
 }
 
 echo "gpu-check: logs and summary in $out (budget ${budget}s, python $py, gpu=$gpu, dry=$dry)"
@@ -141,7 +154,7 @@ print(MPI.Get_library_version().strip())
 from mpikv.transport import cuda
 print('detect():', cuda.detect())
 PY
-command -v ompi_info > /dev/null && ompi_info --parsable --all | grep built_with_cuda_support
+command -v ompi_info > /dev/null && ompi_info --parsable --all | grep built_with_cuda_support:value
 $py -m mpikv info
 "
 
