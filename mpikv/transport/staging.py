@@ -288,55 +288,71 @@ def _check_flat(array):
 
 # -- handing GPU work to another thread ------------------------------------
 class _WorkerGPU:
-    """The worker's side of :func:`handover`: the caller's GPU, its own stream, a final wait.
+    """The worker's side of :func:`handover`: the caller's GPU, streams of its own
+    that wait for the caller's events, a final wait.
 
     The worker issues its kernels and copies on a non-blocking stream of its
-    own, so its waits (before each MPI call, and at the end) do not wait for
-    unrelated kernels the caller queues meanwhile, as cupy's default (legacy)
-    stream would make them.
+    own on each GPU the call touches, so its waits (before each MPI call, and at
+    the end) do not wait for unrelated kernels the caller queues meanwhile, as
+    cupy's default (legacy) stream would make them. Each stream first waits
+    (on the GPU, not the host) for the event the caller recorded there.
     """
 
-    __slots__ = ("_cp", "_device", "_devices", "_stream")
+    __slots__ = ("_cp", "_device", "_devices", "_events", "_entered")
     _streams = {}  # (thread id, GPU id) -> the worker's stream there
 
-    def __init__(self, cp, device_id, devices):
+    def __init__(self, cp, device_id, devices, events):
         self._cp = cp
         self._device = cp.cuda.Device(device_id)
         self._devices = sorted(set(devices) | {device_id})
-        self._stream = None
+        self._events = events
+        self._entered = []
 
     def __enter__(self):
         self._device.__enter__()
-        key = (threading.get_ident(), self._device.id)
-        stream = self._streams.get(key)
-        if stream is None:
-            stream = self._streams[key] = self._cp.cuda.Stream(non_blocking=True)
-        self._stream = stream
-        stream.__enter__()
+        cp = self._cp
+        for device in self._devices:
+            key = (threading.get_ident(), device)
+            with cp.cuda.Device(device):
+                stream = self._streams.get(key)
+                if stream is None:
+                    stream = self._streams[key] = cp.cuda.Stream(non_blocking=True)
+                event = self._events.get(device)
+                if event is not None:
+                    stream.wait_event(event)   # after the caller's writers, on the GPU
+                stream.__enter__()
+            self._entered.append((device, stream))
         return self
 
     def __exit__(self, *exc):
+        cp = self._cp
         try:
             # The caller may touch the outputs and the store's memory, on any
             # stream, once the handle is done: wait on every GPU the call touched.
-            for device in self._devices:
-                with self._cp.cuda.Device(device):
-                    self._cp.cuda.get_current_stream().synchronize()
+            for device, stream in self._entered:
+                with cp.cuda.Device(device):
+                    stream.synchronize()
         finally:
-            self._stream.__exit__(*exc)
+            for device, stream in reversed(self._entered):
+                with cp.cuda.Device(device):
+                    stream.__exit__(*exc)
+            self._entered = []
             self._device.__exit__(*exc)
 
 
 def handover(arrays, on_gpu=False, gpus=()):
-    """Prepares GPU work made in this thread to run in a worker thread.
+    """Prepares GPU work made in this thread to run in a worker thread, without
+    blocking this thread.
 
     cupy's current device and stream are per thread, and MPI knows no
-    streams. So, in the calling thread, this waits for the current stream of
-    every GPU the call touches (the call's arrays' GPUs and ``gpus``, where
-    the store keeps values): their writers, the caller's earlier calls among
-    them, have finished. It returns a context for the worker that makes the
-    caller's current GPU current there and, on exit, waits for the worker's
-    stream on each of those GPUs, so the work is done when the handle is.
+    streams. So, in the calling thread, this records an event on the current
+    stream of every GPU the call touches (the call's arrays' GPUs and
+    ``gpus``, where the store keeps values): the point after their writers,
+    the caller's earlier calls among them. It returns a context for the worker
+    that makes the caller's current GPU current there, issues the worker's
+    work on streams of its own that wait for those events (a wait on the GPU:
+    the host goes on), and, on exit, waits for the worker's streams on each of
+    those GPUs, so the work is done when the handle is.
 
     Args:
         arrays: the call's native arrays (values and outputs).
@@ -354,10 +370,11 @@ def handover(arrays, on_gpu=False, gpus=()):
     devices.update(gpus)
     if not devices and not on_gpu:
         return None
+    events = {}
     for device in sorted(devices):
         with cp.cuda.Device(device):
-            cp.cuda.get_current_stream().synchronize()
-    return _WorkerGPU(cp, cp.cuda.Device().id, devices)
+            events[device] = cp.cuda.get_current_stream().record()
+    return _WorkerGPU(cp, cp.cuda.Device().id, devices, events)
 
 
 __all__ = ["Staging", "Stager", "handover", "mpi_errors", "NONBLOCKING_ON_DEVICE"]

@@ -425,26 +425,30 @@ def test_handover_without_gpu_work(monkeypatch):
     assert _staging.handover([np.ones(2)], on_gpu=True) is not None
 
 
-def test_handover_waits_for_the_caller_then_the_worker(monkeypatch):
+def test_handover_orders_the_worker_after_the_caller_without_blocking(monkeypatch):
     cp = fakecupy.install(monkeypatch)
     with cp.cuda.Device(1):
         value = cp.ones(3)
+        value += 1                     # still queued when the call is handed over
         caller = cp.cuda.get_current_stream()
         gpu = _staging.handover([value, np.zeros(3)])
-    assert caller.synchronized == 1  # the caller's writers are done before queueing
+    # The host did not wait (issue 26, item 7): the caller's kernels are still
+    # queued; the worker's stream waits for them on the GPU, through an event.
+    assert caller.synchronized == 0 and fakecupy.pending() > 0
     seen = {}
 
     def worker():
         with gpu:
             seen["device"] = cp.cuda.Device().id
             seen["stream"] = cp.cuda.get_current_stream()
-            seen["sum"] = (value + 1).get().tolist()  # runs on GPU 1, where value lives
+            seen["sum"] = (value + 1).get(stream=cp.cuda.get_current_stream(),
+                                          blocking=False)  # on GPU 1, where value lives
         seen["after"] = cp.cuda.Device().id
 
     thread = threading.Thread(target=worker)
     thread.start()
     thread.join()
-    assert seen["device"] == 1 and seen["after"] == 0 and seen["sum"] == [2, 2, 2]
+    assert seen["device"] == 1 and seen["after"] == 0 and seen["sum"].tolist() == [3, 3, 3]
     # The worker's own stream (not the default one, whose waits would include
     # the caller's later kernels), waited for before the handle is done.
     assert seen["stream"].non_blocking and seen["stream"] is not caller
