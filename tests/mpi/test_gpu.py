@@ -440,3 +440,41 @@ def test_fused_push_of_the_stores_own_values_swapped(cp, comm, where):
     kv.pull(["a", "b"], out=outs)
     got = [o.get() if where == "device" else o for o in outs]
     assert got[0].tolist() == [2 * n] * 4 and got[1].tolist() == [n] * 4
+
+
+def test_the_stand_in_poisons_device_buffers_a_host_only_mpi_gets(cp, comm):
+    # What the store must never do: hand a device buffer to an MPI that cannot read
+    # GPU memory. The stand-in makes that a wrong sum, as a GPU would (or worse).
+    if not getattr(cp, "STAND_IN", False):
+        pytest.skip("the stand-in's rule")
+    a = cp.full(4, comm.rank + 1, cp.float64)
+    cp.cuda.get_current_stream().synchronize()
+    out = np.zeros(4)
+    comm.Allreduce(a, out)
+    if cuda.detect().aware:
+        assert out.tolist() == [_tri(comm.size)] * 4
+    else:
+        assert np.isnan(out).all()
+
+
+@pytest.mark.parametrize("how", ["pushpull", "pushpull_async"])
+def test_a_big_key_with_kernels_queued_before_each_call(cp, comm, how):
+    # 50 kernels write the value before each call and nobody waits for them: the
+    # sum must be exact. 256 MiB on a GPU; 64 KiB on the stand-in.
+    n, r = comm.size, comm.rank
+    size = (64 << 10) // 4 if getattr(cp, "STAND_IN", False) else (256 << 20) // 4
+    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT)
+    kv.init("big", cp.zeros(size, cp.float32))
+    grad = cp.zeros(size, cp.float32)
+    for step in range(2):
+        grad.fill(r)
+        for _ in range(50):
+            grad += 1
+        if how == "pushpull":
+            kv.pushpull("big", grad)
+        else:
+            kv.wait(kv.pushpull_async("big", grad))
+        # every rank's 50 + r, summed
+        want = 50 * n + _tri(n) - n
+        assert float(grad[0]) == want and float(grad[-1]) == want
+        assert int((grad != want).sum()) == 0
