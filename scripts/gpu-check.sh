@@ -101,7 +101,7 @@ step() {
     record "$name" - 0 "dry"
     return
   fi
-  if [ "$left" -lt 15 ]; then
+  if [ "$left" -lt 25 ]; then
     echo "skipped: out of time" > "$log"
     record "$name" - 0 "skipped: out of time"
     return
@@ -111,7 +111,7 @@ step() {
     record "$name" - 0 "skipped: no GPU"
     return
   fi
-  [ "$limit" -gt $((left - 5)) ] && limit=$((left - 5))
+  [ "$limit" -gt $((left - 15)) ] && limit=$((left - 15))   # and -k 10: ends by the deadline
   local t0 rc note
   t0=$(date +%s)
   printf '$ %s\n' "$cmd" > "$log"
@@ -165,10 +165,11 @@ step unit-real-cupy 120 1 "${pytest[*]} tests/unit/test_backends.py tests/unit/t
 step store-staged-2 150 1 "MPIKV_CUDA_AWARE=0 ${mpirun[*]} -n 2 ${pytest[*]} --with-mpi tests/mpi/test_gpu.py tests/mpi/test_gpu_bfloat16.py"
 
 # 3. the torch Trainer on CUDA at 2 ranks (16-bit, allreduce_grads + update, join)
+trainer="MPIKV_CUDA_AWARE=0 ${mpirun[*]} -n 2 ${pytest[*]} --with-mpi"
 if [ -f tests/mpi/test_trainer_device.py ]; then
-  step trainer-cuda-2 150 1 "MPIKV_CUDA_AWARE=0 ${mpirun[*]} -n 2 ${pytest[*]} --with-mpi tests/mpi/test_trainer_device.py"
+  step trainer-cuda-2 150 1 "$trainer tests/mpi/test_trainer_device.py; a=\$?; $trainer tests/mpi/test_trainer.py -k cuda; b=\$?; exit \$((a ? a : b))"
 else
-  step trainer-cuda-2 150 1 "echo 'tests/mpi/test_trainer_device.py is missing'; exit 1"
+  step trainer-cuda-2 150 1 "$trainer tests/mpi/test_trainer.py -k cuda"
 fi
 
 # 4. the stream-race stress: 256 MiB, 50 queued kernels before each pushpull(_async)
