@@ -21,8 +21,9 @@ bookkeeping.
   ``__cuda_array_interface__`` and ``__dlpack__`` give (to mpi4py, say) is a
   poison buffer (all bits set: NaN, -1), refilled at each hand-out and whose
   writes are lost, unless the job declares a CUDA-aware MPI
-  (``MPIKV_CUDA_AWARE=1``); then it is the array's memory itself. A device
-  buffer that reaches a host-only MPI unstaged gives a wrong sum;
+  (``MPIKV_CUDA_AWARE=1`` or ``=pull``); then it is the array's memory
+  itself. A device buffer that reaches a host-only MPI unstaged gives a
+  wrong sum;
 * **kernels complete late**: every kernel or copy is queued on a stream (the
   current one) and runs only when something waits for it: ``synchronize`` of
   its stream or device, an event wait, a synchronous copy to the host
@@ -91,7 +92,9 @@ def _current_id():
 
 
 def _aware():
-    return os.environ.get(AWARE_ENV, "").strip() == "1"
+    """Whether the job declares a CUDA-aware MPI (``1``, or ``pull``: the library takes
+    device memory, and mpikv stages only its reductions)."""
+    return os.environ.get(AWARE_ENV, "").strip() not in ("", "0")
 
 
 # -- cuda: streams, the queue of late kernels, events ------------------------
