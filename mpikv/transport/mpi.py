@@ -158,7 +158,10 @@ class MPITransport(Transport):
         self._seq += 1
         if not self._seq & 255:
             self._drain_announcements()
-        if self.threaded:
+        # The end of a process waits for the others as MPI_Finalize would: another
+        # rank may work on for long (rank 0's final evaluation) before it ends too.
+        unlimited = what[0] == "exit"
+        if self.threaded and not unlimited:
             # Blocking is 2 us faster than polling; the watchdog thread announces
             # this rank and names the missing ones if the others are late.
             dog = self._watchdog
@@ -169,13 +172,15 @@ class MPITransport(Transport):
         else:
             request = self.agree_comm.Iallreduce(vec, out, op=MPI.MAX)
             if not request.Test():
-                self._wait(request, what)
+                self._wait(request, what, unlimited)
         return out
 
-    def _wait(self, request, what):
-        """Polls a late agreement; announces arrival, then names the missing on timeout."""
+    def _wait(self, request, what, unlimited=False):
+        """Polls a late agreement; announces arrival, then names the missing on
+        timeout (never, if ``unlimited``)."""
         start = time.monotonic()
-        early, limit = self._late.early, self._late.limit
+        early = self._late.early
+        limit = float("inf") if unlimited else self._late.limit
         announced = False
         while not request.Test():
             waited = time.monotonic() - start

@@ -121,3 +121,13 @@ def test_ranks_that_end_together_agree_and_print_nothing(n, tmp_path):
     assert rc == 0, err
     assert "mpikv" not in err, err
     assert sorted(out.splitlines()) == [f"rank {r} finished 12 steps" for r in range(n)]
+
+
+def test_a_rank_that_works_on_after_training_is_waited_for(tmp_path):
+    # The others' exit calls wait without a time limit, as MPI_Finalize does: rank 0's
+    # 6 s of final work outlasts the store's 3 s timeout and the job ends well.
+    rc, out, err, seconds = run(2, "tail", 0, tmp_path)
+    assert rc == 0, err
+    assert "mpikv" not in err, err
+    assert sorted(out.splitlines()) == [f"rank {r} finished 12 steps" for r in range(2)]
+    assert seconds >= 6

@@ -9,10 +9,13 @@ CASE (RANK is the rank that does something else):
     exit: the same, but RANK's process ends without closing anything.
     save: ``if rank == RANK: trainer.save_checkpoint(PATH)`` after step 12.
     even: every rank trains 12 steps and its process ends (nothing to report).
+    tail: as even, with a 3 s timeout; then RANK works 6 s more outside mpikv (a
+        final evaluation) while the others' processes end and wait for it.
 TAG: not read (it marks the job's processes, for the test to find any left).
 """
 
 import sys
+import time
 
 import torch
 
@@ -22,9 +25,11 @@ import mpikv.torch
 def main(case, odd, path):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1})
+    kv = mpikv.create("dist_sync", timeout=3) if case == "tail" else None
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, kv)
     rank = trainer.kvstore.rank
-    batches = 12 if case == "even" or (case in ("close", "exit") and rank == odd) else 20
+    batches = (12 if case in ("even", "tail") or (case in ("close", "exit") and rank == odd)
+               else 20)
     for step in range(1, batches + 1):
         if case == "save" and step == 13 and rank == odd:
             trainer.save_checkpoint(path)
@@ -33,6 +38,8 @@ def main(case, odd, path):
         trainer.step()
     if case == "close":
         trainer.close()
+    if case == "tail" and rank == odd:
+        time.sleep(6)
     print(f"rank {rank} finished {batches} steps", flush=True)
 
 
