@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .. import errors
+from . import tensors
 
 
 #: the tag of the buffer sums (:meth:`mpikv.KVStore.allreduce_`)
@@ -126,18 +127,15 @@ class SharedBuffers:
 
 def _bytes(tensor):
     """A tensor's bytes, as a flat uint8 numpy array (a copy for GPU tensors)."""
-    flat = tensor.detach().reshape(-1)
-    if flat.numel() == 0:
-        return np.zeros(0, np.uint8)
-    return flat.cpu().contiguous().view(torch.uint8).numpy()
+    return tensors.host_bytes(tensor)
 
 
 def _set_bytes(tensor, raw):
     """Writes ``raw`` (a tensor's :func:`_bytes`) into ``tensor``, in place."""
     if tensor.numel() == 0:
         return
-    source = torch.from_numpy(np.array(raw, np.uint8)).view(tensor.dtype).reshape(tensor.shape)
-    tensor.copy_(source.to(tensor.device))
+    source = tensors.from_host(np.array(raw, np.uint8), tensor)
+    tensor.copy_(source.view(tensor.dtype).reshape(tensor.shape))
 
 
 def refuse_without_module(broadcast_buffers, module):

@@ -10,6 +10,8 @@ one nonzero addend.
 import numpy as np
 import torch
 
+from . import tensors
+
 #: the 16-bit dtypes that train on float32 sums
 HALF = (torch.float16, torch.bfloat16)
 
@@ -33,6 +35,7 @@ class HalfGradients:
         offsets = np.cumsum([0] + [params[i].numel() for i in self._members])
         self._offset = dict(zip(self._members, offsets[:-1].tolist()))
         self._total = int(offsets[-1])
+        self._flat = None   # the tensor owned_flat fills (on the first 16-bit parameter's device)
 
     def __bool__(self):
         return bool(self._members)
@@ -46,29 +49,36 @@ class HalfGradients:
                 continue
             # The part is a view of the parameter's storage: its offset is the distance.
             p = self._params[i]
-            offset = (weight.__array_interface__["data"][0] - p.data_ptr()) // p.element_size()
+            offset = (tensors.address(weight) - tensors.address(p)) // p.element_size()
             yield i, offset, grad.reshape(-1)
 
     def gather(self, scale):
         """Every 16-bit ``.grad`` becomes the owners' sums times ``scale``, on every rank."""
-        flat = self.owned_flat()
-        self._kv.allreduce_(flat, tag="16-bit gradients")
-        flat *= scale
+        self._kv.allreduce_(self.owned_flat(), tag="16-bit gradients")
+        flat = self._flat
+        tensors.store_before_torch(tensors.device_index(flat))
         with torch.no_grad():
+            flat.mul_(scale)
             for i in self._members:
                 start = self._offset[i]
                 part = flat[start:start + self._params[i].numel()]
-                self._grads[i].copy_(torch.from_numpy(part).view(self._params[i].shape))
+                self._grads[i].copy_(part.view(self._params[i].shape))
 
     def owned_flat(self):
         """This rank's part of :meth:`gather`'s sum: the float32 sums of the parts it
         owns, at their places in one flat vector of every 16-bit parameter, zeros
-        elsewhere."""
-        flat = np.zeros(self._total, np.float32)
-        for i, offset, grad in self.owned_parts():
-            start = self._offset[i] + offset
-            flat[start:start + grad.size] = grad
-        return flat
+        elsewhere; a native array (numpy, or cupy on the first 16-bit parameter's
+        GPU) that views the tensor :meth:`gather` reads."""
+        first = self._params[self._members[0]]
+        for device in {tensors.device_index(self._params[i]) for i in self._members}:
+            tensors.store_before_torch(device)   # the owners' sums are the store's
+        self._flat = flat = torch.zeros(self._total, dtype=torch.float32, device=first.device)
+        with torch.no_grad():
+            for i, offset, grad in self.owned_parts():
+                start = self._offset[i] + offset
+                flat[start:start + grad.size].copy_(tensors.from_native(grad))
+        tensors.torch_before_store(tensors.device_index(first))
+        return tensors.to_native(flat)
 
     def give_back(self):
         """The owners' parts take ``.grad`` where a script changed it (clipped it)
@@ -79,14 +89,15 @@ class HalfGradients:
         the same test on every rank and for any split of the parameters into
         parts, whichever rank's gradients ``.grad`` holds.
         """
-        scale = np.float32(1.0 / self._kv.num_workers)
+        scale = 1.0 / self._kv.num_workers
         with torch.no_grad():
             for i, offset, grad in self.owned_parts():
-                grad *= scale
-                given = self._grads[i].reshape(-1)[offset:offset + grad.size]
-                averaged = torch.from_numpy(grad)
+                averaged = tensors.from_native(grad)   # the owner's sums, in place
+                averaged.mul_(np.float32(scale).item())
+                given = self._grads[i].reshape(-1)[offset:offset + averaged.numel()]
                 kept = given == averaged.to(given.dtype)
-                grad[...] = torch.where(kept, averaged, given.float()).numpy()
+                averaged.copy_(torch.where(kept, averaged, given.float()))
+                tensors.torch_before_store(tensors.device_index(averaged))
 
 
 __all__ = ["HALF", "HalfGradients"]

@@ -23,7 +23,8 @@ import torch
 from .. import halfbits
 from ..errors import OptimizerError
 from ..optimizer.base import COUNT, MASTER
-from .optimizers import MXNetRule, TorchAdam, TorchSGD, as_tensor
+from . import tensors
+from .optimizers import MXNetRule, TorchAdam, TorchSGD
 
 #: the most bytes one ``allreduce_`` of a consolidation moves: what every rank
 #: holds beyond its own state while the state is gathered
@@ -188,7 +189,7 @@ class ShardedTorchState:
             if isinstance(rule, TorchAdam):
                 entry["step"] = torch.tensor(float(head[j]), dtype=_scalar_dtype())
             for name in self._names_of(rule, groups[g]):
-                entry[name] = as_tensor(out[(j, name)]).reshape(p.shape).to(p.device)
+                entry[name] = tensors.from_native(out[(j, name)]).reshape(p.shape).to(p.device)
             state[j] = entry
         self._consolidated = (state, trainer.num_update)
 
@@ -365,7 +366,7 @@ class ShardedTorchState:
                     f"with its param group's hyperparameters keeps {keeps}: a state of "
                     f"another optimizer or setting")
             p = trainer._params[i]
-            tensors = {}
+            loaded = {}
             for name in names:
                 t = entry[name]
                 if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -373,11 +374,11 @@ class ShardedTorchState:
                 if tuple(t.shape) != tuple(p.shape):
                     raise OptimizerError(f"{name} of {what} has shape {tuple(t.shape)}, the "
                                          f"parameter {tuple(p.shape)}")
-                tensors[name] = t.detach()
+                loaded[name] = t.detach()
             count = 1   # SGD keeps no count: one says "the buffer is there"
             if isinstance(rule, TorchAdam):
                 count = _step(entry["step"], what)
-            entries[j] = (count, tensors)
+            entries[j] = (count, loaded)
         return groups, entries
 
     def _stage(self, rule, entries):
@@ -392,16 +393,17 @@ class ShardedTorchState:
         for j, (i, _) in enumerate(self._torch_order()):
             key = trainer._names[i]
             entry = engine.entries[key]
-            count, tensors = entries.get(j, (0, {}))
+            count, loaded = entries.get(j, (0, {}))
             for start, stop, old, whole in self._owned(key):
                 weight = entry.array if whole else entry.flat[start:stop]
                 fresh = rule.create_state(key, weight)
                 if old is not None and MASTER in old:
                     fresh[MASTER] = old[MASTER]   # more exact than the weight it rounds to
                 fresh[COUNT][...] = count
+                tensors.store_before_torch(tensors.device_index(trainer._params[i]))
                 with torch.no_grad():
-                    for name, t in tensors.items():
-                        target = as_tensor(fresh[name])
+                    for name, t in loaded.items():
+                        target = tensors.from_native(fresh[name])
                         part = t.reshape(-1)[start:stop].reshape(target.shape)
                         target.copy_(part)   # in the owners' dtype, as torch casts to the param's
                 staged[(key, start)] = fresh

@@ -16,19 +16,16 @@ import torch
 from torch.optim import adam as _adam
 from torch.optim import sgd as _sgd
 
-from .. import halfbits
+from .. import _xp, halfbits
 from ..dtypes import HALF_DTYPES
 from ..errors import OptimizerError
 from ..optimizer.base import COUNT, MASTER, Optimizer, PendingUpdate, register
+from . import tensors
 
 
 def as_tensor(array):
-    """A torch tensor sharing ``array``'s memory (numpy, or a GPU array via DLPack)."""
-    if halfbits.is_bfloat16(array.dtype):   # ml_dtypes: torch reads the bits as int16
-        return as_tensor(array.view(np.int16)).view(torch.bfloat16)
-    if isinstance(array, np.ndarray):
-        return torch.from_numpy(array)
-    return torch.from_dlpack(array)
+    """A torch tensor sharing ``array``'s memory (:func:`mpikv.torch.tensors.from_native`)."""
+    return tensors.from_native(array)
 
 
 class Deferred(Optimizer):
@@ -62,8 +59,10 @@ class Deferred(Optimizer):
     def _record(self, key, weight, grad, state):
         if weight.dtype in HALF_DTYPES:
             # A 16-bit key's sums come in a scratch buffer that the next bucket
-            # reuses: the owned part is kept (in float32, as summed).
-            grad = grad.copy()
+            # reuses: the owned part is kept (in float32, as summed), on its own GPU
+            # (cupy copies to the current one, which this thread may not have made it).
+            with _xp.on(grad):
+                grad = grad.copy()
         self._parts.append((key, weight, grad, state))
 
     def _count(self, parts):
@@ -95,7 +94,8 @@ class Deferred(Optimizer):
             return
         if scale != 1.0:
             for _, _, grad, _ in parts:
-                grad *= scale
+                with _xp.on(grad):   # its GPU, whichever is current on this thread
+                    grad *= scale
         self._count(parts)
         self._run(parts)
 
@@ -148,21 +148,25 @@ class _TorchRule(Deferred):
 
     def create_state(self, key, weight):
         # torch keeps its state in the parameter's dtype; with a master copy, in float32.
-        xp = np if isinstance(weight, np.ndarray) else __import__("cupy")
+        xp = _xp.module_of(weight)
         master = self.keeps_master(weight.dtype)
         dtype = np.float32 if master else weight.dtype
-        state = {name: xp.zeros(weight.shape, dtype) for name in self.elementwise_state_names}
-        if master:
-            state[MASTER] = halfbits.astype(weight, np.float32)
+        with _xp.on(weight):   # on the weight's GPU, whichever is current on this thread
+            state = {name: xp.zeros(weight.shape, dtype) for name in self.elementwise_state_names}
+            if master:
+                state[MASTER] = halfbits.astype(weight, np.float32)
         state[COUNT] = np.full(1, self.begin_num_update, dtype=np.int64)
         return state
 
     def _run(self, parts):
         # 16-bit weights: the step runs on the float32 masters (or, without them, in
         # the weight's dtype), then the masters are rounded once into the weights.
-        steps = [(key, state[MASTER] if MASTER in state else weight,
-                  halfbits.astype(grad, np.float32 if MASTER in state else weight.dtype),
-                  state) for key, weight, grad, state in parts]
+        steps = []
+        for key, weight, grad, state in parts:
+            with _xp.on(grad):
+                steps.append((key, state[MASTER] if MASTER in state else weight,
+                              halfbits.astype(grad, np.float32 if MASTER in state
+                                              else weight.dtype), state))
         by_group = {}
         for part in steps:
             by_group.setdefault(self._key_group[part[0]], []).append(part)
@@ -276,7 +280,8 @@ class MXNetRule(Deferred):
 
     def _run(self, parts):
         for key, weight, grad, state in parts:
-            self.inner.update(key, weight, grad, state)
+            with _xp.on(weight):
+                self.inner.update(key, weight, grad, state)
         self.num_update = self.inner.num_update
 
 

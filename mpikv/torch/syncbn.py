@@ -14,6 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import tensors
+
 #: the tag of the statistics' sums (:meth:`mpikv.KVStore.allreduce_`)
 TAG = "sync batchnorm"
 
@@ -77,27 +79,25 @@ class _SyncBatchNorm(torch.autograd.Function):
         dims = _channel_dims(x)
         xd = x.detach().to(torch.float64)
         sums = np.zeros(2 * c + 1, np.float64)
-        sums[:c] = xd.sum(dims).cpu().numpy()
-        sums[c:2 * c] = (xd * xd).sum(dims).cpu().numpy()
+        sums[:c] = tensors.host_copy(xd.sum(dims))
+        sums[c:2 * c] = tensors.host_copy((xd * xd).sum(dims))
         sums[2 * c] = x.numel() // c if c else 0
         kv.allreduce_(sums, tag=TAG)
         n = sums[2 * c]
         if n <= 1:
             raise ValueError(f"Expected more than 1 value per channel when training, "
                              f"got {int(n)} over all ranks")
-        mean = torch.from_numpy(sums[:c] / n)
-        var = torch.from_numpy(np.maximum(sums[c:2 * c] / n - (sums[:c] / n) ** 2, 0.0))
+        mean = tensors.from_host(sums[:c] / n, x)
+        var = tensors.from_host(np.maximum(sums[c:2 * c] / n - (sums[:c] / n) ** 2, 0.0), x)
         invstd = 1.0 / torch.sqrt(var + eps)
         with torch.no_grad():
             if running_mean is not None:
-                running_mean.mul_(1 - momentum).add_(
-                    (mean * momentum).to(running_mean.dtype).to(running_mean.device))
+                running_mean.mul_(1 - momentum).add_((mean * momentum).to(running_mean.dtype))
             if running_var is not None:
                 unbiased = var * (n / (n - 1))
-                running_var.mul_(1 - momentum).add_(
-                    (unbiased * momentum).to(running_var.dtype).to(running_var.device))
-        mean_x = _per_channel(mean.to(x.device), x)
-        invstd_x = _per_channel(invstd.to(x.device), x)
+                running_var.mul_(1 - momentum).add_((unbiased * momentum).to(running_var.dtype))
+        mean_x = _per_channel(mean, x)
+        invstd_x = _per_channel(invstd, x)
         xhat = ((xd - mean_x) * invstd_x)
         y = xhat
         if weight is not None:
@@ -118,10 +118,10 @@ class _SyncBatchNorm(torch.autograd.Function):
         xhat = (x.to(torch.float64) - mean_x) * invstd_x
         sum_dy = dyd.sum(dims)
         sum_dy_xhat = (dyd * xhat).sum(dims)
-        sums = np.concatenate([sum_dy.cpu().numpy(), sum_dy_xhat.cpu().numpy()])
+        sums = np.concatenate([tensors.host_copy(sum_dy), tensors.host_copy(sum_dy_xhat)])
         ctx.kv.allreduce_(sums, tag=TAG)
-        total_dy = _per_channel(torch.from_numpy(sums[:c]).to(x.device), x)
-        total_dy_xhat = _per_channel(torch.from_numpy(sums[c:]).to(x.device), x)
+        total_dy = _per_channel(tensors.from_host(sums[:c], x), x)
+        total_dy_xhat = _per_channel(tensors.from_host(sums[c:], x), x)
         scale = invstd_x
         if weight is not None:
             scale = scale * _per_channel(weight.detach().to(torch.float64), x)

@@ -7,15 +7,15 @@ import torch
 from torch.autograd import Variable
 
 from .._closing import ClosesAfterWith
-from .. import errors
+from .. import _xp, errors
 from . import checkpoint
-from . import buffers, syncbn
+from . import buffers, syncbn, tensors
 from .buffers import SharedBuffers, refuse_without_module
 from ._params import backward_buckets, named_groups
 from .half import HALF as _HALF
 from .half import HalfGradients
 from .hyper import SharedHyperparameters
-from .optimizers import Deferred, MXNetRule, as_tensor, rule_for
+from .optimizers import Deferred, MXNetRule, rule_for
 
 #: per rank in the status vector (summed with ``kv.allreduce_``): unused count, late count, the indices (+1)
 #: of the first few unused parameters (so every rank can name them), then the
@@ -115,7 +115,9 @@ class Trainer(ClosesAfterWith):
         self._names = [n for n, _, _ in named]
         self._params = [p for _, p, _ in named]
         self._group_of = [g for _, _, g in named]
-        self._cuda = any(p.is_cuda for p in self._params)
+        # The GPUs of the parameters (none on the host): each stays on its own.
+        self._devices = sorted({tensors.device_index(p) for p in self._params
+                                if tensors.is_device(p)})
         self._error_unused = unused_parameters == "error"
         if compression is not None:
             _check_compressible(self._names, self._params)
@@ -169,11 +171,13 @@ class Trainer(ClosesAfterWith):
         kv, params = self.kvstore, self._params
         sizes = [p.numel() * p.element_size() for p in params]
         # A bucket holds 16-bit parameters only, or none: those have no zero-copy
-        # gradient buffers (the store sums them in float32).
+        # gradient buffers (the store sums them in float32); and the parameters of
+        # one device only.
         self._buckets = [part for members in backward_buckets(
                              sizes, bucket_bytes, first_bytes=min(bucket_bytes, 1 << 20))
                          for part in _by_precision(members, params)]
         self._bucket_of = [0] * len(params)
+        self._bucket_device = []
         self._bucket_keys, self._grad_arrays, self._value_arrays = [], [], []
         self._grads = [None] * len(params)
         for b, members in enumerate(self._buckets):
@@ -181,21 +185,30 @@ class Trainer(ClosesAfterWith):
                 self._bucket_of[i] = b
             keys = [self._names[i] for i in members]
             self._bucket_keys.append(keys)
+            device = tensors.device_index(params[members[0]])
+            self._bucket_device.append(device)
             # One init per bucket lays the values out as its pushes and pulls move
             # them (nothing is moved later), and frees each parameter's own memory
-            # before the next bucket is made: at most one bucket exists twice.
-            kv.init(keys, [params[i].detach() for i in members])
-            if params[members[0]].dtype in _HALF:
-                # Pushed from torch's own gradients (copied in, summed in float32).
-                self._grad_arrays.append([torch.zeros_like(params[i]) for i in members])
-            else:
-                self._grad_arrays.append(kv.gradient_buffers(keys))
-            self._value_arrays.append(kv.value_buffers(keys))
-            for i, grad, value in zip(members, self._grad_arrays[b], self._value_arrays[b]):
+            # before the next bucket is made: at most one bucket exists twice. The
+            # keys live on the parameters' GPU (cupy's current one while made).
+            with tensors.device_scope(device):
+                tensors.torch_before_store(device)
+                kv.init(keys, [tensors.to_native(params[i]) for i in members])
+                if params[members[0]].dtype in _HALF:
+                    # Pushed from torch's own gradients (copied in, summed in float32).
+                    own = [torch.zeros_like(params[i]) for i in members]
+                    self._grad_arrays.append([tensors.to_native(g) for g in own])
+                else:
+                    own = None
+                    self._grad_arrays.append(kv.gradient_buffers(keys))
+                self._value_arrays.append(kv.value_buffers(keys))
+            tensors.store_before_torch(device)
+            for k, (i, grad, value) in enumerate(zip(members, self._grad_arrays[b],
+                                                     self._value_arrays[b])):
                 p = params[i]
                 with torch.no_grad():
-                    p.data = as_tensor(value)
-                    self._grads[i] = grad if isinstance(grad, torch.Tensor) else as_tensor(grad)
+                    p.data = _on_device_of(tensors.from_native(value), p, self._names[i])
+                    self._grads[i] = own[k] if own is not None else tensors.from_native(grad)
                 p.grad = self._grads[i]
 
     # -- the step ------------------------------------------------------------
@@ -204,6 +217,7 @@ class Trainer(ClosesAfterWith):
         self._touched = [False] * n     # got a gradient since the last reduction
         self._fired = [False] * n       # its hook ran in this (synchronised) backward
         self._versions = [0] * n        # .grad's torch version when its bucket left
+        self._cleared = [False] * n     # .grad set to None between backward and step
         self._ready = [0] * len(self._buckets)
         self._launched = [False] * len(self._buckets)
         self._gathered = [False] * len(self._buckets)
@@ -285,12 +299,19 @@ class Trainer(ClosesAfterWith):
         return grad is not None
 
     def _cuda_ready(self):
-        """Waits for torch's queued GPU work: MPI reads and writes the memory directly."""
-        if self._cuda:
-            torch.cuda.current_stream().synchronize()
+        """Orders the store's work after torch's queued GPU work, on every GPU of the
+        parameters (events: the host does not wait; see :mod:`.tensors`)."""
+        for device in self._devices:
+            tensors.torch_before_store(device)
+
+    def _store_done(self):
+        """Orders torch's later GPU work after the store's (the weights it wrote)."""
+        for device in self._devices:
+            tensors.store_before_torch(device)
 
     def _launch(self, b):
-        self._cuda_ready()
+        # Autograd's thread: no host synchronization, an event orders the push.
+        tensors.torch_before_store(self._bucket_device[b])
         self._launched[b] = True
         self._next = b + 1
         for i in self._buckets[b]:
@@ -325,6 +346,7 @@ class Trainer(ClosesAfterWith):
         for b in range(self._next, len(self._buckets)):
             self._launch(b)
         self.kvstore.wait(self._handles)
+        self._store_done()
         self._handles = []
         self._sent = True
 
@@ -359,7 +381,10 @@ class Trainer(ClosesAfterWith):
         row[0], row[1] = len(unused), len(self._late)
         row[2:2 + len(unused[:_NAMED])] = [i + 1 for i in unused[:_NAMED]]
         row[_GATHER] = gather
-        status[self.kvstore.num_workers * _ROW:] = self._touched
+        # Per parameter: ranks that gave a gradient, plus K times those that cleared it.
+        k = self.kvstore.num_workers + 1
+        status[self.kvstore.num_workers * _ROW:] = (np.asarray(self._touched, np.float64)
+                                                    + k * np.asarray(self._cleared, np.float64))
         return status
 
     def _read_status(self):
@@ -370,7 +395,8 @@ class Trainer(ClosesAfterWith):
                 "error"``) left unused, on some rank; the step is discarded.
         """
         rows = self._rows()
-        used = self._status[self.kvstore.num_workers * _ROW:]
+        k = self.kvstore.num_workers + 1
+        used, cleared = np.divmod(self._status[self.kvstore.num_workers * _ROW:], k)[::-1]
         self._unused_everywhere = frozenset(self._names[i] for i in np.flatnonzero(used == 0))
         self._joined_round = bool(rows[:, _JOIN].any())
         self._sender = self._first_training_rank()
@@ -388,6 +414,15 @@ class Trainer(ClosesAfterWith):
                                      "leaves the averaged gradients in .grad); "
                                      if not self._averaging else "")
                 + "run backward once per step, or inside trainer.no_sync(); nothing was applied")
+        partly = [self._names[i] for i in np.flatnonzero((cleared > 0) & (used > 0))]
+        if partly:
+            self._rule.discard()
+            self._start_step()
+            raise errors.GradientError(
+                f"gradients were set to None between backward() and step() on some ranks "
+                f"only ({_few(partly)}): the ranks would update them differently; set them "
+                f"to None on every rank (skipped, as torch skips them), or on none; nothing "
+                f"was applied")
         if self._error_unused and rows[:, 0].any():
             self._rule.discard()
             self._start_step()
@@ -419,6 +454,7 @@ class Trainer(ClosesAfterWith):
         for b, keys in enumerate(self._bucket_keys):
             if not self._is_half(b) and not self._gathered[b]:
                 self.kvstore.gather_gradients(keys)
+        self._store_done()
         with torch.no_grad():
             for i, grad in enumerate(self._grads):
                 if not self._is_half(self._bucket_of[i]):
@@ -462,7 +498,15 @@ class Trainer(ClosesAfterWith):
         if self._averaging:
             self.allreduce_grads()
             for i in range(len(self._params)):
-                self._rewire(i)   # a .grad replaced since: the owners take it
+                if self._params[i].grad is None:
+                    # Set to None since backward (frozen for this step, or a
+                    # zero_grad): skipped, as torch's optimizers skip it, if every
+                    # rank did so (see _read_status).
+                    self._rewire(i)
+                    self._touched[i] = False
+                    self._cleared[i] = True
+                elif self._rewire(i):   # replaced since: the owners take it
+                    self._touched[i] = True
             self._check(gather=True)
         else:
             self._reduce()
@@ -484,6 +528,7 @@ class Trainer(ClosesAfterWith):
 
     def _update_owned(self, scale):
         """The owners' update of the parts they own, gradients times ``scale``."""
+        self._store_done()   # torch's update reads the sums, states and weights
         if self._scaled and self._half:
             self._half.give_back()
         if isinstance(self._rule, MXNetRule) and self._rule.inner.lr_scheduler is None:
@@ -503,18 +548,17 @@ class Trainer(ClosesAfterWith):
         self._cuda_ready()
         for bits in self._gradient_bits():
             if not sender:
-                bits[...] = 0
+                with _xp.on(bits):   # on its GPU, whichever is current
+                    bits[...] = 0
             self.kvstore.allreduce_(bits, tag="shared gradients")
 
     def _gradient_bits(self):
         """Every gradient array as integers, in bucket order: summed as integers, one
         rank's bits and zeros give its values, bit for bit."""
         for arrays in self._grad_arrays:
-            for grad in arrays:
-                if isinstance(grad, torch.Tensor):   # a 16-bit parameter's own gradient
-                    yield grad.view(torch.int16)
-                else:
-                    yield grad.view(_BITS[grad.dtype.itemsize])
+            for grad in arrays:   # native arrays (a 16-bit parameter's: its own gradient's)
+                # flat: device arrays are staged through host memory as flat buffers
+                yield grad.reshape(-1).view(_BITS[grad.dtype.itemsize])
 
     def close(self):
         """Ends the Trainer on every rank (collective).
@@ -578,16 +622,22 @@ class Trainer(ClosesAfterWith):
         try:
             # The hyperparameters come with each step (SharedHyperparameters): the
             # store must not replace the rule with a plain optimizer of the others'.
-            return self.kvstore.join(on_call=_JoinedSteps(self), follow_optimizer=False)
+            # (on the parameters' GPU: the replayed calls zero its buffers there)
+            with tensors.device_scope(self._devices[0] if len(self._devices) == 1 else None):
+                return self.kvstore.join(on_call=_JoinedSteps(self), follow_optimizer=False)
         finally:
             self._joined = 0
             self._rule.discard()
             self._start_step()
+            # Every rank leaves join() here: the next forward shares the buffers on
+            # every rank alike, whatever forwards ran while this rank waited.
+            self._share_next = True
 
     def _pull_weights(self):
         """Every bucket's owners' parts, gathered in place into the parameters."""
         self.kvstore.wait([self.kvstore.pull_async(keys, out=values)
                            for keys, values in zip(self._bucket_keys, self._value_arrays)])
+        self._store_done()
 
     # -- gradients -------------------------------------------------------------
     def zero_grad(self, set_to_none=None):
@@ -673,6 +723,18 @@ class Trainer(ClosesAfterWith):
                     "parameters: pass the model itself")
         return self._buffers.check_json(saved)
 
+    def _collective(self, name, action):
+        """Runs ``action``, a collective Trainer call named ``name``, after the ranks
+        agree that they all make it: a rank elsewhere (in a step, in ``join``) gets,
+        as these do, a MismatchError in the Trainer's terms, nothing done."""
+        self._between_steps()
+        self._tell_store(name)
+        try:
+            self.kvstore._agree_on(name)
+            return action()
+        finally:
+            self._tell_store()
+
     def _tell_store(self, call=None):
         """Tells the store what this rank is doing (:meth:`mpikv.KVStore.set_context`),
         for the error of a call the ranks make differently: in a step (``call`` None;
@@ -709,6 +771,7 @@ class Trainer(ClosesAfterWith):
         """Lets a started step's calls finish and forgets it (nothing is applied)."""
         if self._handles:
             self.kvstore.wait(self._handles)
+            self._store_done()
         self._rule.discard()
         self._start_step()
 
@@ -816,7 +879,8 @@ class _JoinedSteps:
     def _zeroed(self, bits):
         """Gives ``bits`` zeroed: the sum writes the first training rank's gradient into it."""
         def give():
-            bits[...] = 0
+            with _xp.on(bits):
+                bits[...] = 0
             self._trainer._cuda_ready()   # MPI reads the memory directly
             return bits
         return give
@@ -869,7 +933,8 @@ class _OwnersOptimizer(torch.optim.Optimizer):
             OptimizerError: on every rank, for an mpikv optimizer (its state has
                 no torch format: use ``trainer.save_checkpoint``) or a bad ``to``.
         """
-        self._sharded.consolidate(to)
+        self._trainer._collective("consolidate_state_dict",
+                                  lambda: self._sharded.consolidate(to))
 
     def state_dict(self):
         """The state :meth:`consolidate_state_dict` gathered, in torch's format.
@@ -903,7 +968,7 @@ class _OwnersOptimizer(torch.optim.Optimizer):
                 numbers of parameters, a flag the owners do not run), or for an
                 mpikv optimizer.
         """
-        self._sharded.load(state_dict)
+        self._trainer._collective("load_state_dict", lambda: self._sharded.load(state_dict))
 
 
 def _check_compressible(names, params):
@@ -921,7 +986,7 @@ def _make_store(kvstore, params, compressed=False):
     import mpikv
     if kvstore is not None and not isinstance(kvstore, str):
         return kvstore
-    on_gpu = any(p.is_cuda for p in params)
+    on_gpu = any(tensors.is_device(p) for p in params)
     if kvstore is None:
         kv = mpikv.create("dist_sync_device" if on_gpu else "dist_sync")
         # A local store does not compress (MXNet's rule): one rank still gets a dist one.
@@ -978,11 +1043,23 @@ def _make_rule(optimizer, optimizer_params, hyper_groups, names, group_of, multi
 _BITS = {2: np.int16, 4: np.int32, 8: np.int64}
 
 
+def _on_device_of(value, param, name):
+    """``value`` (a view of the store's memory for ``param``), checked to be where
+    ``param`` is: the Trainer never moves a parameter to another device."""
+    if (tensors.is_device(value), tensors.device_index(value)) != \
+            (tensors.is_device(param), tensors.device_index(param)):
+        raise errors.ValueTypeError(
+            f"the store keeps {name} on {value.device}, but the parameter is on "
+            f"{param.device}: the Trainer leaves each parameter on its device")
+    return value
+
+
 def _by_precision(members, params):
-    """Splits a bucket's members into runs of 16-bit and other parameters, in order."""
+    """Splits a bucket's members into runs of 16-bit and other parameters, each run on
+    one device, in order."""
     runs = []
     for i in members:
-        half = params[i].dtype in _HALF
+        half = (params[i].dtype in _HALF, tensors.device_index(params[i]))
         if runs and runs[-1][0] == half:
             runs[-1][1].append(i)
         else:
