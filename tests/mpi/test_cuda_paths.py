@@ -13,6 +13,7 @@ import mpikv
 from mpikv.transport import cuda
 
 from .. import fakecupy
+from ..conftest import gpu_required
 from .conftest import TEST_TIMEOUT, raises_everywhere
 
 pytestmark = pytest.mark.mpi
@@ -20,6 +21,8 @@ pytestmark = pytest.mark.mpi
 
 @pytest.fixture
 def fake_cp(monkeypatch):
+    if gpu_required():   # the GPU check: real cupy only, and its MPI is not CUDA-aware
+        pytest.skip("runs on the CPU stand-in, not under MPIKV_TEST_GPU=1")
     cp = fakecupy.install(monkeypatch)
     monkeypatch.setattr(cuda, "FALLBACK", cuda.Fallback())
     yield cp
