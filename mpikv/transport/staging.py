@@ -299,7 +299,7 @@ class _WorkerGPU:
     """
 
     __slots__ = ("_cp", "_device", "_devices", "_events", "_entered")
-    _streams = {}  # (thread id, GPU id) -> the worker's stream there
+    _streams = {}  # (stream class, thread id, GPU id) -> the worker's stream there
 
     def __init__(self, cp, device_id, devices, events):
         self._cp = cp
@@ -312,7 +312,8 @@ class _WorkerGPU:
         self._device.__enter__()
         cp = self._cp
         for device in self._devices:
-            key = (threading.get_ident(), device)
+            # (the class: a test process may use cupy and a stand-in of it in turn)
+            key = (cp.cuda.Stream, threading.get_ident(), device)
             with cp.cuda.Device(device):
                 stream = self._streams.get(key)
                 if stream is None:
