@@ -225,6 +225,7 @@ def _run_to(op):
             with np.errstate(all="ignore"):  # poison may be read by a wrong program
                 head.fn()
         head.done = True
+        head.fn, head.deps = None, ()   # let go of the arrays it used
         stream.finished = head.seq
 
 
