@@ -302,3 +302,153 @@ def test_joined_ranks_take_the_buffers_of_the_first_rank_still_training(comm):
 
 def _state(net):
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def _rows(comm):
+    per = cases.GLOBAL_BATCH // comm.size
+    return slice(comm.rank * per, (comm.rank + 1) * per)
+
+
+def test_gradients_set_to_none_after_backward_are_skipped_as_torch_skips_them(comm):
+    # Freezing a layer for one step (its .grad None on every rank): torch's optimizer
+    # skips it, momentum and weight decay included; so do the owners.
+    kw = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}
+    net, ref = BNNet(), BNNet()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, kw, mpikv.create("dist_sync", timeout=120))
+    opt = torch.optim.SGD(ref.parameters(), **kw)
+    for step in range(3):
+        x, y = cases.data(step, 0)
+        for model, zero, apply in ((net, trainer.zero_grad, trainer.step),
+                                   (ref, opt.zero_grad, opt.step)):
+            zero()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if step == 1:
+                model.fc1.weight.grad = None
+                model.fc1.bias.grad = None
+            apply()
+    for (n, a), b in zip(net.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=n)
+    trainer.close()
+
+
+def test_a_gradient_set_to_none_on_some_ranks_only_is_an_error_on_every_rank(comm):
+    if comm.size == 1:
+        pytest.skip("needs ranks that differ")
+    net = BNNet()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
+                                  mpikv.create("dist_sync", timeout=120))
+    before = _state(net)
+    x, y = cases.data(0, 0)
+    torch.nn.functional.mse_loss(net(x[_rows(comm)]), y[_rows(comm)]).backward()
+    if comm.rank == 0:
+        net.fc2.weight.grad = None
+    message = raises_everywhere(comm, mpikv.GradientError, trainer.step)
+    assert "set to None between backward() and step() on some ranks only (fc2.weight)" in message
+    after = _state(net)
+    for name in ("fc1.weight", "fc2.weight", "bn.weight"):
+        assert torch.equal(after[name], before[name]), name
+    trainer.close()
+
+
+def test_a_gradient_set_by_hand_on_a_parameter_backward_did_not_reach_is_applied(comm):
+    class TwoHeads(BNNet):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(16, 4, dtype=torch.float64)
+
+    net = TwoHeads()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
+                                  mpikv.create("dist_sync", timeout=120))
+    before = net.head.weight.detach().clone()
+    x, y = cases.data(0, 0)
+    torch.nn.functional.mse_loss(net(x[_rows(comm)]), y[_rows(comm)]).backward()  # no head
+    net.head.weight.grad = torch.ones_like(net.head.weight)
+    trainer.step()
+    torch.testing.assert_close(net.head.weight.detach(), before - 0.1, rtol=0, atol=1e-15)
+    trainer.close()
+
+
+def test_a_second_backward_with_each_rank_s_data_gives_the_average_of_both(comm):
+    net, ref = BNNet(), BNNet()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
+                                  mpikv.create("dist_sync", timeout=120), broadcast_buffers=False)
+    (x, y), (x2, y2) = cases.data(0, 0), cases.data(0, 1)
+    rows = _rows(comm)
+    torch.nn.functional.mse_loss(net(x[rows]), y[rows]).backward()
+    torch.nn.functional.mse_loss(net(x2[rows]), y2[rows]).backward()
+    per = cases.GLOBAL_BATCH // comm.size
+    total = 0
+    for r in range(comm.size):   # DDP: the average over ranks of each rank's two passes
+        part = slice(r * per, (r + 1) * per)
+        total = total + torch.nn.functional.mse_loss(ref(x[part]), y[part]) \
+            + torch.nn.functional.mse_loss(ref(x2[part]), y2[part])
+    (total / comm.size).backward()
+    for (n, p), q in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=n)
+    trainer.close()
+
+
+def test_consolidating_while_a_rank_has_joined_is_an_error_there_and_join_goes_on(comm):
+    if comm.size == 1:
+        pytest.skip("needs a joined rank")
+    net = BNNet()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9},
+                                  mpikv.create("dist_sync", timeout=120))
+    x, y = cases.data(0, 0)
+    trainer.zero_grad()
+    torch.nn.functional.mse_loss(net(x), y).backward()
+    trainer.step()
+    got = None
+    if comm.rank == comm.size - 1:
+        trainer.join()
+    else:
+        try:
+            trainer.optimizer.consolidate_state_dict(0)
+        except mpikv.MismatchError as exc:
+            got = str(exc)
+        trainer.join()
+    everyone = comm.allgather(got)
+    assert all(m is not None and "called trainer.join()" in m and "consolidate_state_dict" in m
+               for m in everyone[:-1]), everyone
+    trainer.close()
+
+
+def test_a_consolidation_on_rank_0_only_is_named_in_the_trainer_s_terms(comm):
+    if comm.size == 1:
+        pytest.skip("needs ranks that differ")
+    net = BNNet()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
+                                  mpikv.create("dist_sync", timeout=120), broadcast_buffers=False)
+    x, y = cases.data(0, 0)
+
+    def rank_0_consolidates():
+        if comm.rank == 0:
+            trainer.optimizer.consolidate_state_dict(0)
+        trainer.zero_grad()
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        trainer.step()
+    message = raises_everywhere(comm, mpikv.MismatchError, rank_0_consolidates)
+    assert "rank 0 called consolidate_state_dict before its first step" in message
+    assert "consolidate_state_dict is collective: every rank must call it" in message
+    trainer.close()
+
+
+def test_join_after_eval_forwards_keeps_the_buffer_sharing_agreed(comm):
+    # Uneven data, an eval every two batches, join() each epoch: the next epoch's
+    # forwards share the buffers on every rank alike.
+    net = BNNet()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
+                                  mpikv.create("dist_sync", timeout=120))
+    for epoch in range(2):
+        for step in range(3 if comm.rank == 0 else 2):
+            x, y = cases.data(step, comm.rank)
+            trainer.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            trainer.step()
+            if step % 2 == 1:
+                with torch.no_grad():
+                    net(x)
+        trainer.join()
+    weights = comm.allgather(net.fc1.weight.detach().clone())
+    assert all(torch.equal(w, weights[0]) for w in weights)
+    trainer.close()
