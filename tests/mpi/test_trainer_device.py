@@ -201,11 +201,17 @@ def test_bfloat16_trainer_with_clipping_and_join_on_cuda_equals_the_host(comm, h
         trainer.lr_scheduler.step()
     last = trainer.join()
     assert (trainer.num_update, last) == (want_updates, want_last)
+    got = {}
     for name, p in net.named_parameters():
         assert p.device == torch.device(f"cuda:{device}"), name
-        # torch's CUDA kernels may round the model's own arithmetic differently: close
-        torch.testing.assert_close(p.detach().cpu().float(), want[name].float(),
-                                   rtol=2 ** -6, atol=1e-3)
+        got[name] = p.detach().cpu()
+        # torch's CUDA kernels may round the model's own arithmetic differently, and
+        # AdamW moves a weight by about lr whatever the gradient's size: within 3 steps
+        torch.testing.assert_close(got[name].float(), want[name].float(), rtol=0, atol=0.04)
     trainer.close()
     kv.close()
-    np.testing.assert_equal(comm.allgather(last), [last] * comm.size)
+    # Every rank holds the same weights, bit for bit.
+    everyone = comm.allgather({n: t.view(torch.int16).numpy() for n, t in got.items()})
+    for other in everyone[1:]:
+        for name in got:
+            np.testing.assert_array_equal(other[name], everyone[0][name], err_msg=name)
