@@ -10,10 +10,13 @@ model converted with ``SyncBatchNorm.convert_sync_batchnorm`` trains as
 add zeros (no samples).
 """
 
+import weakref
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .. import errors
 from . import tensors
 
 #: the tag of the statistics' sums (:meth:`mpikv.KVStore.allreduce_`)
@@ -25,27 +28,62 @@ def sync_modules(module):
     return [m for m in module.modules() if isinstance(m, torch.nn.SyncBatchNorm)]
 
 
+#: module -> the store its statistics are summed over (only attached modules)
+_STORES = weakref.WeakKeyDictionary()
+#: Trainers open in this process (while any is, a SyncBatchNorm that is not
+#: attached must not train silently on its rank's batch alone)
+_OPEN = [0]
+_TORCH_FORWARD = torch.nn.SyncBatchNorm.forward
+
+
 def attach(modules, kv):
-    """Makes each module's forward sum its statistics through ``kv``; :func:`detach` undoes it."""
+    """Makes each module sum its statistics through ``kv``; :func:`detach` undoes it.
+
+    The module's class becomes :class:`StoreSyncBatchNorm` (a copy of the
+    module, ``copy.deepcopy`` or pickled, is not attached: it runs torch's
+    forward); and torch's own class refuses to train while a Trainer is open
+    and ``torch.distributed`` is not initialised (see :func:`_guarded`).
+    """
+    _OPEN[0] += 1
+    torch.nn.SyncBatchNorm.forward = _guarded
     for m in modules:
-        m.forward = _Forward(m, kv)
+        _STORES[m] = kv
+        m.__class__ = StoreSyncBatchNorm
 
 
 def detach(modules):
+    """Gives the modules torch's class back (the Trainer is closed)."""
+    _OPEN[0] = max(0, _OPEN[0] - 1)
     for m in modules:
-        if isinstance(m.__dict__.get("forward"), _Forward):
-            del m.forward
+        _STORES.pop(m, None)
+        if type(m) is StoreSyncBatchNorm:
+            m.__class__ = torch.nn.SyncBatchNorm
 
 
-class _Forward:
-    """``SyncBatchNorm.forward`` with the sums through the store (torch's own
-    bookkeeping of momentum and ``num_batches_tracked``)."""
+def _guarded(self, input):
+    """torch's ``SyncBatchNorm.forward``, refused where it would silently use this
+    rank's batch alone: in training, while a Trainer is open, without
+    ``torch.distributed`` (the Trainer was given ``named_parameters()``, so it
+    could not find the layer)."""
+    if _OPEN[0] and self.training and not (torch.distributed.is_available()
+                                           and torch.distributed.is_initialized()):
+        raise errors.InputError(
+            "a torch.nn.SyncBatchNorm layer trained outside the Trainer: without "
+            "torch.distributed it would use this rank's batch only; give the Trainer the "
+            "model itself (Trainer(model, ...)), not its named_parameters(), so that it "
+            "sums the layer's statistics over the ranks")
+    return _TORCH_FORWARD(self, input)
 
-    def __init__(self, module, kv):
-        self._module, self._kv = module, kv
 
-    def __call__(self, input):
-        m = self._module
+class StoreSyncBatchNorm(torch.nn.SyncBatchNorm):
+    """A ``SyncBatchNorm`` whose sums go through the store it was attached to
+    (torch's own bookkeeping of momentum and ``num_batches_tracked``)."""
+
+    def forward(self, input):
+        kv = _STORES.get(self)
+        if kv is None:   # a copy of an attached module
+            return _TORCH_FORWARD(self, input)
+        m = self
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
         factor = 0.0 if m.momentum is None else m.momentum
@@ -60,7 +98,7 @@ class _Forward:
             return F.batch_norm(input, running_mean, running_var, m.weight, m.bias,
                                 False, factor, m.eps)
         return _SyncBatchNorm.apply(input, m.weight, m.bias, running_mean, running_var,
-                                    m.eps, factor, self._kv)
+                                    m.eps, factor, kv)
 
 
 def _channel_dims(x):
@@ -132,4 +170,4 @@ class _SyncBatchNorm(torch.autograd.Function):
         return dx.to(x.dtype), dweight, dbias, None, None, None, None, None
 
 
-__all__ = ["TAG", "sync_modules", "attach", "detach"]
+__all__ = ["TAG", "StoreSyncBatchNorm", "sync_modules", "attach", "detach"]

@@ -1,6 +1,7 @@
 """The Trainer: a torch model's gradients, optimizer and weights on an mpikv store."""
 
 import contextlib
+import weakref
 
 import numpy as np
 import torch
@@ -161,8 +162,8 @@ class Trainer(ClosesAfterWith):
         # torch's SyncBatchNorm sums over torch.distributed: here, over the store.
         self._sync_bn = syncbn.sync_modules(module) if module is not None else []
         syncbn.attach(self._sync_bn, kv)
-        self._forward_hooks = ([module.register_forward_pre_hook(self._before_forward),
-                                module.register_forward_hook(self._after_forward)]
+        self._forward_hooks = ([module.register_forward_pre_hook(_Hook(self, "_before_forward")),
+                                module.register_forward_hook(_Hook(self, "_after_forward"))]
                                if broadcast_buffers and self._buffers else [])
 
     # -- setup -------------------------------------------------------------
@@ -888,6 +889,33 @@ class _JoinedSteps:
 
 def _ignore(_):
     pass
+
+
+class _Hook:
+    """A module hook that calls a method of the Trainer. A copy of the module
+    (``copy.deepcopy`` for an EMA or best model, pickling) gets a hook that does
+    nothing: the copy is not the Trainer's model, and the store cannot be copied."""
+
+    def __init__(self, trainer, method):
+        self._trainer, self._method = weakref.ref(trainer), method
+
+    def __call__(self, *args):
+        trainer = self._trainer()
+        return None if trainer is None else getattr(trainer, self._method)(*args)
+
+    def __deepcopy__(self, memo):
+        return _no_hook
+
+    def __reduce__(self):
+        return (_NoHook, ())
+
+
+class _NoHook:
+    def __call__(self, *args):
+        return None
+
+
+_no_hook = _NoHook()
 
 
 class _OwnersOptimizer(torch.optim.Optimizer):

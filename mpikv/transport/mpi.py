@@ -160,13 +160,16 @@ class MPITransport(Transport):
             self._drain_announcements()
         # The end of a process waits for the others as MPI_Finalize would: another
         # rank may work on for long (rank 0's final evaluation) before it ends too.
+        # (Blocking or not as the other ranks' agreements: a nonblocking collective
+        # does not match a blocking one.)
         unlimited = what[0] == "exit"
-        if self.threaded and not unlimited:
+        if self.threaded:
             # Blocking is 2 us faster than polling; the watchdog thread announces
             # this rank and names the missing ones if the others are late.
             dog = self._watchdog
-            dog.start()
-            dog.agreement = [time.monotonic(), what, self._late]
+            if not unlimited:
+                dog.start()
+                dog.agreement = [time.monotonic(), what, self._late]
             self.agree_comm.Allreduce(vec, out, op=MPI.MAX)
             dog.agreement = None
         else:

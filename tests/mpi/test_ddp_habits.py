@@ -452,3 +452,25 @@ def test_join_after_eval_forwards_keeps_the_buffer_sharing_agreed(comm):
     weights = comm.allgather(net.fc1.weight.detach().clone())
     assert all(torch.equal(w, weights[0]) for w in weights)
     trainer.close()
+
+
+def test_a_copy_of_the_model_is_a_plain_model(comm, tmp_path_factory):
+    # The EMA or best-model habit: copy.deepcopy and torch.save of the Trainer's model
+    # work, and the copy runs as a plain torch model (no store calls).
+    import copy
+    net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(BNNet())
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
+                                  mpikv.create("dist_sync", timeout=120))
+    x, y = cases.data(0, 0)
+    torch.nn.functional.mse_loss(net(x), y).backward()
+    trainer.step()
+    twin = copy.deepcopy(net).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), net.eval()(x), rtol=0, atol=0)
+    path = tmp_path_factory.mktemp("copy") / f"model-{comm.rank}.pt"
+    torch.save(net, path)
+    loaded = torch.load(path, weights_only=False).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), net(x), rtol=0, atol=0)
+    trainer.close()
+
