@@ -407,6 +407,8 @@ class Optimizer:
         self.num_update = max(self.num_update, t)
         lr, wd = self._get_lr(key), self._get_wd(key)
         master = state.get(MASTER)
+        if master is not None:
+            take_outside_changes(weight, master)
         # bfloat16 is widened by integer kernels (cupy may have no bfloat16 ones).
         w = halfbits.astype(weight, dtype) if master is None else master
         g = halfbits.astype(grad, dtype)
@@ -483,6 +485,21 @@ class Optimizer:
     def _scaled_grad(self, g):
         """``clip(rescale_grad * g)``, a new array."""
         return self._clipped(self.rescale_grad * g)
+
+
+def take_outside_changes(weight, master):
+    """Elements of a 16-bit ``weight`` that differ from its float32 ``master``
+    rounded (set from outside the updates: a model's ``load_state_dict``, an edit
+    under ``torch.no_grad``) replace the master's; the others keep its precision.
+
+    After an update the weight is its master rounded, so this changes nothing
+    unless something else wrote the weight.
+    """
+    xp = backends.module_of(weight)
+    with backends.on(weight):
+        rounded = halfbits.astype(master, weight.dtype)
+        changed = rounded.view(np.uint16) != weight.view(np.uint16)
+        xp.copyto(master, halfbits.astype(weight, np.float32), where=changed)
 
 
 def _store(xp, weight, master, new):

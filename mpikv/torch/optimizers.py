@@ -19,7 +19,8 @@ from torch.optim import sgd as _sgd
 from .. import _xp, halfbits
 from ..dtypes import HALF_DTYPES
 from ..errors import OptimizerError
-from ..optimizer.base import COUNT, MASTER, Optimizer, PendingUpdate, register
+from ..optimizer.base import (COUNT, MASTER, Optimizer, PendingUpdate, register,
+                              take_outside_changes)
 from . import tensors
 
 
@@ -164,6 +165,8 @@ class _TorchRule(Deferred):
         steps = []
         for key, weight, grad, state in parts:
             with _xp.on(grad):
+                if MASTER in state:
+                    take_outside_changes(weight, state[MASTER])
                 steps.append((key, state[MASTER] if MASTER in state else weight,
                               halfbits.astype(grad, np.float32 if MASTER in state
                                               else weight.dtype), state))

@@ -474,3 +474,29 @@ def test_a_copy_of_the_model_is_a_plain_model(comm, tmp_path_factory):
         torch.testing.assert_close(loaded(x), net(x), rtol=0, atol=0)
     trainer.close()
 
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_weights_loaded_after_the_optimizer_state_are_kept_by_the_masters(comm, dtype):
+    # The usual resume order of a DDP script: optimizer state, then the model's weights.
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    dt = getattr(torch, dtype)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3).to(dt)
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.0, "momentum": 0.9},
+                                  mpikv.create("dist_sync", timeout=120))
+    x = torch.randn(6, 4).to(dt)
+    net(x).float().sum().backward()
+    trainer.step()
+    trainer.optimizer.consolidate_state_dict(0)
+    state = comm.bcast(trainer.optimizer.state_dict() if comm.rank == 0 else None)
+    new = {k: torch.randn(v.shape).to(dt) for k, v in net.state_dict().items()}
+    trainer.optimizer.load_state_dict(state)
+    net.load_state_dict(new)
+    trainer.zero_grad()
+    net(x).float().sum().backward()
+    trainer.step()   # lr 0: the weights stay what was loaded
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, new[k]), k
+    trainer.close()
