@@ -110,31 +110,30 @@ def _streams(index):
 def torch_before_store(index):
     """The store's later work on GPU ``index`` runs after torch's work queued there
     so far (an event, no host wait); nothing for a host tensor (``index`` None)."""
-    if index is None:
-        return
-    found = _streams(index)
-    if found is None:
-        return
-    cupy, theirs = found
-    with cupy.cuda.Device(index):
-        event = cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
-        event.record(theirs)
-        cupy.cuda.Stream.null.wait_event(event)
+    _order(index, torch_first=True)
 
 
 def store_before_torch(index):
     """torch's later work on GPU ``index`` (its current stream) runs after the
     store's queued work there (an event, no host wait)."""
+    _order(index, torch_first=False)
+
+
+def _order(index, torch_first):
+    """An event on one stream of GPU ``index`` (torch's current one, or cupy's
+    default), waited on by the other; nothing where they are the same stream."""
     if index is None:
         return
     found = _streams(index)
     if found is None:
         return
     cupy, theirs = found
+    first, then = (theirs, cupy.cuda.Stream.null) if torch_first else (cupy.cuda.Stream.null,
+                                                                        theirs)
     with cupy.cuda.Device(index):
         event = cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
-        event.record(cupy.cuda.Stream.null)
-        theirs.wait_event(event)
+        event.record(first)
+        then.wait_event(event)
 
 
 __all__ = ["is_device", "device_index", "device_scope", "to_native", "from_native", "address",

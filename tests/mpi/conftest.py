@@ -82,3 +82,15 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def cuda_torch():
+    """Whether CUDA torch and cupy see a GPU (for the tests that need a real one)."""
+    import torch
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no cupy, or no driver
+        return False

@@ -14,7 +14,7 @@ import mpikv  # noqa: E402
 import mpikv.torch  # noqa: E402
 from mpikv.torch import optimizer_state  # noqa: E402
 
-from .conftest import raises_everywhere  # noqa: E402
+from .conftest import cuda_torch, raises_everywhere  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
@@ -375,17 +375,7 @@ def test_trainer_equals_ddp(comm, gloo, opt, kw):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def _cuda():
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no cupy, or no driver
-        return False
-
-
-@pytest.mark.skipif(not _cuda(), reason="needs a GPU with CUDA torch and cupy")
+@pytest.mark.skipif(not cuda_torch(), reason="needs a GPU with CUDA torch and cupy")
 @pytest.mark.parametrize("opt,kw", [
     (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3}),
     (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05}),

@@ -22,7 +22,7 @@ from mpikv.transport import cuda  # noqa: E402
 
 from .. import fake_cuda_torch, fakecupy  # noqa: E402
 from .. import trainer_cases as cases  # noqa: E402
-from .conftest import TEST_TIMEOUT  # noqa: E402
+from .conftest import TEST_TIMEOUT, cuda_torch  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
@@ -157,17 +157,7 @@ def test_the_hook_orders_pushes_with_events_not_host_synchronizations(comm, monk
     trainer.kvstore.close()
 
 
-def _cuda():
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no cupy, or no driver
-        return False
-
-
-@pytest.mark.skipif(not _cuda(), reason="needs a GPU with CUDA torch and cupy")
+@pytest.mark.skipif(not cuda_torch(), reason="needs a GPU with CUDA torch and cupy")
 @pytest.mark.parametrize("how", ["clip", "clip-ddp"])
 def test_bfloat16_trainer_with_clipping_and_join_on_cuda_equals_the_host(comm, how):
     """The Trainer in bfloat16 on real CUDA tensors (cuda:{local rank}, no set_device),
