@@ -378,7 +378,9 @@ class Trainer(ClosesAfterWith):
         if self._joined:   # no gradients: zeros, and its ticket
             row[_JOIN] = self._joined
             return status
-        unused = [i for i in range(len(self._params)) if not self._touched[i]]
+        # (a gradient set to None after backward is a choice, not a parameter unused)
+        unused = [i for i in range(len(self._params))
+                  if not self._touched[i] and not self._cleared[i]]
         row[0], row[1] = len(unused), len(self._late)
         row[2:2 + len(unused[:_NAMED])] = [i + 1 for i in unused[:_NAMED]]
         row[_GATHER] = gather

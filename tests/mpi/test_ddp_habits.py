@@ -314,7 +314,9 @@ def test_gradients_set_to_none_after_backward_are_skipped_as_torch_skips_them(co
     # skips it, momentum and weight decay included; so do the owners.
     kw = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}
     net, ref = BNNet(), BNNet()
-    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, kw, mpikv.create("dist_sync", timeout=120))
+    # (with unused_parameters="error": a gradient set to None is not an unused parameter)
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, kw, mpikv.create("dist_sync", timeout=120),
+                                  unused_parameters="error")
     opt = torch.optim.SGD(ref.parameters(), **kw)
     for step in range(3):
         x, y = cases.data(step, 0)
