@@ -10,20 +10,15 @@ from torch.autograd import Variable
 from .._closing import ClosesAfterWith
 from .. import _xp, errors
 from . import checkpoint
-from . import buffers, syncbn, tensors
+from . import buffers, status, syncbn, tensors
 from .buffers import SharedBuffers, refuse_without_module
 from ._params import backward_buckets, named_groups
 from .half import HALF as _HALF
 from .half import HalfGradients
 from .hyper import SharedHyperparameters
 from .optimizers import Deferred, MXNetRule, rule_for
+from .status import StepStatus
 
-#: per rank in the status vector (summed with ``kv.allreduce_``): unused count, late count, the indices (+1)
-#: of the first few unused parameters (so every rank can name them), then the
-#: join ticket (0: still training) and whether the step gathers the gradients
-_NAMED = 3
-_JOIN, _GATHER = 2 + _NAMED, 3 + _NAMED
-_ROW = 4 + _NAMED
 #: format tag of the Trainer's part of a checkpoint
 CHECKPOINT_FORMAT = checkpoint.FORMAT
 
@@ -127,8 +122,7 @@ class Trainer(ClosesAfterWith):
         kv = self.kvstore
         if compression is not None:
             kv.set_gradient_compression(compression)
-        # A row per rank, then per parameter the number of ranks that gave it a gradient.
-        self._status = np.zeros(kv.num_workers * _ROW + len(self._params), np.float64)
+        self._status = StepStatus(kv, self._names)
         half = any(p.dtype in _HALF for p in self._params)
         if multi_precision is None:
             multi_precision = half
@@ -360,81 +354,33 @@ class Trainer(ClosesAfterWith):
         """
         if self._checked:
             return
-        self.kvstore.allreduce_(self._status_row(gather), tag="status")
+        self.kvstore.allreduce_(self._status_row(gather), tag=status.TAG)
         self._checked = True
         self._read_status()
 
-    def _rows(self):
-        """The status vector's row per rank (a view)."""
-        return self._status[:self.kvstore.num_workers * _ROW].reshape(-1, _ROW)
-
     def _status_row(self, gather):
-        """This rank's part of the status sum (the whole vector, its row filled): who
-        wrote gradients late, who left some unused, who has joined and whether the
-        step gathers the gradients."""
-        status = self._status
-        status[:] = 0
-        row = self._rows()[self.kvstore.rank]
-        if self._joined:   # no gradients: zeros, and its ticket
-            row[_JOIN] = self._joined
-            return status
-        # (a gradient set to None after backward is a choice, not a parameter unused)
-        unused = [i for i in range(len(self._params))
-                  if not self._touched[i] and not self._cleared[i]]
-        row[0], row[1] = len(unused), len(self._late)
-        row[2:2 + len(unused[:_NAMED])] = [i + 1 for i in unused[:_NAMED]]
-        row[_GATHER] = gather
-        # Per parameter: ranks that gave a gradient, plus K times those that cleared it.
-        k = self.kvstore.num_workers + 1
-        status[self.kvstore.num_workers * _ROW:] = (np.asarray(self._touched, np.float64)
-                                                    + k * np.asarray(self._cleared, np.float64))
-        return status
+        """This rank's part of the status sum (see :class:`.status.StepStatus`)."""
+        return self._status.row(self._touched, self._cleared, self._late, gather, self._joined)
 
     def _read_status(self):
         """Reads the summed status (the same on every rank, joined or not).
 
         Raises:
-            GradientError: gradients were written late, or (``unused_parameters=
-                "error"``) left unused, on some rank; the step is discarded.
+            GradientError: gradients were written late, set to None on some
+                ranks only, or (``unused_parameters="error"``) left unused, on
+                some rank; the step is discarded.
         """
-        rows = self._rows()
-        k = self.kvstore.num_workers + 1
-        used, cleared = np.divmod(self._status[self.kvstore.num_workers * _ROW:], k)[::-1]
-        self._unused_everywhere = frozenset(self._names[i] for i in np.flatnonzero(used == 0))
-        self._joined_round = bool(rows[:, _JOIN].any())
-        self._sender = self._first_training_rank()
+        verdict, error = self._status.read(self._averaging, self._error_unused)
+        self._unused_everywhere = verdict.unused_everywhere
+        self._joined_round = verdict.joined_round
+        self._sender = verdict.sender
         # The same on every rank: from now on until a step with no rank joined.
         self._rule.hyper_agreed = not self._joined_round
-        self._gathering = bool(rows[:, _GATHER].any())
-        late = [r for r in range(len(rows)) if rows[r, 1]]
-        if late:
+        self._gathering = verdict.gathering
+        if error is not None:
             self._rule.discard()
             self._start_step()
-            raise errors.GradientError(
-                f"gradients were changed after their reduction started, on rank(s) "
-                f"{_few(late)}; " + ("with shard='gradients' .grad must not change between "
-                                     "backward() and step() (shard='optimizer', the default, "
-                                     "leaves the averaged gradients in .grad); "
-                                     if not self._averaging else "")
-                + "run backward once per step, or inside trainer.no_sync(); nothing was applied")
-        partly = [self._names[i] for i in np.flatnonzero((cleared > 0) & (used > 0))]
-        if partly:
-            self._rule.discard()
-            self._start_step()
-            raise errors.GradientError(
-                f"gradients were set to None between backward() and step() on some ranks "
-                f"only ({_few(partly)}): the ranks would update them differently; set them "
-                f"to None on every rank (skipped, as torch skips them), or on none; nothing "
-                f"was applied")
-        if self._error_unused and rows[:, 0].any():
-            self._rule.discard()
-            self._start_step()
-            where = "; ".join(
-                f"rank {r}: " + _few([self._names[int(i) - 1] for i in rows[r, 2:2 + _NAMED] if i],
-                                     more=int(rows[r, 0]))
-                for r in range(len(rows)) if rows[r, 0])
-            raise errors.GradientError(
-                f"parameters got no gradient ({where}); nothing was applied")
+            raise error
 
     def allreduce_grads(self):
         """Averages the gradients over the ranks; every rank then holds them all.
@@ -541,7 +487,7 @@ class Trainer(ClosesAfterWith):
         self._scale = None
 
     def _first_training_rank(self):
-        return int(np.flatnonzero(self._rows()[:, _JOIN] == 0)[0])
+        return self._status.first_training_rank()
 
     def _share_gradients(self):
         """Every rank takes the first training rank's gradients, as changed (clipped)
@@ -1095,14 +1041,6 @@ def _by_precision(members, params):
         else:
             runs.append((half, [i]))
     return [run for _, run in runs]
-
-
-def _few(items, limit=_NAMED, more=None):
-    """At most ``limit`` items, and how many more of ``more`` (default: of ``items``) there are."""
-    items = [str(i) for i in items]
-    total = len(items) if more is None else more
-    rest = f" and {total - limit} more" if total > limit else ""
-    return ", ".join(items[:limit]) + rest
 
 
 __all__ = ["Trainer", "Deferred"]
