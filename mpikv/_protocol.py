@@ -379,7 +379,8 @@ class ReplayedCall:
             allreduce_.
         settings: a copy of the call's settings as the other ranks made it:
             ``priority``, ``updater``, ``optimizer`` (its config),
-            ``compression``; an allreduce_'s ``shape`` and ``dtype`` (strings).
+            ``compression``; an allreduce_'s ``shape`` and ``dtype`` (strings)
+            and its ``tag``, if it has one.
         done: whether the data has moved.
         array: an allreduce_'s array on this rank once done (the sum, in
             the array ``on_call`` gave, or in zeros); None otherwise.

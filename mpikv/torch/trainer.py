@@ -444,7 +444,10 @@ class Trainer(ClosesAfterWith):
     def _reduce_for_step(self):
         """The reduction a step needs: with ``shard="optimizer"`` the averaged
         gradients everywhere (if no backward gave them yet: a gradient set by
-        hand, or backward inside ``no_sync``), else the owners' sums."""
+        hand, or backward inside ``no_sync``), else the owners' sums. Once per
+        step (``update`` and ``optimizer.step`` both come here)."""
+        if self._checked:
+            return
         if self._averaging:
             self.allreduce_grads()
             for i in range(len(self._params)):

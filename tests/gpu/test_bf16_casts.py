@@ -13,10 +13,7 @@ from mpikv import backends, halfbits
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
-SPECIAL = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000,
-                    0x7F800001, 0xFF800001,      # NaNs whose payload is in the dropped half
-                    0x3F808000, 0x3F818000,      # ties: to even (down, then up)
-                    0x7F7FFFFF, 0x00000001, 0x807FFFFF], np.uint32).view(np.float32)
+from ..unit.test_halfbits import SPECIAL  # noqa: E402  (the same special values)
 ALL_BITS = np.arange(1 << 16, dtype=np.uint16)
 
 
