@@ -17,6 +17,8 @@ Subcommands, from a clone of mpikv (``python -m mpikv bench``, ``python -m bench
     scripts/mpirun.sh -n 2 python -m mpikv bench overlap
     # checkpoint: save and load of 5,000-40,000 small keys (--keys N, repeatable)
     scripts/mpirun.sh -n 2 python -m mpikv bench checkpoint
+    # link: Gb/s of one transfer between two hosts (scripts/cluster.sh run -- ...)
+    scripts/cluster.sh run -- python -m mpikv bench link --mib 64
     # gpu: cupy buffers, store vs raw mpi4py vs NCCL (needs a GPU)
     scripts/mpirun.sh -n 2 python -m mpikv bench gpu --workload resnet50
     # train: ResNet-18 and BERT steps, mpikv's torch Trainer against DDP (bench train -h)
@@ -67,6 +69,7 @@ if __package__ in (None, ""):  # run as a script: the clone's benchmarks and mpi
 
 from benchmarks.common import (  # noqa: E402
     WORKLOADS, Timer, library, peak_mib, refill, settings, shapes)
+from benchmarks.bench_link import bench_link, show_link  # noqa: E402
 from mpikv.fusion import DEFAULT_BUCKET_BYTES  # noqa: E402
 
 MODES = ("pushpull", "sgd", "adam")
@@ -619,6 +622,7 @@ COMMANDS = {
     "chunks": (lambda a, c: bench_chunks(a.iterations or 7, c), _show_chunks),
     "checkpoint": (lambda a, c: bench_checkpoint(a.keys or [5000, 20000, 40000], c),
                    _show_checkpoint),
+    "link": (lambda a, c: bench_link(a.iterations or 3, a.mib, c), show_link),
     "gpu": (lambda a, c: [bench_gpu(w, a.iterations or 20, c)
                           for w in a.workload or ["resnet50", "big64"]], _show_gpu),
 }
@@ -644,6 +648,7 @@ def main(argv=None):
                              "timed, 2000; chunks: 7; memory: 3; overlap: 10; gpu: 20)")
     parser.add_argument("--keys", type=int, action="append",
                         help="checkpoint: key counts, repeatable; default 5000, 20000, 40000")
+    parser.add_argument("--mib", type=int, default=64, help="link: MiB each way (default 64)")
     parser.add_argument("--json", action="store_true", help="one JSON document on rank 0")
     args = parser.parse_args(argv)
     from mpi4py import MPI

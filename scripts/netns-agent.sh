@@ -1,6 +1,6 @@
 #!/bin/sh
 # Stands in for ssh when mpiexec starts its daemons on the "hosts" of
-# scripts/netns-hosts.sh (--prtemca plm_ssh_agent scripts/netns-agent.sh).
+# scripts/cluster.sh (--prtemca plm_ssh_agent scripts/netns-agent.sh).
 # Called as: netns-agent.sh [ssh options] HOST COMMAND...
 # HOST is an address NET.N or a name hN; COMMAND runs in namespace PREFIXhN
 # with its own hostname hN (ranks on hosts that share a hostname abort or hang).

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 START_CLUSTER = ROOT / "slurm" / "start-cluster.sh"
 STOP_CLUSTER = ROOT / "slurm" / "stop-cluster.sh"
 NETNS = ROOT / "scripts" / "netns-hosts.sh"
+CLUSTER = ROOT / "scripts" / "cluster.sh"
 
 
 def job_env(**extra):

@@ -1,5 +1,6 @@
-"""Two "hosts" as network namespaces (scripts/netns-hosts.sh): an mpikv job with
-one rank on each, over TCP on their veth pair, and a two-node SLURM cluster on them."""
+"""Two "hosts" as network namespaces (scripts/netns-hosts.sh, the former name of
+scripts/cluster.sh): an mpikv job with one rank on each, over TCP, and a two-node
+SLURM cluster on them."""
 
 import shutil
 import subprocess
@@ -10,11 +11,11 @@ import pytest
 
 from .conftest import NETNS, assert_check_passed, need_root, run, sections
 
-NAMESPACES = ("mpikv_h1", "mpikv_h2")
+NAMESPACES = ("mpikv_h1", "mpikv_h2", "mpikv_sw")
 
 
 def namespaces():
-    return {p.name for p in Path("/run/netns").glob("mpikv_h*")} if Path("/run/netns").exists() else set()
+    return {p.name for p in Path("/run/netns").glob("mpikv_*")} if Path("/run/netns").exists() else set()
 
 
 @pytest.fixture
@@ -71,7 +72,10 @@ def test_teardown_kills_only_what_runs_in_the_namespaces(hosts):
 
 
 def test_two_node_slurm_cluster(hosts, slurm_cluster):
-    """slurmctld + slurmd h1 in mpikv_h1, slurmd h2 in mpikv_h2; one job, both launchers."""
+    """slurmctld + slurmd h1 in mpikv_h1, slurmd h2 in mpikv_h2, on shaped links; one
+    job, both launchers."""
+    rc, out, _ = run([NETNS, "up", "--rate", "10gbit"], timeout=60)
+    assert rc == 0, out
     rc, out, _ = run([NETNS, "slurm-up"], timeout=120)
     assert rc == 0, out
     output = Path("/run/mpikv_slurm/multi-node.out")  # not /tmp: each host has its own
