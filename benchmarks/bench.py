@@ -383,13 +383,22 @@ def bench_gpu(workload, iterations, comm):
     pinned host buffer, and NCCL's ``allReduce`` through ``cupy.cuda.nccl``
     when it is there and the ranks have distinct GPUs (NCCL refuses two ranks
     on one GPU). Every case ends with a wait for the GPU.
+
+    Staging is measured both ways on the same buffer, through mpikv's own
+    :class:`~mpikv.transport.staging.Staging`: the whole buffer at once, and in
+    pieces of ``MPIKV_STAGING_PIECE`` (default 4 MiB) whose copies overlap MPI
+    (:mod:`mpikv.transport.pipeline`); where the store's reductions are staged,
+    its in-place pushpull is also timed with whole-buffer staging
+    (``staging_piece=0``) beside the default, pipelined, store.
     """
     import cupy as cp
     import cupyx
     from mpi4py import MPI
 
     import mpikv
-    from mpikv.transport import cuda
+    from mpikv import config
+    from mpikv.transport import cuda, pipeline
+    from mpikv.transport.staging import Staging
 
     device = cp.cuda.Device(comm.rank % cp.cuda.runtime.getDeviceCount())
     device.use()
@@ -426,8 +435,21 @@ def bench_gpu(workload, iterations, comm):
         comm.Allreduce(MPI.IN_PLACE, pinned)
         raw.set(pinned, stream=stream)
 
+    piece = config.resolve().staging_piece or pipeline.DEFAULT_STAGING_PIECE
+    staged = cuda.Decision(False, "bench: staged")
+    whole = Staging(detect=lambda: staged, fallback=cuda.Fallback(), piece_bytes=0)
+    split = Staging(detect=lambda: staged, fallback=cuda.Fallback(), stager=whole.stager,
+                    piece_bytes=piece)
+
+    def allreduce(b, _src):
+        comm.Allreduce(MPI.IN_PLACE, b)
+
     refill_raw = settled(refill_raw)
-    cases = [("raw mpi4py Allreduce, staged via pinned host", refill_raw, settled(raw_staged))]
+    cases = [("raw mpi4py Allreduce, staged via pinned host", refill_raw, settled(raw_staged)),
+             ("mpikv staging Allreduce, whole buffer", refill_raw,
+              settled(lambda: whole.run(allreduce, raw, pieces=True))),
+             (f"mpikv staging Allreduce, {piece >> 10} KiB pieces", refill_raw,
+              settled(lambda: split.run(allreduce, raw, pieces=True)))]
     if decision.aware:
         cases.insert(0, ("raw mpi4py Allreduce, device buffer", refill_raw, settled(raw_direct)))
     nccl_note = _nccl_case(cp, comm, raw, total, stream, cases, refill_raw, settled)
@@ -450,6 +472,12 @@ def bench_gpu(workload, iterations, comm):
                settled(lambda: kv.pushpull(keys, inplace))),
               ("mpikv pushpull, zero-copy", settled(refill_zero),
                settled(lambda: kv.pushpull(keys, zero)))]
+    if not kv._transport.staging.direct:
+        # The same store call with whole-buffer staging: what the pipeline gains.
+        kv_whole = mpikv.create("dist_sync_device", staging_piece=0)
+        kv_whole.init(keys, [cp.zeros(s, cp.float32) for s in shp])
+        cases.append(("mpikv pushpull in place, whole-buffer staging", settled(refill_inplace),
+                      settled(lambda: kv_whole.pushpull(keys, inplace))))
     timer = Timer(comm)
     timer.run(cases, iterations)
     rows = [{"case": name, "ms": timer.median(name) * 1e3,

@@ -10,6 +10,7 @@
 | reduction strategy: ``auto`` (the tuning table) or a name | ``reducer`` | ``MPIKV_REDUCER`` | auto |
 | probe the strategies at creation when no tuning cache exists | ``autotune`` | ``MPIKV_AUTOTUNE`` | 1 |
 | keys of at least this many bytes are not fused | ``direct_bytes`` | ``MPIKV_DIRECT_BYTES`` | 262144 |
+| pieces of a staged device buffer, bytes (0: whole) | ``staging_piece`` | ``MPIKV_STAGING_PIECE`` | 4194304 |
 """
 
 import math
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 from .fusion import DEFAULT_BUCKET_BYTES
 from .plan import DEFAULT_BIGARRAY_BOUND
+from .transport.pipeline import DEFAULT_STAGING_PIECE
 
 DEFAULT_TIMEOUT = 600.0
 #: ResNet-50 keeps 96 of its 97.5 MiB in 42 keys of 256 KiB or more: those move
@@ -37,6 +39,7 @@ class Options:
     reducer: str = "auto"
     autotune: bool = True
     direct_bytes: int = DEFAULT_DIRECT_BYTES
+    staging_piece: int = DEFAULT_STAGING_PIECE
 
 
 def _number(name, raw, cast, minimum):
@@ -59,7 +62,8 @@ def _flag(name, raw):
 
 
 def resolve(timeout=None, bigarray_bound=None, abort_on_exception=None, bucket_bytes=None,
-            shared_memory=None, reducer=None, autotune=None, direct_bytes=None, environ=None):
+            shared_memory=None, reducer=None, autotune=None, direct_bytes=None,
+            staging_piece=None, environ=None):
     """Returns :class:`Options`; a keyword wins over the environment.
 
     Raises:
@@ -97,5 +101,8 @@ def resolve(timeout=None, bigarray_bound=None, abort_on_exception=None, bucket_b
     if direct_bytes is None:
         direct_bytes = env.get("MPIKV_DIRECT_BYTES", DEFAULT_DIRECT_BYTES)
     direct_bytes = _number("direct_bytes (MPIKV_DIRECT_BYTES)", direct_bytes, int, 1)
+    if staging_piece is None:
+        staging_piece = env.get("MPIKV_STAGING_PIECE", DEFAULT_STAGING_PIECE)
+    staging_piece = _number("staging_piece (MPIKV_STAGING_PIECE)", staging_piece, int, 0)
     return Options(timeout or math.inf, bigarray_bound, abort_on_exception, bucket_bytes,
-                   shared_memory, reducer, autotune, direct_bytes)
+                   shared_memory, reducer, autotune, direct_bytes, staging_piece)

@@ -35,7 +35,8 @@ STORE_TYPES = {
 
 
 def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_exception=None,
-           bucket_bytes=None, shared_memory=None, reducer=None, autotune=None, direct_bytes=None):
+           bucket_bytes=None, shared_memory=None, reducer=None, autotune=None, direct_bytes=None,
+           staging_piece=None):
     """Creates a store. Collective over ``comm`` for distributed types.
 
     Args:
@@ -63,6 +64,10 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
         direct_bytes: keys of at least this many bytes are summed straight
             from the caller's arrays rather than packed into buckets (default
             ``MPIKV_DIRECT_BYTES`` or 256 KiB).
+        staging_piece: device buffers staged through host memory (MPI not
+            CUDA-aware) for an ``Allreduce``, ``Reduce`` or ``Bcast`` move in
+            pieces of this many bytes, their copies overlapping MPI (default
+            ``MPIKV_STAGING_PIECE`` or 4 MiB; 0: whole buffers).
 
     Raises:
         TypeError: ``name`` is not a string.
@@ -78,7 +83,7 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
         raise ValueError(f"a {name!r} store has no communicator; use a dist_* type with comm=")
     if kind == "local":
         options = config.resolve(timeout, bigarray_bound, abort_on_exception, bucket_bytes,
-                                 shared_memory, reducer, autotune, direct_bytes)
+                                 shared_memory, reducer, autotune, direct_bytes, staging_piece)
         transport = make_transport(kind, comm, options)
     else:
         # A bad option on one rank must not leave the others waiting in the
@@ -86,7 +91,7 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
         try:
             options, failure = config.resolve(
                 timeout, bigarray_bound, abort_on_exception, bucket_bytes, shared_memory,
-                reducer, autotune, direct_bytes), None
+                reducer, autotune, direct_bytes, staging_piece), None
         except ValueError as exc:
             options, failure = config.Options(), str(exc)
         transport = make_transport(kind, comm, options)
@@ -154,7 +159,7 @@ def _end_of_process():
 
 #: options that change which collectives a store calls: they must be equal on every rank
 AGREED_OPTIONS = ("bigarray_bound", "bucket_bytes", "direct_bytes", "shared_memory", "reducer",
-                  "autotune")
+                  "autotune", "staging_piece")
 
 
 def _agree_on_options(transport, options, failure):

@@ -48,7 +48,11 @@ Bookkeeping on top: an array remembers the kernel that last wrote it; a read
 (MPI taking its pointer, a host copy, a kernel on a stream not ordered after
 that kernel) while the writer has not run is recorded in :func:`races`.
 :func:`events` lists the synchronisations and host/device copies in order
-(a test may :func:`mark` its own steps among them).
+(a test may :func:`mark` its own steps among them). Asynchronous copies to and
+from host memory (``get(stream=, out=)``, ``set(stream=)``) are noted too: one
+that refills host memory another unfinished copy still reads (or writes), not
+ordered after it, is a race, and :func:`host_busy` tells a test's MPI stand-in
+whether a host buffer is still being copied.
 
 :func:`install` puts it into ``sys.modules`` as ``cupy`` and ``cupyx``;
 ``STAND_IN = True`` lets a benchmark refuse to report its figures.
@@ -254,6 +258,7 @@ class Event:
 
 _all_streams = []
 _races = []
+_host_ops = []   # (lo, hi, op, writes): queued copies to or from host memory
 _legacy = {}  # device id -> its legacy default stream (all threads share it)
 
 
@@ -337,6 +342,23 @@ def _kernel(fn, reads=(), writes=(), stream=None):
         for a in writes:
             _root(a)._writer = op
     return op
+
+
+def _track_host(host, op, writes):
+    """Notes that queued copy ``op`` writes (or reads) the memory of numpy array
+    ``host`` when it runs; records a race if an unfinished copy still reads or
+    writes that memory, one of them writes, and ``op`` is not ordered after it
+    (a pinned buffer refilled before its last copy ran)."""
+    lo, hi = _byte_bounds(host)
+    with _lock:
+        _host_ops[:] = [t for t in _host_ops if not t[2].done]
+        for olo, ohi, other, owrites in _host_ops:
+            if lo < ohi and olo < hi and (writes or owrites) and not _ordered(other, op.clock):
+                _races.append(
+                    f"asynchronous copy {'into' if writes else 'from'} host memory in thread "
+                    f"{threading.current_thread().name} that an unfinished copy (stream "
+                    f"{other.stream!r}) still {'writes' if owrites else 'reads'}")
+        _host_ops.append((lo, hi, op, writes))
 
 
 def _settle_for_host(a, stream=None):
@@ -601,7 +623,8 @@ class ndarray:  # noqa: N801 - cupy's name
         if stream is not None and not blocking or stream is not None and out is not None:
             # asynchronous: the host array is written when ``stream`` runs the copy
             host = out if out is not None else _poisoned(self.shape, self.dtype)
-            _kernel(lambda: np.copyto(host, self._a), [self], (), stream)
+            op = _kernel(lambda: np.copyto(host, self._a), [self], (), stream)
+            _track_host(host, op, writes=True)
             _events.append(("d2h" if out is not None else "d2h-new", stream))
             return host
         used = stream or _stream_on(self._dev)
@@ -627,7 +650,8 @@ class ndarray:  # noqa: N801 - cupy's name
         stream = stream or _stream_on(self._dev)
         # With a stream the copy reads ``arr`` when it runs (asynchronous, from
         # pinned memory); without one it is synchronous.
-        _kernel(lambda: np.copyto(self._a, arr), (), [self], stream)
+        op = _kernel(lambda: np.copyto(self._a, arr), (), [self], stream)
+        _track_host(arr, op, writes=False)
         _events.append(("h2d", stream))
         if given is None:
             stream._drain()
@@ -1012,6 +1036,7 @@ def install(monkeypatch, device_count=2):
     _counts["synchronize"] = 0
     _allocated.clear()
     _races.clear()
+    _host_ops.clear()
     _events.clear()
     _all_streams.clear()
     _legacy.clear()
@@ -1059,6 +1084,14 @@ def unfinished(array):
     op = getattr(_root(array), "_writer", None)
     return bool(op is not None and not op.done
                 and not _ordered(op, _stream_on(_root(array)._dev).clock))
+
+
+def host_busy(host):
+    """Whether a queued asynchronous copy that has not run still writes or reads the
+    memory of numpy array ``host`` (MPI must not touch it then)."""
+    lo, hi = _byte_bounds(host)
+    with _lock:
+        return any(lo < ohi and olo < hi and not op.done for olo, ohi, op, _ in _host_ops)
 
 
 def pending():

@@ -43,6 +43,12 @@ class Reducer(ABC):
     name = None
     #: whether it reads buffers on the host only (GPU buffers are then always staged).
     host_only = False
+    #: whether :meth:`allreduce` of a buffer equals :meth:`allreduce` of its pieces
+    #: one after the other, the same MPI calls on every rank: a staged device
+    #: buffer may then go in pieces whose copies overlap MPI
+    #: (:mod:`mpikv.transport.pipeline`). Never for :meth:`reduce_to_owners`,
+    #: whose blocks are the whole buffer's.
+    elementwise = False
 
     def __init__(self, transport, piece_bytes):
         self.transport = transport

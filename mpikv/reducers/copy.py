@@ -17,6 +17,7 @@ class CopyFirstReducer(Reducer):
         self.inner = inner
         self.name = f"copy+{inner.name}"
         self.host_only = inner.host_only
+        self.elementwise = inner.elementwise
 
     @classmethod
     def usable(cls, transport):

@@ -11,6 +11,8 @@ class HierarchicalReducer(Reducer):
     """
 
     name = "hierarchical"
+    # Each piece of the buffer is summed by calls of its own already.
+    elementwise = True
 
     @classmethod
     def usable(cls, transport):

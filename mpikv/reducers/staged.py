@@ -10,7 +10,9 @@ class StagedReducer(Reducer):
     The store's one :class:`~mpikv.transport.staging.Staging` decides: with a
     CUDA-aware MPI the device buffers go to the wrapped strategy as they are
     (and the process stages from then on if MPI refuses one); otherwise the
-    input is copied to a pinned host buffer, summed there, and copied back.
+    input is copied to a pinned host buffer, summed there, and copied back;
+    for an ``elementwise`` strategy's ``allreduce``, a large buffer in pieces
+    whose copies overlap MPI (:mod:`mpikv.transport.pipeline`).
     A strategy that works on host memory only (``host_only``) is always staged.
 
     Args:
@@ -25,8 +27,11 @@ class StagedReducer(Reducer):
         self.staging = staging
 
     def allreduce(self, dst, src, what):
+        # An elementwise strategy may be staged in pieces whose copies overlap MPI;
+        # reduce_to_owners stays whole (its blocks are the whole buffer's).
         self.staging.run(lambda d, s: self.inner.allreduce(d, s, what), dst, src,
-                         host_only=self.inner.host_only)
+                         host_only=self.inner.host_only,
+                         pieces=getattr(self.inner, "elementwise", False))
 
     def reduce_to_owners(self, dst, src, blocks, what):
         self.staging.run(lambda d, s: self.inner.reduce_to_owners(d, s, blocks, what), dst, src,

@@ -58,6 +58,9 @@ class MPITransport(Transport):
         self.staging = Staging(detect=lambda: self.cuda.for_op(cuda.REDUCE))
         self.pull_staging = Staging(detect=lambda: self.cuda.for_op(cuda.PULL),
                                     stager=self.staging.stager)
+        # Staged elementwise calls go in pieces of this size: an agreed option
+        # (kvstore.AGREED_OPTIONS), so every rank makes the same MPI calls.
+        self.staging.piece_bytes = self.pull_staging.piece_bytes = options.staging_piece
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
@@ -264,18 +267,21 @@ class MPITransport(Transport):
         return counting_comm(self)
 
     # -- data ------------------------------------------------------------
-    def _device(self, call, buf, what, copy_in=True, copy_back=True, staging=None):
+    def _device(self, call, buf, what, copy_in=True, copy_back=True, staging=None,
+                pieces=False):
         """Runs a blocking collective on a GPU buffer: straight to a CUDA-aware MPI,
         or staged through pinned host memory (and staged for good if MPI refuses).
-        ``staging``: :attr:`pull_staging` for pulls and broadcasts, else reductions'."""
+        ``staging``: :attr:`pull_staging` for pulls and broadcasts, else reductions'.
+        ``pieces``: the call is elementwise (``Allreduce``, ``Reduce``, ``Bcast``),
+        so a large staged buffer may go in pieces whose copies overlap MPI."""
         with self._watchdog.watch(what):
             (staging or self.staging).run(lambda b, _: call(b), buf, copy_in=copy_in,
-                                          copy_back=copy_back)
+                                          copy_back=copy_back, pieces=pieces)
 
     def allreduce_(self, buf, what):
         if type(buf) is not np.ndarray:
             return self._device(lambda b: self.comm.Allreduce(MPI.IN_PLACE, b, op=MPI.SUM),
-                                buf, what)
+                                buf, what, pieces=True)
         with self._watchdog.watch(what):
             self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
@@ -304,7 +310,8 @@ class MPITransport(Transport):
             mine = self.rank == root
             return self._device(
                 lambda b: self.comm.Reduce(MPI.IN_PLACE if mine else b, b if mine else None,
-                                           op=MPI.SUM, root=root), buf, what, copy_back=mine)
+                                           op=MPI.SUM, root=root), buf, what, copy_back=mine,
+                pieces=True)
         with self._watchdog.watch(what):
             if self.rank == root:
                 self.comm.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=root)
@@ -330,7 +337,7 @@ class MPITransport(Transport):
         if type(buf) is not np.ndarray:
             return self._device(lambda b: self.comm.Bcast(b, root=root), buf, what,
                                 copy_in=self.rank == root, copy_back=self.rank != root,
-                                staging=self.pull_staging)
+                                staging=self.pull_staging, pieces=True)
         with self._watchdog.watch(what):
             self.comm.Bcast(buf, root=root)
 

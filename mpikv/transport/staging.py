@@ -27,6 +27,7 @@ import threading
 import numpy as np
 
 from . import cuda
+from .pipeline import DEFAULT_STAGING_PIECE, pipelined, wants_pieces
 from .._logging import get_logger
 from .._xp import module_of, on
 from ..backends import is_device, synchronize
@@ -64,9 +65,16 @@ class Staging:
         stager: the :class:`Stager` (default: a new one).
         mpi_errors: exception classes that mean "MPI refused" (default
             :func:`mpi_errors` at each call).
+        piece_bytes: staged buffers of more bytes go in pieces of this many,
+            when the call asks for pieces (:mod:`mpikv.transport.pipeline`); 0:
+            whole buffers always.
     """
 
-    def __init__(self, detect=None, fallback=None, stager=None, mpi_errors=None):
+    def __init__(self, detect=None, fallback=None, stager=None, mpi_errors=None,
+                 piece_bytes=DEFAULT_STAGING_PIECE):
+        #: Pieces of a staged buffer asked for in pieces (:meth:`run`), in bytes;
+        #: 0: whole buffers. Must be the same on every rank (the store agrees on it).
+        self.piece_bytes = piece_bytes
         self._detect = cuda.detect if detect is None else detect
         self._fallback = fallback
         self.stager = Stager() if stager is None else stager
@@ -95,13 +103,21 @@ class Staging:
         """Whether device buffers go to MPI as they are (CUDA-aware, no fallback yet)."""
         return bool(self.decision.aware) and not self.fallback.happened
 
-    def run(self, fn, dst, src=None, copy_in=True, copy_back=True, host_only=False):
+    def run(self, fn, dst, src=None, copy_in=True, copy_back=True, host_only=False,
+            pieces=False):
         """Runs the blocking MPI work ``fn(dst, src)``, on device buffers or on host copies.
 
         Host buffers go straight through. Staged, a device ``src`` is copied
         to a host buffer, and ``dst`` is lent as a host copy (copied in when
         there is no ``src`` and ``copy_in``; copied back after ``fn`` when
-        ``copy_back`` and ``fn`` did not raise).
+        ``copy_back`` and ``fn`` did not raise). Either way, on return a
+        device ``dst`` is written for every stream.
+
+        With ``pieces``, a staged buffer of more than :attr:`piece_bytes` goes
+        in pieces, ``fn`` once per piece, the copies of other pieces
+        overlapping it (:func:`mpikv.transport.pipeline.pipelined`). Only for
+        work that is elementwise over the buffer; direct and host buffers
+        still go whole.
 
         Args:
             fn: the MPI work on flat contiguous buffers; only blocking calls.
@@ -111,9 +127,11 @@ class Staging:
                 only writes (a non-root ``Bcast``) or only reads (a non-root
                 ``Reduce``) ``dst``.
             host_only: ``fn`` must get host buffers whatever MPI takes.
+            pieces: ``fn`` is elementwise (``Allreduce``, ``Reduce``, ``Bcast``
+                of one layout): a large staged buffer may go in pieces.
 
         Returns:
-            what ``fn`` returns.
+            what ``fn`` returns; in pieces, the list of what it returned for each.
         """
         dev_dst, dev_src = is_device(dst), src is not None and is_device(src)
         if not (dev_dst or dev_src):
@@ -126,6 +144,9 @@ class Staging:
                 return fn(dst, src)
             except (mpi_errors() if self._errors is None else self._errors) as exc:
                 self._refused(exc)
+        if pieces and wants_pieces(dst.nbytes, self.piece_bytes):
+            return pipelined(self.stager, fn, dst, src, dev_dst, dev_src,
+                             copy_in and src is None, copy_back, self.piece_bytes)
         return self._staged(fn, dst, src, dev_dst, dev_src, copy_in, copy_back)
 
     def _refused(self, exc):

@@ -25,16 +25,23 @@ def test_staged_on_three_ranks():
     res = _bench(3, env={"MPIKV_CUDA_AWARE": "0"})
     assert res["stand_in"] is True and res["ranks"] == 3 and res["workload"] == "small1000"
     cases = [r["case"] for r in res["rows"]]
-    assert cases == ["raw mpi4py Allreduce, staged via pinned host", "mpikv pushpull(out=...)",
-                     "mpikv pushpull in place", "mpikv pushpull, zero-copy"]
+    assert cases == ["raw mpi4py Allreduce, staged via pinned host",
+                     "mpikv staging Allreduce, whole buffer",
+                     "mpikv staging Allreduce, 4096 KiB pieces", "mpikv pushpull(out=...)",
+                     "mpikv pushpull in place", "mpikv pushpull, zero-copy",
+                     "mpikv pushpull in place, whole-buffer staging"]
     assert all(r["GB/s"] > 0 and r["ms"] > 0 for r in res["rows"])
     assert res["cuda_aware"].startswith("False (MPIKV_CUDA_AWARE=0")
     assert res["nccl"].startswith("not available")
 
 
 def test_direct_adds_the_device_buffer_baseline():
-    res = _bench(2, env={"MPIKV_CUDA_AWARE": "1"})
+    res = _bench(2, env={"MPIKV_CUDA_AWARE": "1", "MPIKV_STAGING_PIECE": "65536"})
     assert res["rows"][0]["case"] == "raw mpi4py Allreduce, device buffer"
+    cases = [r["case"] for r in res["rows"]]
+    # Staging's two ways are timed whatever the store does; the store stages nothing here.
+    assert "mpikv staging Allreduce, 64 KiB pieces" in cases
+    assert "mpikv pushpull in place, whole-buffer staging" not in cases
     raw = res["rows"][:2]
     fastest = min(raw, key=lambda r: r["ms"])
     assert fastest["vs raw mpi4py"] == 1.0  # ratios are against the fastest raw way

@@ -175,3 +175,30 @@ def test_mpi4py_takes_the_dlpack_pointer(cp, monkeypatch):
     monkeypatch.setenv(fakecupy.AWARE_ENV, "1")
     MPI.COMM_SELF.Allreduce(a, out)
     assert out.tolist() == [2, 2, 2]
+
+
+def test_refilling_host_memory_an_unfinished_copy_still_reads_is_a_race(cp):
+    """A pinned buffer copied up asynchronously must not be refilled (by a copy down
+    on another stream) before that copy ran: the copy up would take the new values."""
+    up, down = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    first, second = cp.full(3, 1.0), cp.full(3, 2.0)
+    target = cp.zeros(3)
+    cp.cuda.get_current_stream().synchronize()
+    host = np.full(3, 7.0)
+    target.set(host, stream=up)                          # reads host when it runs
+    assert fakecupy.host_busy(host) and not fakecupy.host_busy(np.zeros(3))
+    second.get(stream=down, out=host, blocking=False)    # refills host: not after the copy up
+    assert any("host memory" in r and "still reads" in r for r in fakecupy.races())
+    down.synchronize()
+    up.synchronize()
+    assert target.tolist() == [2.0] * 3                  # the wrong value a GPU may give
+    assert not fakecupy.host_busy(host)
+    # Ordered by an event, the same refill is no race and the copy up keeps its values.
+    before = len(fakecupy.races())
+    host[...] = 7.0
+    target.set(host, stream=up)
+    down.wait_event(up.record())
+    first.get(stream=down, out=host, blocking=False)
+    down.synchronize()
+    assert target.tolist() == [7.0] * 3 and host.tolist() == [1.0] * 3
+    assert fakecupy.races()[before:] == []

@@ -454,3 +454,265 @@ def test_handover_orders_the_worker_after_the_caller_without_blocking(monkeypatc
     assert seen["stream"].non_blocking and seen["stream"] is not caller
     assert seen["stream"].synchronized == 1
     assert not fakecupy.unfinished(value) and fakecupy.races() == []
+
+
+# -- staging in pieces (mpikv/transport/pipeline.py) ----------------------------------
+from mpikv.transport import pipeline as _pipeline  # noqa: E402
+
+
+def _piecewise(log, mode="inplace"):
+    """A fake elementwise MPI call over 2 ranks for :meth:`Staging.run` in pieces.
+
+    It checks, as MPI would need, that no queued copy still writes or reads
+    the host buffers it gets, and logs ``(values it read, sizes)``. ``mode``:
+    "inplace" (an Allreduce: x -> 3x + 1), "recv" (a Bcast receiver: writes
+    the running element index), "send" (a Reduce sender: only reads), "src"
+    (out of place: dst = 2 src).
+    """
+    def fn(d, s):
+        for host in (d, s):
+            if isinstance(host, np.ndarray):
+                assert not fakecupy.host_busy(host), "MPI got a host buffer still being copied"
+        fakecupy.mark("mpi")
+        offset = sum(len(got) for got, _ in log)
+        if mode == "inplace":
+            log.append((d.copy(), d.size))
+            d *= 3
+            d += 1
+        elif mode == "recv":
+            log.append((np.arange(offset, offset + d.size).astype(d.dtype), d.size))
+            d[...] = log[-1][0]
+        elif mode == "send":
+            log.append((d.copy(), d.size))
+        else:
+            log.append((s.copy(), s.size))
+            d[...] = s * 2
+        return d.size
+    return fn
+
+
+def _staged_in_pieces(stager, piece_bytes):
+    staging = _policy(stager, False)
+    staging.piece_bytes = piece_bytes
+    return staging
+
+
+@pytest.mark.parametrize("size,itemsize,piece", [
+    (10, 4, 16), (12, 4, 16), (1, 8, 16), (3, 2, 1), (1000, 2, 64), (5, 4, 4096), (0, 4, 16)])
+def test_pieces_cover_the_buffer_exactly(size, itemsize, piece):
+    ranges = _pipeline.piece_ranges(size, itemsize, piece)
+    step = max(1, piece // itemsize)
+    assert ranges[0][0] == 0 and ranges[-1][1] == size
+    assert all(a == b for (_, a), (b, _) in zip(ranges, ranges[1:]))   # no gap, no overlap
+    last = ranges[-1][1] - ranges[-1][0]
+    assert all(b - a == step for a, b in ranges[:-1]) and (0 < last <= step or size == 0)
+    assert len(ranges) == max(1, -(-size // step))
+
+
+def test_only_buffers_above_the_piece_go_in_pieces():
+    assert _pipeline.wants_pieces(17, 16) and not _pipeline.wants_pieces(16, 16)
+    assert not _pipeline.wants_pieces(1 << 30, 0)   # 0: whole buffers always
+
+
+DTYPES = [np.float16, np.float32, np.float64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", [1, 7, 8, 9, 61])   # pieces of 8 bytes: 1 to 31 pieces
+def test_in_pieces_equals_the_whole_buffer_bit_for_bit(cp, fake, dtype, size):
+    stager, device, _ = fake
+    piece = 8
+    data = (np.random.default_rng(size).standard_normal(size) * 100).astype(dtype)
+    whole, split = device(data), device(data)
+    whole_log, split_log = [], []
+    _staged_in_pieces(stager, 0).run(_piecewise(whole_log), whole, pieces=True)
+    got = _staged_in_pieces(stager, piece).run(_piecewise(split_log), split, pieces=True)
+    step = piece // np.dtype(dtype).itemsize
+    ranges = _pipeline.piece_ranges(size, np.dtype(dtype).itemsize, piece)
+    if len(ranges) == 1:   # one piece: the whole-buffer path, one call
+        assert got == size and [n for _, n in split_log] == [size]
+    else:
+        assert got == [b - a for a, b in ranges] and all(n <= step for _, n in split_log)
+    # MPI read each piece's values after the copy down, and the result is bitwise the same.
+    assert np.concatenate([v for v, _ in split_log]).tobytes() == data.tobytes()
+    assert split.get().tobytes() == whole.get().tobytes()
+    assert fakecupy.races() == [] and fakecupy.pending() == 0
+    assert not fakecupy.unfinished(split)
+
+
+def _copies_and_calls():
+    return [e for e in fakecupy.events() if e in ("d2h", "h2d", "mpi")]
+
+
+def test_in_pieces_order_overlaps_the_next_copy_with_mpi(cp, fake):
+    stager, device, _ = fake
+    dev = device(np.arange(12, dtype=np.float32))      # three pieces of 16 bytes
+    log = []
+    _staged_in_pieces(stager, 16).run(_piecewise(log), dev, pieces=True)
+    # The copy down of piece k+1 is queued before MPI works on piece k; piece k's copy
+    # up right after it; the host waits only at the end.
+    assert _copies_and_calls() == ["d2h", "d2h", "mpi", "h2d", "d2h", "mpi", "h2d", "mpi", "h2d"]
+    assert dev.tolist() == [3 * x + 1 for x in range(12)] and fakecupy.races() == []
+    # On two side streams of their own, not the caller's.
+    down, up = set(fakecupy.event_streams("d2h")), set(fakecupy.event_streams("h2d"))
+    assert len(down) == 1 and len(up) == 1 and down != up
+    assert all(s.non_blocking and s is not cp.cuda.get_current_stream() for s in down | up)
+    assert stager.pooled() == {"float32": [4, 4]}     # two slots of one piece each, returned
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_in_pieces_bcast_receiver_waits_for_each_slot_to_be_copied_up(cp, fake, dtype):
+    stager, device, _ = fake
+    dev = device(np.full(21, -5, dtype))
+    log = []
+    _staged_in_pieces(stager, 16).run(_piecewise(log, "recv"), dev, copy_in=False, pieces=True)
+    assert "d2h" not in fakecupy.events()
+    # Without a wait, MPI's write of piece k+2 would overwrite the slot before piece k's
+    # copy up ran: piece k would get piece k+2's values.
+    assert dev.get().tolist() == np.arange(21).astype(dtype).tolist()
+    assert fakecupy.races() == [] and fakecupy.pending() == 0
+
+
+def test_in_pieces_reduce_sender_copies_nothing_back(cp, fake):
+    stager, device, _ = fake
+    data = np.arange(10, dtype=np.float64)
+    dev = device(data)
+    log = []
+    _staged_in_pieces(stager, 16).run(_piecewise(log, "send"), dev, copy_back=False, pieces=True)
+    assert "h2d" not in fakecupy.events() and [n for _, n in log] == [2] * 5
+    assert np.concatenate([v for v, _ in log]).tolist() == data.tolist()
+    assert dev.tolist() == data.tolist() and fakecupy.races() == []
+
+
+def test_in_pieces_out_of_place_copies_the_input_down(cp, fake):
+    stager, device, _ = fake
+    src, dst = device(np.arange(9, dtype=np.float32)), device(np.zeros(9, np.float32))
+    log = []
+    _staged_in_pieces(stager, 8).run(_piecewise(log, "src"), dst, src, pieces=True)
+    assert np.concatenate([v for v, _ in log]).tolist() == list(range(9))
+    assert dst.tolist() == [2 * x for x in range(9)] and src.tolist() == list(range(9))
+    assert fakecupy.races() == [] and fakecupy.pending() == 0
+
+
+def test_in_pieces_only_when_asked_and_staged(cp, fake):
+    stager, device, _ = fake
+    dev = device(np.ones(8, np.float32))
+    staging = _staged_in_pieces(stager, 8)
+    assert staging.run(_allreduce(), dev) == "host"             # not asked: whole
+    assert fakecupy.events().count("d2h") == 1
+    aware = _policy(stager, True)
+    aware.piece_bytes = 8
+    assert aware.run(_allreduce(), dev, pieces=True) == "device"   # direct: whole
+    assert dev.tolist() == [4] * 8
+
+
+def test_in_pieces_body_raises_waits_for_queued_copies(cp, fake):
+    stager, device, _ = fake
+    dev = device(np.arange(6, dtype=np.float32))
+    calls = []
+
+    def fn(d, _s):
+        calls.append(d.size)
+        if len(calls) == 2:
+            raise FakeMPIError("MPI_ERR_TRUNCATE")
+        d *= 10
+    with pytest.raises(FakeMPIError):
+        _staged_in_pieces(stager, 8).run(fn, dev, pieces=True)
+    # Piece 0 holds its result, the rest the old values; nothing left queued on the slots.
+    assert dev.tolist() == [0, 10, 2, 3, 4, 5] and fakecupy.pending() == 0
+    assert stager.pooled() == {"float32": [2, 2]} and fakecupy.races() == []
+
+
+def test_a_missing_wait_before_mpi_gives_a_wrong_value(cp, fake, monkeypatch):
+    """The stand-in runs copies late: MPI reading a slot without waiting for its copy
+    down reads stale memory (so the tests above would catch a missing wait)."""
+    stager, device, _ = fake
+    monkeypatch.setattr(fakecupy.Event, "synchronize", lambda self: None)
+    dev = device(np.arange(8, dtype=np.float32))
+    log = []
+    with pytest.raises(AssertionError, match="still being copied"):
+        _staged_in_pieces(stager, 8).run(_piecewise(log), dev, pieces=True)
+
+
+def test_a_missing_wait_before_refilling_a_slot_gives_a_wrong_value(cp, fake, monkeypatch):
+    """Without the side stream's wait for a slot's copy up, the next copy down
+    refills it first: the earlier piece gets a later piece's values."""
+    stager, device, _ = fake
+    honest = fakecupy.Stream.wait_event
+
+    def forgetful(stream, event):   # drops only the waits for the other side stream
+        op = event._op
+        if stream.non_blocking and op is not None and op.stream.non_blocking:
+            return None
+        return honest(stream, event)
+    monkeypatch.setattr(fakecupy.Stream, "wait_event", forgetful)
+    dev = device(np.arange(12, dtype=np.float32))
+    seen = []
+
+    def fn(d, _s):   # an Allreduce that does not look (the checks above would)
+        seen.append(fakecupy.host_busy(d))
+        d *= 3
+        d += 1
+    _staged_in_pieces(stager, 16).run(fn, dev, pieces=True)
+    assert dev.tolist() != [3 * x + 1 for x in range(12)]
+    assert dev.tolist()[:4] == [3 * x + 1 for x in range(8, 12)]   # piece 0 got piece 2's
+    assert seen == [False, False, True]
+    assert any("host memory" in r for r in fakecupy.races())
+
+
+def _counting_transport(monkeypatch, piece):
+    mpi = pytest.importorskip("mpi4py.MPI")
+    from mpikv.transport.mpi import MPITransport
+    monkeypatch.setenv("MPIKV_CUDA_AWARE", "0")
+    return MPITransport(mpi.COMM_SELF, config.resolve(timeout=30, staging_piece=piece))
+
+
+def test_transport_stages_elementwise_calls_in_pieces(cp, monkeypatch):
+    transport = _counting_transport(monkeypatch, 16)
+    try:
+        assert transport.staging.piece_bytes == transport.pull_staging.piece_bytes == 16
+        dev = cp.asarray(np.arange(10, dtype=np.float32))   # 40 bytes: 3 pieces
+        for call in (lambda: transport.allreduce_(dev, ("t", [])),
+                     lambda: transport.reduce_(dev, 0, ("t", [])),
+                     lambda: transport.bcast_(dev, 0, ("t", []))):
+            before = fakecupy.events().count("d2h")
+            call()
+            assert fakecupy.events().count("d2h") - before == 3
+        before = fakecupy.events().count("d2h")
+        transport.allgatherv_(dev, [10], [0], ("t", []))      # per-rank blocks: whole
+        assert fakecupy.events().count("d2h") - before == 1
+        assert dev.tolist() == list(range(10)) and fakecupy.races() == []
+    finally:
+        transport.close()
+
+
+def test_staged_reducer_asks_for_pieces_only_for_elementwise_allreduce(cp, fake):
+    from mpikv.reducers.allreduce import AllreduceReducer
+    from mpikv.reducers.base import even_blocks
+    from mpikv.reducers.reduce_scatter import ReduceScatterReducer
+    stager, device, _ = fake
+
+    class Doubling(SimpleNamespace):
+        size, rank = 2, 0
+
+        def allreduce_(self, buf, what):
+            fakecupy.mark("mpi")
+            buf *= 2
+    staging = _staged_in_pieces(stager, 16)
+    red = StagedReducer(AllreduceReducer(Doubling(), 1 << 20), staging)
+    assert red.inner.elementwise and not ReduceScatterReducer(Doubling(), 1).elementwise
+    dev = device(np.arange(10, dtype=np.float32))
+    red.allreduce(dev, None, ("t", []))
+    assert fakecupy.events().count("mpi") == 3 and dev.tolist() == [2 * x for x in range(10)]
+    before = fakecupy.events().count("mpi")
+    red.reduce_to_owners(dev, None, even_blocks(10, 2), ("t", []))   # blocks: whole
+    assert fakecupy.events().count("mpi") - before == 1 and fakecupy.races() == []
+
+
+def test_staging_piece_option():
+    assert config.resolve(environ={}).staging_piece == _pipeline.DEFAULT_STAGING_PIECE == 4 << 20
+    assert config.resolve(environ={"MPIKV_STAGING_PIECE": "0"}).staging_piece == 0
+    assert config.resolve(staging_piece=65536,
+                          environ={"MPIKV_STAGING_PIECE": "0"}).staging_piece == 65536
+    with pytest.raises(ValueError, match="MPIKV_STAGING_PIECE"):
+        config.resolve(environ={"MPIKV_STAGING_PIECE": "-1"})

@@ -1,0 +1,99 @@
+"""Staging in pieces (``mpikv/transport/pipeline.py``) through ``dist_sync_device`` stores.
+
+Keys of several pieces (``staging_piece`` of a few hundred bytes here), the
+three ways of ``tests/mpi/test_gpu.py`` (real cupy, the stand-in staged, the
+stand-in direct): every sum must be exact. Staged on the stand-in, the calls
+must also have gone in pieces: one copy down per piece.
+Run: ``scripts/mpirun.sh -n 3 python -m pytest tests/mpi/test_gpu_pipeline.py --with-mpi``.
+"""
+
+import numpy as np
+import pytest
+
+import mpikv
+from mpikv import errors, optimizer
+from mpikv.transport.pipeline import piece_ranges
+
+from .. import fakecupy
+from .conftest import TEST_TIMEOUT, raises_everywhere
+
+pytestmark = pytest.mark.mpi
+
+PIECE = 256   # bytes: 64 float32 elements a piece
+
+
+def _tri(n):
+    return n * (n + 1) // 2  # the sum of rank + 1 over n ranks
+
+
+def _staged(cp):
+    return getattr(cp, "STAND_IN", False) and not fakecupy._aware()
+
+
+def _copies_down():
+    return fakecupy.events().count("d2h")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("reducer", ["allreduce", "reduce_bcast", "reduce_scatter"])
+@pytest.mark.parametrize("how", ["pushpull", "pushpull_async"])
+def test_pushpull_of_a_multi_piece_key_is_exact(cp, comm, dtype, reducer, how):
+    n, r = comm.size, comm.rank
+    size = 1001   # not a multiple of any piece
+    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, staging_piece=PIECE,
+                      reducer=reducer)
+    assert kv._transport.staging.piece_bytes == PIECE
+    kv.init("big", cp.zeros(size, dtype))
+    # Integers small enough for float16's sums to be exact: rank-dependent, per element.
+    base = np.arange(size) % 7
+    grad = cp.asarray((base * (r + 1)).astype(dtype))
+    grad += 1   # a kernel still queued when the call starts
+    before = _copies_down()
+    if how == "pushpull":
+        kv.pushpull("big", grad)
+    else:
+        kv.wait(kv.pushpull_async("big", grad))
+    want = (base * _tri(n) + n).astype(dtype)
+    np.testing.assert_array_equal(grad.get(), want)
+    if _staged(cp) and reducer != "reduce_scatter":
+        # An elementwise strategy went in pieces: at least one copy down per piece.
+        pieces = len(piece_ranges(size, np.dtype(dtype).itemsize, PIECE))
+        assert pieces > 1 and _copies_down() - before >= pieces
+
+
+def test_sgd_pull_and_init_of_a_multi_piece_key_go_in_pieces(cp, comm):
+    # The owner updates and broadcasts (Bcast in pieces); init broadcasts rank 0's value.
+    n, r = comm.size, comm.rank
+    size = 777
+    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, staging_piece=PIECE)
+    before = _copies_down()
+    kv.init("w", cp.full(size, 1 if r == 0 else 99, cp.float32))
+    pieces = len(piece_ranges(size, 4, PIECE))
+    if _staged(cp) and r == 0:
+        assert _copies_down() - before == pieces    # the root copies each piece down
+    out = cp.zeros(size, cp.float32)
+    kv.pull("w", out=out)
+    assert out.get().tolist() == [1.0] * size
+    kv.set_optimizer(optimizer.SGD(learning_rate=0.5))
+    grad = cp.full(size, 1.0, cp.float32)
+    kv.pushpull("w", grad, out=out)
+    np.testing.assert_array_equal(out.get(), np.full(size, 1 - 0.5 * n, np.float32))
+
+
+def test_whole_buffer_staging_when_the_piece_is_zero(cp, comm):
+    n, r = comm.size, comm.rank
+    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, staging_piece=0)
+    kv.init("big", cp.zeros(1001, cp.float32))
+    grad = cp.full(1001, r + 1, cp.float32)
+    before = _copies_down()
+    kv.pushpull("big", grad)
+    assert grad.get().tolist() == [_tri(n)] * 1001
+    if _staged(cp):
+        assert _copies_down() - before == 1
+
+
+def test_ranks_must_agree_on_the_piece(comm):
+    piece = PIECE if comm.rank == 0 else 2 * PIECE
+    raises_everywhere(comm, errors.MismatchError,
+                      lambda: mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT,
+                                           staging_piece=piece))
