@@ -32,6 +32,17 @@ Variants:
 - ``ddp-zero-adam``: DDP + ``ZeroRedundancyOptimizer`` (Adam state sharded).
 - ``horovod-sgd``, ``horovod-adam``: ``hvd.DistributedOptimizer``, when
   ``import horovod.torch`` works.
+- Compression, as a suffix: ``trainer-sgd+2bit`` (or ``+fp16``, ``+bf16``; also
+  after ``trainer-adam`` and ``shardgrads-X``) is the Trainer with
+  ``compression={"type": "2bit", "threshold": 0.5}`` (``{"type": "fp16"}``, ...);
+  ``ddp-sgd+fp16`` (or ``+bf16``) is DDP with torch's ``fp16_compress_hook``
+  (``bf16_compress_hook``).
+
+Across hosts (``scripts/cluster.sh run -- python -m mpikv bench train ...``) the
+measuring jobs are placed as the launched one (spawn info ``pmix.mapby``
+``PPR:R:NODE``), and DDP's gloo
+runs over the cluster's link (``MPIKV_CLUSTER_MASTER``, ``MPIKV_CLUSTER_IFNAME``);
+the tables name the hosts and the link's rate.
 
 SGD: lr 0.05, momentum 0.9, weight decay 5e-4; Adam: lr 1e-4.
 
@@ -89,6 +100,11 @@ from benchmarks.models import Bert, ResNet18  # noqa: E402
 MODELS = ("resnet18", "bert")
 VARIANTS = ("trainer-sgd", "trainer-adam", "shardgrads-sgd", "shardgrads-adam", "ddp-sgd",
             "ddp-adam", "ddp-zero-adam", "horovod-sgd", "horovod-adam")
+#: Compression, asked for with a suffix (``trainer-sgd+2bit``, ``ddp-sgd+fp16``): the
+#: Trainer's ``compression=`` and DDP's comm hooks.
+TRAINER_COMPRESSION = {"2bit": {"type": "2bit", "threshold": 0.5}, "fp16": {"type": "fp16"},
+                       "bf16": {"type": "bf16"}}
+DDP_HOOKS = ("fp16", "bf16")
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4}),
               "adam": (torch.optim.Adam, {"lr": 1e-4})}
 #: Per model: (warm-up rounds, timed rounds); a BERT-base step takes seconds here.
@@ -141,8 +157,22 @@ def model_bytes(net):
 # -- the variants ------------------------------------------------------------------------
 
 
+def split_variant(variant):
+    """``"trainer-sgd+2bit"`` -> ``("trainer", "sgd", "2bit")`` (no suffix: None); ValueError
+    for a name that is not a variant."""
+    name, _, comp = variant.partition("+")
+    kind, _, opt = name.partition("-")
+    known = (TRAINER_COMPRESSION if kind in ("trainer", "shardgrads")
+             else DDP_HOOKS if kind == "ddp" and opt != "zero-adam" else ())
+    if name not in VARIANTS or (comp and comp not in known):
+        raise ValueError(variant)
+    return kind, opt, comp or None
+
+
 def unavailable(variant):
     """Why ``variant`` cannot run here, or None."""
+    if variant.endswith("+bf16") and variant.startswith("ddp-") and not torch.cuda.is_available():
+        return "torch's bf16_compress_hook needs CUDA and NCCL"
     if variant.startswith("trainer-") and importlib.util.find_spec("mpikv.torch") is None:
         return "mpikv.torch is not there yet"
     if variant.startswith("horovod-"):
@@ -164,26 +194,29 @@ def init_process_group(comm):
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        addr = os.environ.get("MASTER_ADDR") or (
-            "127.0.0.1" if one_host else socket.gethostbyname(socket.gethostname()))
+        addr = (os.environ.get("MASTER_ADDR") or os.environ.get("MPIKV_CLUSTER_MASTER") or (
+            "127.0.0.1" if one_host else socket.gethostbyname(socket.gethostname())))
     else:
         addr = port = None
     addr, port = comm.bcast((addr, port))
     if one_host:
         # gloo otherwise picks the interface of the hostname, which a container may lack.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    elif os.environ.get("MPIKV_CLUSTER_IFNAME"):  # scripts/cluster.sh: the hosts' link
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", os.environ["MPIKV_CLUSTER_IFNAME"])
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank,
                             world_size=comm.size)
 
 
 def make_variant(variant, net, loss_fn, comm):
     """Wraps ``net`` (the variant's own copy) for ``variant``; returns ``step(batch)``."""
-    kind, opt = variant.split("-", 1)
+    kind, opt, comp = split_variant(variant)
     if kind in ("trainer", "shardgrads"):
         from mpikv.torch import Trainer
         cls, kwargs = OPTIMIZERS[opt]
         trainer = Trainer(net, cls, dict(kwargs),
-                          shard="gradients" if kind == "shardgrads" else "optimizer")
+                          shard="gradients" if kind == "shardgrads" else "optimizer",
+                          compression=TRAINER_COMPRESSION.get(comp))
 
         def step(batch):
             trainer.zero_grad()
@@ -202,6 +235,9 @@ def make_variant(variant, net, loss_fn, comm):
         from torch.nn.parallel import DistributedDataParallel
         init_process_group(comm)
         wrapped = DistributedDataParallel(net)
+        if comp is not None:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            wrapped.register_comm_hook(None, getattr(default_hooks, f"{comp}_compress_hook"))
         if opt == "zero-adam":
             from torch.distributed.optim import ZeroRedundancyOptimizer
             cls, kwargs = OPTIMIZERS["adam"]
@@ -226,8 +262,8 @@ def loss_of(net, batch):
 
 
 def reference(variant):
-    """The DDP variant a variant is compared with: ``ddp-sgd`` or ``ddp-adam``."""
-    return "ddp-sgd" if variant.endswith("-sgd") else "ddp-adam"
+    """The DDP variant a variant is compared with: ``ddp-sgd`` or ``ddp-adam`` (plain)."""
+    return "ddp-sgd" if variant.partition("+")[0].endswith("-sgd") else "ddp-adam"
 
 
 # -- the measuring jobs: memory (one per variant) and time (one per group) ------------------
@@ -294,15 +330,31 @@ def spawn(child, model, variants, args, comm):
         # This file by its path: the child finds the clone however the parent was started.
         child_args = [str(Path(__file__).resolve()), "--child", child, "--model", model,
                       "--variants", ",".join(variants)] + _size_args(model, args)
-        inter = MPI.COMM_SELF.Spawn(sys.executable, child_args, maxprocs=comm.size)
+        inter = MPI.COMM_SELF.Spawn(sys.executable, child_args, maxprocs=comm.size,
+                                    info=_placement(comm))
         while not inter.Iprobe(source=0):
             time.sleep(0.05)  # an idle parent leaves the cores to the job it started
         res = inter.recv(source=0)
         inter.Disconnect()
+    else:
+        _placement(comm)
     req = comm.Ibarrier()
     while not req.Test():
         time.sleep(0.05)
     return comm.bcast(res)
+
+
+def _placement(comm):
+    """Spawn's info: the child job placed as this one, ranks per host alike (collective).
+
+    Without it Open MPI puts every spawned rank on the first host.
+    """
+    from mpi4py import MPI
+    hosts = comm.allgather(MPI.Get_processor_name())
+    info = MPI.Info.Create()
+    if len(set(hosts)) > 1:
+        info.Set("pmix.mapby", f"PPR:{max(hosts.count(h) for h in hosts)}:NODE")
+    return info
 
 
 def _size_args(model, args):
@@ -388,6 +440,7 @@ def time_child(args, comm):
     timer = Timer(comm)
     timer.run([case(v) for v in group], steps, warmup=warmup)
     flat = {v: nn.utils.parameters_to_vector(nets[v].parameters()).detach() for v in group}
+    hosts = sorted(set(comm.allgather(MPI.Get_processor_name())))
     rows = {}
     for v in group:
         ms = np.array(timer.samples[v]) * 1e3
@@ -396,6 +449,7 @@ def time_child(args, comm):
         rank0 = flat[v].clone()
         comm.Bcast(rank0.numpy(), root=0)
         rows[v] = {"step_ms": float(np.median(ms)), "step_ms_min": float(ms.min()),
+                   "hosts": hosts,
                    "step_ms_max": float(ms.max()), "group": group,
                    "max_abs_diff_vs_ddp": None if diff is None
                    else comm.allreduce(diff, op=MPI.MAX),
@@ -417,12 +471,22 @@ def run(args, comm):
     """Both measurements of every model asked for; prints each model's table as it ends."""
     models = MODELS if args.model == "all" else (args.model,)
     asked = [v.strip() for v in args.variants.split(",") if v.strip()]
-    bad = [v for v in asked if v not in VARIANTS]
+    bad = []
+    for v in asked:
+        try:
+            split_variant(v)
+        except ValueError:
+            bad.append(v)
     if bad:
-        raise SystemExit(f"unknown variants {bad}; choose from {', '.join(VARIANTS)}")
+        raise SystemExit(f"unknown variants {bad}; choose from {', '.join(VARIANTS)}, with "
+                         f"+{'/+'.join(TRAINER_COMPRESSION)} after trainer-X or shardgrads-X "
+                         f"and +{'/+'.join(DDP_HOOKS)} after ddp-sgd or ddp-adam")
     skipped = {v: why for v in asked if (why := unavailable(v))}
     variants = [v for v in asked if v not in skipped]
+    from mpi4py import MPI
+    hosts = comm.allgather(MPI.Get_processor_name())
     out = {"ranks": comm.size, "library": library(), "torch": torch.__version__,
+           "hosts": len(set(hosts)), "link": os.environ.get("MPIKV_CLUSTER_RATE"),
            "threads_per_rank": torch.get_num_threads(), "skipped": skipped, "models": []}
     if comm.rank == 0 and not args.json:
         for v, why in skipped.items():
@@ -469,7 +533,7 @@ def run(args, comm):
 
 def _estimate_mib(variant, nbytes):
     # Without a memory pass, what BERT-base grew by here at most (DDP + Adam: 6 x the model).
-    per_model = 6 if variant.endswith("adam") else 5
+    per_model = 6 if variant.partition("+")[0].endswith("adam") else 5
     return per_model * nbytes / 2**20
 
 
@@ -515,7 +579,12 @@ def show_model(info, out):
     mib = info["model_bytes"] / 2**20
     print(f"\n{info['model']}: {info['parameters']:,} parameters in {info['tensors']} tensors "
           f"({mib:.1f} MiB); {info['batch']}; {out['ranks']} ranks, {out['library']}, torch "
-          f"{out['torch']}, {out['threads_per_rank']} thread per rank")
+          f"{out['torch']}, {out['threads_per_rank']} thread per rank" + (
+              f"; {out['hosts']} hosts, link {out['link'] or 'unshaped'}"
+              if out.get("hosts", 1) > 1 else ""))
+    measured_on = {tuple(r["hosts"]) for r in info["variants"].values() if "hosts" in r}
+    if measured_on:
+        print(f"  measured on hosts {' | '.join(','.join(h) for h in sorted(measured_on))}")
     if "steps" in info:
         print(f"  time: {info['warmup']} warm-up + {info['steps']} timed steps, slowest rank, "
               "interleaved (| : another job): " + " | ".join(" ".join(g) for g in info["groups"]))
@@ -523,12 +592,14 @@ def show_model(info, out):
         print(f"  memory: peak RSS (VmHWM) of the largest rank after {info['memory_steps']} "
               "steps, each variant in a job of its own; start: RSS before the model; shm: "
               "node shared memory in RSS at the end")
-    tag = f"[{info['model']}, {out['ranks']} ranks, {out['library']}]"
-    print(f"  {'variant':14s} {'step ms':>8s} {'min':>7s} {'max':>7s} {'t/ddp':>6s} "
+    where = (f"{out['hosts']} hosts, {out['link'] or 'unshaped'}"
+             if out.get("hosts", 1) > 1 else "1 host")
+    tag = f"[{info['model']}, {out['ranks']} ranks, {where}, {out['library']}]"
+    print(f"  {'variant':18s} {'step ms':>8s} {'min':>7s} {'max':>7s} {'t/ddp':>6s} "
           f"{'peak MiB':>9s} {'start':>6s} {'shm':>5s} {'/model':>7s} {'rss/ddp':>7s} "
           f"{'max|w-ddp|':>10s} {'max|w-r0|':>10s}")
     for v, r in info["variants"].items():
-        print(f"  {v:14s} {_fmt(r.get('step_ms'), '8.1f')} {_fmt(r.get('step_ms_min'), '7.1f')} "
+        print(f"  {v:18s} {_fmt(r.get('step_ms'), '8.1f')} {_fmt(r.get('step_ms_min'), '7.1f')} "
               f"{_fmt(r.get('step_ms_max'), '7.1f')} {_fmt(r.get('time_vs_ddp'), '6.2f')} "
               f"{_fmt(r.get('peak_MiB'), '9.0f')} {_fmt(r.get('start_MiB'), '6.0f')} "
               f"{_fmt(r.get('end_shmem_MiB'), '5.0f')} "

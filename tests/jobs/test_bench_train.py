@@ -63,3 +63,45 @@ def test_every_variant_reports_step_time_and_peak_rss():
         assert g["bound"] == 0.6 and g["met"] == (g["value"] <= 0.6)
         g = goals["bert trainer-adam peak RSS / model bytes"]
         assert g["value"] == pytest.approx(adam["peak_over_model"]) and g["bound"] == 3.0
+
+
+def test_compression_variants_and_their_reference():
+    """``+2bit``/``+fp16`` after a Trainer variant, ``+fp16``/``+bf16`` after DDP: each is
+    timed and compared with plain ``ddp-sgd``; compressed weights differ from it."""
+    variants = ["ddp-sgd", "ddp-sgd+fp16", "trainer-sgd+bf16", "trainer-sgd+2bit"]
+    rc, out, _ = run_job(2, "-m", "mpikv", "bench", "train", *TINY, "--time", "--variants",
+                         ",".join(variants), "--json", env={"MPIKV_AUTOTUNE": "0"},
+                         timeout=180)
+    assert rc == 0, out
+    (bert,) = json.loads(next(line for line in out.splitlines() if line.startswith("{")))[
+        "models"]
+    rows = bert["variants"]
+    assert sorted(rows) == sorted(variants)
+    for name, row in rows.items():
+        assert row["step_ms"] > 0 and row["hosts"], name
+        assert row["time_vs_ddp"] == pytest.approx(row["step_ms"] / rows["ddp-sgd"]["step_ms"])
+        assert row["max_abs_diff_vs_rank0"] == 0.0, name
+    for name in variants[1:]:  # rounded gradients: not DDP's weights, but near them
+        assert 0 < rows[name]["max_abs_diff_vs_ddp"] < 1.0, name
+
+
+def test_ddp_bf16_hook_is_skipped_without_cuda():
+    """torch refuses its bf16 hook without NCCL: skipped with the reason, not a hang."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is there: the hook runs")
+    rc, out, _ = run_job(2, "-m", "mpikv", "bench", "train", *TINY, "--time", "--variants",
+                         "ddp-sgd,ddp-sgd+bf16", "--json", env={"MPIKV_AUTOTUNE": "0"},
+                         timeout=180)
+    assert rc == 0, out
+    res = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert "needs CUDA" in res["skipped"]["ddp-sgd+bf16"]
+    assert list(res["models"][0]["variants"]) == ["ddp-sgd"]
+
+
+@pytest.mark.parametrize("bad", ["trainer-sgd+3bit", "ddp-zero-adam+fp16", "ddp-sgd+2bit",
+                                 "horovod-sgd+fp16"])
+def test_unknown_variants_are_refused(bad):
+    rc, out, _ = run_job(1, "-m", "mpikv", "bench", "train", *TINY, "--time", "--variants",
+                         bad, timeout=120)
+    assert rc != 0 and f"unknown variants ['{bad}']" in out, out
