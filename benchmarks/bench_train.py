@@ -32,6 +32,12 @@ Variants:
 - ``ddp-zero-adam``: DDP + ``ZeroRedundancyOptimizer`` (Adam state sharded).
 - ``horovod-sgd``, ``horovod-adam``: ``hvd.DistributedOptimizer``, when
   ``import horovod.torch`` works.
+- ``local-sgd``, ``local-adam``: each rank trains alone, no communication (the
+  compute floor); ``X/comm`` (``trainer-sgd/comm``, ``ddp-sgd/comm``, ...): X's
+  communication of a step alone, on fixed gradients without forward or backward
+  (the Trainer's ``step()``; DDP's 25 MiB all_reduce buckets, the averaging and the
+  update). With both timed, X's row says how much of its communication backward
+  hid: ``comm hidden = 1 - (step(X) - step(local-OPT)) / step(X/comm)``.
 - Compression, as a suffix: ``trainer-sgd+2bit`` (or ``+fp16``, ``+bf16``; also
   after ``trainer-adam`` and ``shardgrads-X``) is the Trainer with
   ``compression={"type": "2bit", "threshold": 0.5}`` (``{"type": "fp16"}``, ...);
@@ -105,6 +111,10 @@ VARIANTS = ("trainer-sgd", "trainer-adam", "shardgrads-sgd", "shardgrads-adam", 
 TRAINER_COMPRESSION = {"2bit": {"type": "2bit", "threshold": 0.5}, "fp16": {"type": "fp16"},
                        "bf16": {"type": "bf16"}}
 DDP_HOOKS = ("fp16", "bf16")
+#: What the overlap is measured against: each rank trains alone (compute, no
+#: communication), and ``X/comm`` (``trainer-sgd/comm``, ``ddp-sgd/comm``): X's
+#: communication of a step alone, on fixed gradients, with no forward or backward.
+LOCAL = ("local-sgd", "local-adam")
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4}),
               "adam": (torch.optim.Adam, {"lr": 1e-4})}
 #: Per model: (warm-up rounds, timed rounds); a BERT-base step takes seconds here.
@@ -159,8 +169,14 @@ def model_bytes(net):
 
 def split_variant(variant):
     """``"trainer-sgd+2bit"`` -> ``("trainer", "sgd", "2bit")`` (no suffix: None); ValueError
-    for a name that is not a variant."""
-    name, _, comp = variant.partition("+")
+    for a name that is not a variant. ``/comm`` (see :func:`comm_only`) is left out."""
+    whole, _, alone = variant.partition("/")
+    name, _, comp = whole.partition("+")
+    if name in LOCAL and not comp and not alone:
+        return "local", name.partition("-")[2], None
+    if alone and (alone != "comm" or name.startswith(("horovod-", "ddp-zero"))
+                  or (name.startswith("ddp-") and comp)):
+        raise ValueError(variant)
     kind, _, opt = name.partition("-")
     known = (TRAINER_COMPRESSION if kind in ("trainer", "shardgrads")
              else DDP_HOOKS if kind == "ddp" and opt != "zero-adam" else ())
@@ -211,6 +227,18 @@ def init_process_group(comm):
 def make_variant(variant, net, loss_fn, comm):
     """Wraps ``net`` (the variant's own copy) for ``variant``; returns ``step(batch)``."""
     kind, opt, comp = split_variant(variant)
+    if kind == "local":
+        cls, kwargs = OPTIMIZERS[opt]
+        optimizer = cls(net.parameters(), **kwargs)
+
+        def step(batch):
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(net, batch).backward()
+            optimizer.step()
+        step.keep = optimizer
+        return step
+    if comm_only(variant):
+        return _comm_step(kind, opt, comp, net, comm)
     if kind in ("trainer", "shardgrads"):
         from mpikv.torch import Trainer
         cls, kwargs = OPTIMIZERS[opt]
@@ -255,6 +283,55 @@ def make_variant(variant, net, loss_fn, comm):
     return step
 
 
+def comm_only(variant):
+    """Whether ``variant`` is ``X/comm``: X's communication alone."""
+    return variant.endswith("/comm")
+
+
+def _comm_step(kind, opt, comp, net, comm):
+    """X/comm: the gradients are fixed tensors (no forward or backward); a step is what X
+    does with them: the Trainer's ``step()`` (every bucket, the update, the weights),
+    or DDP's bucketed all_reduce (25 MiB, as DDP) with the averaging and the update."""
+    g = torch.Generator().manual_seed(1 + comm.rank)
+    grads = [torch.randn(p.shape, generator=g) * 1e-3 for p in net.parameters()]
+    params = list(net.parameters())
+    cls, kwargs = OPTIMIZERS[opt]
+    if kind in ("trainer", "shardgrads"):
+        from mpikv.torch import Trainer
+        trainer = Trainer(net, cls, dict(kwargs),
+                          shard="gradients" if kind == "shardgrads" else "optimizer",
+                          compression=TRAINER_COMPRESSION.get(comp))
+
+        def step(batch):
+            trainer.zero_grad()
+            for p, grad in zip(params, grads):
+                p.grad = grad  # a gradient set by hand: the Trainer copies it in
+            trainer.step()
+        step.keep = trainer
+        return step
+    if kind != "ddp" or comp is not None or opt == "zero-adam":
+        raise ValueError(f"no /comm for {kind}-{opt}{'+' + comp if comp else ''}")
+    import torch.distributed as dist
+    init_process_group(comm)
+    fixed = torch.cat([x.reshape(-1) for x in grads])
+    flat = torch.empty_like(fixed)
+    at = 0
+    for p in params:
+        p.grad = flat[at:at + p.numel()].view_as(p)
+        at += p.numel()
+    optimizer = cls(params, **kwargs)
+    chunks = flat.split((25 << 20) // flat.element_size())
+
+    def step(batch):
+        flat.copy_(fixed)
+        for chunk in chunks:
+            dist.all_reduce(chunk)
+        flat.div_(comm.size)
+        optimizer.step()
+    step.keep = optimizer
+    return step
+
+
 def loss_of(net, batch):
     """Mean cross-entropy of this rank's batch (DDP and the Trainer average over ranks)."""
     x, y = batch
@@ -263,7 +340,7 @@ def loss_of(net, batch):
 
 def reference(variant):
     """The DDP variant a variant is compared with: ``ddp-sgd`` or ``ddp-adam`` (plain)."""
-    return "ddp-sgd" if variant.partition("+")[0].endswith("-sgd") else "ddp-adam"
+    return "ddp-sgd" if variant.partition("/")[0].partition("+")[0].endswith("-sgd") else "ddp-adam"
 
 
 # -- the measuring jobs: memory (one per variant) and time (one per group) ------------------
@@ -445,7 +522,9 @@ def time_child(args, comm):
     for v in group:
         ms = np.array(timer.samples[v]) * 1e3
         ref = reference(v)
-        diff = float((flat[v] - flat[ref]).abs().max()) if ref in flat else None
+        # X/comm trains on made-up gradients, local-X on this rank's batch alone.
+        same_work = not comm_only(v) and not v.startswith("local-")
+        diff = float((flat[v] - flat[ref]).abs().max()) if ref in flat and same_work else None
         rank0 = flat[v].clone()
         comm.Bcast(rank0.numpy(), root=0)
         rows[v] = {"step_ms": float(np.median(ms)), "step_ms_min": float(ms.min()),
@@ -480,7 +559,9 @@ def run(args, comm):
     if bad:
         raise SystemExit(f"unknown variants {bad}; choose from {', '.join(VARIANTS)}, with "
                          f"+{'/+'.join(TRAINER_COMPRESSION)} after trainer-X or shardgrads-X "
-                         f"and +{'/+'.join(DDP_HOOKS)} after ddp-sgd or ddp-adam")
+                         f"and +{'/+'.join(DDP_HOOKS)} after ddp-sgd or ddp-adam; "
+                         f"{', '.join(LOCAL)}; X/comm after trainer-, shardgrads- and "
+                         f"plain ddp- variants")
     skipped = {v: why for v in asked if (why := unavailable(v))}
     variants = [v for v in asked if v not in skipped]
     from mpi4py import MPI
@@ -538,7 +619,14 @@ def _estimate_mib(variant, nbytes):
 
 
 def _ratios(info):
-    """Each variant against ``ddp-X`` of its optimizer: time and peak RSS ratios."""
+    """Each variant against ``ddp-X`` of its optimizer: time and peak RSS ratios; and the
+    part of X's communication hidden behind compute, where ``local-OPT`` and ``X/comm``
+    were timed: ``1 - (step(X) - step(local)) / step(X/comm)``."""
+    rows = info["variants"]
+    for v, row in rows.items():
+        local, alone = rows.get(f"local-{split_variant(v)[1]}"), rows.get(f"{v}/comm")
+        if "step_ms" in row and local and alone and "step_ms" in local and "step_ms" in alone:
+            row["comm_hidden"] = 1 - (row["step_ms"] - local["step_ms"]) / alone["step_ms"]
     for v, row in info["variants"].items():
         ref = info["variants"].get(reference(v), {})
         for key, name in (("step_ms", "time_vs_ddp"), ("peak_MiB", "rss_vs_ddp")):
@@ -605,7 +693,8 @@ def show_model(info, out):
               f"{_fmt(r.get('end_shmem_MiB'), '5.0f')} "
               f"{_fmt(r.get('peak_over_model'), '7.2f')} {_fmt(r.get('rss_vs_ddp'), '7.2f')} "
               f"{_fmt(r.get('max_abs_diff_vs_ddp'), '10.2e')} "
-              f"{_fmt(r.get('max_abs_diff_vs_rank0'), '10.2e')}  {tag}")
+              f"{_fmt(r.get('max_abs_diff_vs_rank0'), '10.2e')}  {tag}"
+              + (f" comm hidden {r['comm_hidden']:.2f}" if "comm_hidden" in r else ""))
 
 
 def show_goals(out):

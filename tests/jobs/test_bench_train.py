@@ -100,8 +100,33 @@ def test_ddp_bf16_hook_is_skipped_without_cuda():
 
 
 @pytest.mark.parametrize("bad", ["trainer-sgd+3bit", "ddp-zero-adam+fp16", "ddp-sgd+2bit",
+                                 "local-sgd/comm", "ddp-sgd+fp16/comm", "ddp-sgd/x",
                                  "horovod-sgd+fp16"])
 def test_unknown_variants_are_refused(bad):
     rc, out, _ = run_job(1, "-m", "mpikv", "bench", "train", *TINY, "--time", "--variants",
                          bad, timeout=120)
     assert rc != 0 and f"unknown variants ['{bad}']" in out, out
+
+
+def test_overlap_is_measured_against_compute_and_communication_alone():
+    """local-sgd (no communication) and X/comm (X's communication alone) give X's
+    ``comm_hidden``, by its formula."""
+    variants = ["ddp-sgd", "trainer-sgd", "local-sgd", "ddp-sgd/comm", "trainer-sgd/comm"]
+    rc, out, _ = run_job(2, "-m", "mpikv", "bench", "train", *TINY, "--time", "--variants",
+                         ",".join(variants), "--json", env={"MPIKV_AUTOTUNE": "0"},
+                         timeout=180)
+    assert rc == 0, out
+    (bert,) = json.loads(next(line for line in out.splitlines() if line.startswith("{")))[
+        "models"]
+    rows = bert["variants"]
+    assert sorted(rows) == sorted(variants)
+    local = rows["local-sgd"]["step_ms"]
+    for name in ("ddp-sgd", "trainer-sgd"):
+        alone = rows[f"{name}/comm"]["step_ms"]
+        assert alone > 0
+        assert rows[name]["comm_hidden"] == pytest.approx(
+            1 - (rows[name]["step_ms"] - local) / alone)
+    for name in ("local-sgd", "ddp-sgd/comm", "trainer-sgd/comm"):
+        assert "comm_hidden" not in rows[name]
+        assert rows[name]["max_abs_diff_vs_ddp"] is None  # not the same work as DDP's
+        assert rows[name]["max_abs_diff_vs_rank0"] == 0.0 or name == "local-sgd"
