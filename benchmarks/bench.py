@@ -158,6 +158,8 @@ def bench_workload(workload, mode, iterations, comm):
                   ("mpikv pushpull, zero-copy" + (" (shared memory)" if shm else ""),
                    refill(zero, grads), lambda: kv.pushpull(keys, zero)),
                   ("mpikv Gluon loop: pushpull(i, g[i], out=o[i], priority=-i)", None, gluon)]
+        if len(set(comm.allgather(MPI.Get_processor_name()))) > 1:
+            cases += _routes_across_hosts(keys, shp, grads)
         baselines = [name for name, _, _ in cases[:n_raw]]
     else:
         weights = [np.zeros(s, np.float32) for s in shp]
@@ -210,6 +212,24 @@ def bench_workload(workload, mode, iterations, comm):
             "MiB": nbytes / 2**20, "iterations": iterations, "rows": rows,
             "baseline": base["case"], "shared_memory": shm,
             "peak_MiB_per_rank": max(peaks), "library": library()}
+
+
+def _routes_across_hosts(keys, shp, grads):
+    """Across hosts: the flat route (every rank in one ``Allreduce``) against the node's
+    routes (``hierarchical``: node, leaders, node), in place and zero-copy, each forced
+    on a store of its own (no shared memory: the strategy moves every byte)."""
+    import mpikv
+    cases = []
+    for reducer, label in (("allreduce", "flat"), ("hierarchical", "hierarchical")):
+        kv = mpikv.create("dist_sync", shared_memory=False, reducer=reducer)
+        kv.init(keys, [np.zeros(s, np.float32) for s in shp])
+        bufs = kv.gradient_buffers(keys)
+        inplace = [g.copy() for g in grads]
+        cases += [(f"mpikv pushpull in place, {label} (reducer={reducer})",
+                   refill(inplace, grads), lambda kv=kv, b=inplace: kv.pushpull(keys, b)),
+                  (f"mpikv pushpull, zero-copy, {label} (reducer={reducer})",
+                   refill(bufs, grads), lambda kv=kv, b=bufs: kv.pushpull(keys, b))]
+    return cases
 
 
 def bench_calls(iterations, comm):
