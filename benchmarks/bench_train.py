@@ -11,7 +11,7 @@ benchmarks/bench_train.py`` are the same)::
 
 Models, written out with plain ``torch.nn`` in ``benchmarks/models.py``:
 ``resnet18`` (torchvision's layout, 10 classes, 11,181,642 parameters in 62
-tensors) on synthetic 3x32x32 images,
+tensors) and ``resnet50`` (23,528,522 in 161) on synthetic 3x32x32 images,
 and ``bert`` (BERT-base by default: embeddings, 12 encoder layers of width
 768, a pooler and a 2-class head; 109,483,778 parameters) on synthetic token
 ids. Every variant starts from the same weights and sees the same batches
@@ -101,9 +101,9 @@ if __package__ in (None, ""):  # run as a script: the clone's benchmarks and mpi
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Timer, library  # noqa: E402
-from benchmarks.models import Bert, ResNet18  # noqa: E402
+from benchmarks.models import Bert, ResNet18, ResNet50  # noqa: E402
 
-MODELS = ("resnet18", "bert")
+MODELS = ("resnet18", "resnet50", "bert")
 VARIANTS = ("trainer-sgd", "trainer-adam", "shardgrads-sgd", "shardgrads-adam", "ddp-sgd",
             "ddp-adam", "ddp-zero-adam", "horovod-sgd", "horovod-adam")
 #: Compression, asked for with a suffix (``trainer-sgd+2bit``, ``ddp-sgd+fp16``): the
@@ -118,7 +118,7 @@ LOCAL = ("local-sgd", "local-adam")
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4}),
               "adam": (torch.optim.Adam, {"lr": 1e-4})}
 #: Per model: (warm-up rounds, timed rounds); a BERT-base step takes seconds here.
-DEFAULT_STEPS = {"resnet18": (5, 30), "bert": (2, 6)}
+DEFAULT_STEPS = {"resnet18": (5, 30), "resnet50": (2, 10), "bert": (2, 6)}
 #: The goals of issue 11: (model, what, numerator, denominator, bound).
 GOALS = [("resnet18", "step time", "trainer-sgd", "ddp-sgd", 0.8),
          ("bert", "peak RSS", "trainer-adam", "ddp-adam", 0.6),
@@ -131,8 +131,8 @@ GOALS = [("resnet18", "step time", "trainer-sgd", "ddp-sgd", 0.8),
 def build(model, args):
     """The model, with the same weights on every rank and in every variant (``args.seed``)."""
     torch.manual_seed(args.seed)
-    if model == "resnet18":
-        return ResNet18(10)
+    if model.startswith("resnet"):
+        return (ResNet18 if model == "resnet18" else ResNet50)(10)
     return Bert(args.bert_vocab, args.bert_hidden, args.bert_layers, args.bert_heads,
                 args.bert_ffn or 4 * args.bert_hidden, max(512, args.bert_seq))
 
@@ -142,7 +142,7 @@ def batches(model, args, rank, n):
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + 7919 * rank + 1)
     out = []
     for _ in range(n):
-        if model == "resnet18":
+        if model.startswith("resnet"):
             out.append((torch.randn(args.resnet_batch, 3, args.resnet_image, args.resnet_image,
                                     generator=g),
                         torch.randint(0, 10, (args.resnet_batch,), generator=g)))
@@ -154,7 +154,7 @@ def batches(model, args, rank, n):
 
 
 def describe_batch(model, args):
-    if model == "resnet18":
+    if model.startswith("resnet"):
         return f"batch {args.resnet_batch} x 3x{args.resnet_image}x{args.resnet_image} per rank"
     return (f"batch {args.bert_batch} x seq {args.bert_seq} per rank; hidden {args.bert_hidden}, "
             f"{args.bert_layers} layers, {args.bert_heads} heads, vocab {args.bert_vocab}")
@@ -713,9 +713,9 @@ def parser():
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="comma list (default: all; Horovod's are skipped without it)")
     p.add_argument("--steps", type=int, default=None,
-                   help="timed steps per variant (resnet18: 30, bert: 6)")
+                   help="timed steps per variant (resnet18: 30, resnet50: 10, bert: 6)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="untimed steps per variant first (resnet18: 5, bert: 2)")
+                   help="untimed steps per variant first (resnet18: 5, resnet50: 2, bert: 2)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--memory", dest="measure", action="store_const", const="memory",
                        help="only the peak RSS of each variant (default: time and memory)")
