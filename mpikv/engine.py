@@ -295,9 +295,10 @@ class Engine:
 
         Everything it depends on is the same on every rank: the table's column
         (see :func:`_agreed_in_place`: whether this rank's own input happens to
-        be the destination must not change which collectives it calls), where
-        values live, the updater, and whether the key list's zero-copy buffers
-        are a shared window.
+        be the destination must not change which collectives it calls; the
+        ``to_owners`` one where an updater or optimizer runs on the owners, whose
+        pushes call ``reduce_to_owners``), where values live, the updater, and
+        whether the key list's zero-copy buffers are a shared window.
         """
         device = type(dst) is not np.ndarray
         key = (index, device)
@@ -307,7 +308,8 @@ class Engine:
                       else None)
             bucket = layout.buckets[index]
             found = layout.chosen[key] = self.chooser.get(
-                bucket, bucket.size * dst.itemsize, _agreed_in_place(bucket), device, window)
+                bucket, bucket.size * dst.itemsize, _agreed_in_place(bucket), device, window,
+                owners=self._owners.kind is not None)
         return found
 
     # -- init ------------------------------------------------------------

@@ -138,7 +138,7 @@ def tuning_in_force(comm):
     """The tuning table a store on ``comm`` would use, without probing; collective.
 
     Returns (on every rank) a dict: ``source``, ``cache_path``, ``key`` and
-    ``rows`` (``[size, in-place strategy, out-of-place strategy]``).
+    ``rows`` (``[size, in-place strategy, out-of-place strategy, to-the-owners strategy]``).
     """
     from . import config, tuning
     from .transport import make_transport
@@ -200,11 +200,12 @@ def format_text(info):
         if key:
             lines.append(f"  cache key:    {key['library']}; MPI {key['mpi_version']}; "
                          f"{key['ranks']} ranks; ranks per node {key['ranks_per_node']}; "
-                         f"hosts {', '.join(key['hosts'])}")
-        lines.append(f"  {'size':>9s}  {'in place':22s} out of place")
-        for size, inplace, outplace in tune["rows"]:
+                         f"hosts {', '.join(key['hosts'])}"
+                         + "".join(f"; {k} {key[k]}" for k in ("rate", "label") if k in key))
+        lines.append(f"  {'size':>9s}  {'in place':22s} {'out of place':22s} to the owners")
+        for size, inplace, outplace, owners in tune["rows"]:
             label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
-            lines.append(f"  {label:>9s}  {inplace:22s} {outplace}")
+            lines.append(f"  {label:>9s}  {inplace:22s} {outplace:22s} {owners}")
     lines.append("settings:")
     if "error" in info["settings"]:
         lines.append(f"  error: {info['settings']['error']}")

@@ -2,18 +2,24 @@
 
 The table maps a size class (4 KiB to 256 MiB, in steps of 4x) and a mode
 (``in_place``: the input is the destination; ``out_of_place``: the input is
-the caller's array and the sum goes elsewhere) to the fastest strategy of
-:mod:`mpikv.reducers`. It comes, in this order, from:
+the caller's array and the sum goes elsewhere; ``to_owners``: only each
+owner's block of the sum is wanted, the push of an updater or optimizer on
+the owners) to the fastest strategy of :mod:`mpikv.reducers`. Buffers on a
+GPU have columns of their own (``device:MODE``) where ``mpikv tune`` measured
+them with cupy; else they use the host's. It comes, in this order, from:
 
 1. the ``reducer`` option (``create(reducer=)`` or ``MPIKV_REDUCER``), if not ``auto``;
 2. the cache file that ``mpikv tune`` (or an earlier probe) wrote for this MPI
-   library and version, number of ranks, ranks per node and hosts;
+   library and version, number of ranks, ranks per node and hosts, and the
+   link (``MPIKV_CLUSTER_RATE``, ``MPIKV_TUNE_LABEL``, where set);
 3. a short probe at the store's creation (a few seconds; ``autotune=False``
    or ``MPIKV_AUTOTUNE=0`` turns it off), written to the cache;
 4. the measured default below.
 
 Rank 0 decides and every rank uses its table, so all ranks call the same
-collectives. Deciding from timings (:func:`decide`) is pure.
+collectives. Deciding from timings (:func:`decide`) is pure. Timing is
+:mod:`mpikv.tuning_measure`'s; whether compression pays,
+:mod:`mpikv.tuning_compression`'s.
 """
 
 import hashlib
@@ -24,19 +30,18 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from . import reducers
 from ._logging import get_logger
+from .tuning_measure import (  # noqa: F401 (the table's names, here as before)
+    ALL_MODES, DEVICE, DEVICE_MODES, IN_PLACE, MODES, OUT_OF_PLACE, SIZES, TO_OWNERS,
+    candidates, measure, transport_piece)
 
-IN_PLACE, OUT_OF_PLACE = "in_place", "out_of_place"
-MODES = (IN_PLACE, OUT_OF_PLACE)
-#: size classes in bytes: 4 KiB, 16 KiB, ..., 256 MiB.
-SIZES = tuple(4096 * 4 ** i for i in range(9))
 #: what the probe measures at a store's creation when no cache exists.
 PROBE_SIZES = (64 << 10, 1 << 20, 16 << 20)
 PROBE_BUDGET_S = 3.0
-FORMAT = 1
+#: 2: the ``to_owners`` and ``device:`` columns, compression timings. A file of
+#: another format is not read (its store probes again and rewrites it).
+FORMAT = 2
 
 #: The measured default: ``mpikv tune`` on the project's 2-core test machine
 #: (Open MPI 5.0.11 wheel, 2026-11-23, 2 and 4 ranks on one node). In place,
@@ -45,9 +50,20 @@ FORMAT = 1
 #: of each other: ``Allreduce`` up to 1 MiB (timed then with MPI's out-of-place
 #: call; it now copies first, see :mod:`mpikv.reducers.allreduce`), then copy-first or
 #: ``shared``; ``shared`` needs several ranks per node, so the default takes
-#: copy-first there, which runs anywhere.
+#: copy-first there, which runs anywhere. To the owners (the same machine,
+#: 2026-11-26, 2 ranks 4 KiB-256 MiB and 4 ranks 4 KiB-64 MiB; the strategy
+#: with the least geometric mean of its time over the winner's in the two
+#: runs): ``allreduce`` up to 64 KiB (``reduce_scatter`` within 12 %), ``ring``
+#: at 256 KiB and 1 MiB, ``reduce_scatter`` at 4 MiB (the default bucket), then
+#: ``ring`` (within 1.2-1.5 x of ``reduce_bcast_blocks`` at 16 and 64 MiB, the
+#: winner at 256 MiB, and on the 2 x 2 cluster at 16 and 64 MiB at 1 and
+#: 10 Gbit/s: tests/unit/data/tuning_recorded.json). Against each run's winner it
+#: is 1.0-1.4 x, except ``ring`` at 64 MiB on 2 ranks (2.2 x behind
+#: ``reduce_bcast_blocks``, which it beat at 4 ranks): the runs' noise is 10-50 %.
 DEFAULT = {IN_PLACE: [(math.inf, "allreduce")],
-           OUT_OF_PLACE: [(1 << 20, "allreduce"), (math.inf, "copy+allreduce")]}
+           OUT_OF_PLACE: [(1 << 20, "allreduce"), (math.inf, "copy+allreduce")],
+           TO_OWNERS: [(64 << 10, "allreduce"), (1 << 20, "ring"), (4 << 20, "reduce_scatter"),
+                       (math.inf, "ring")]}
 
 
 def size_class(nbytes):
@@ -70,44 +86,61 @@ class Table:
     winners: dict
     source: str
     times: dict = field(default_factory=dict)
+    #: ``{(mode, size): {"compressed:TYPE": seconds}}`` (in place and to the owners),
+    #: from ``mpikv tune --compression``: reported, never chosen from
+    compressed: dict = field(default_factory=dict)
 
-    def choose(self, nbytes, in_place):
-        """The strategy for a bucket of ``nbytes``."""
-        mode = IN_PLACE if in_place else OUT_OF_PLACE
-        sizes = [s for (m, s) in self.winners if m == mode]
-        if not sizes:
-            return "allreduce"
+    def choose(self, nbytes, in_place, owners=False, device=False):
+        """The strategy for a bucket of ``nbytes``.
+
+        Args:
+            in_place: the in-place column, else the out-of-place one.
+            owners: only the owners need the sum: the ``to_owners`` column
+                (measured in place; every strategy's ``reduce_to_owners``
+                takes an out-of-place input too), else the in-place one.
+            device: GPU buffers: the ``device:`` column where measured, else the host's.
+        """
+        mode = TO_OWNERS if owners else IN_PLACE if in_place else OUT_OF_PLACE
+        tries = ([DEVICE + mode] if device else []) + [mode] + ([IN_PLACE] if owners else [])
         n = max(int(nbytes), 1)
-        best = min(sizes, key=lambda s: (abs(math.log(n / s)), s))
-        return self.winners[(mode, best)]
+        for m in tries:
+            sizes = [s for (mm, s) in self.winners if mm == m]
+            if sizes:
+                best = min(sizes, key=lambda s: (abs(math.log(n / s)), s))
+                return self.winners[(m, best)]
+        return "allreduce"
 
     def to_json(self):
         return {"format": FORMAT, "source": self.source,
                 "winners": [[m, s, n] for (m, s), n in sorted(self.winners.items())],
-                "times": [[m, s, t] for (m, s), t in sorted(self.times.items())]}
+                "times": [[m, s, t] for (m, s), t in sorted(self.times.items())],
+                "compressed": [[m, s, t] for (m, s), t in sorted(self.compressed.items())]}
 
     @classmethod
     def from_json(cls, data, source=None):
         """Raises ValueError on anything malformed (a cache file is data, not trusted)."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError("not a tuning table of this version")
-        winners, times = {}, {}
+        winners, times, compressed = {}, {}, {}
         try:
             for m, s, name in data["winners"]:
-                if m not in MODES or s not in SIZES or not isinstance(name, str):
+                if m not in ALL_MODES or s not in SIZES or not isinstance(name, str):
                     raise ValueError(f"bad entry {[m, s, name]!r}")
                 reducers.check_name(name)
                 winners[(m, s)] = name
             for m, s, t in data.get("times", []):
                 times[(m, s)] = {str(k): float(v) for k, v in t.items()}
+            for m, s, t in data.get("compressed", []):
+                compressed[(m, s)] = {str(k): float(v) for k, v in t.items()}
         except (KeyError, TypeError, AttributeError) as exc:
             # wrong shapes (a number for a list, a missing field) are malformed too
             raise ValueError(f"malformed tuning table: {type(exc).__name__}: {exc}") from None
-        return cls(winners, source or str(data.get("source", "?")), times)
+        return cls(winners, source or str(data.get("source", "?")), times, compressed)
 
     def rows(self):
-        """``[(size, in-place winner, out-of-place winner)]`` for printing."""
-        return [(s, self.choose(s, True), self.choose(s, False)) for s in SIZES]
+        """``[(size, in-place winner, out-of-place winner, to-the-owners winner)]``."""
+        return [(s, self.choose(s, True), self.choose(s, False), self.choose(s, True, True))
+                for s in SIZES]
 
 
 def forced(name, source):
@@ -115,7 +148,8 @@ def forced(name, source):
     reducers.check_name(name)
     inplace = name[len(reducers.COPY):] if name.startswith(reducers.COPY) else name
     return Table({**{(IN_PLACE, s): inplace for s in SIZES},
-                  **{(OUT_OF_PLACE, s): name for s in SIZES}}, source)
+                  **{(OUT_OF_PLACE, s): name for s in SIZES},
+                  **{(TO_OWNERS, s): inplace for s in SIZES}}, source)
 
 
 def default_table():
@@ -152,84 +186,32 @@ def decide(times, source):
     return Table(winners, source, {k: dict(v) for k, v in times.items()})
 
 
-def candidates(mode, transport):
-    """The strategies measured for ``mode`` on ``transport``."""
-    names = [n for n in reducers.NAMES if reducers.usable(n, transport)]
-    if mode == OUT_OF_PLACE:
-        names += [reducers.COPY + n for n in names]
-    return names
-
-
-def measure(transport, sizes=SIZES, reps=3, budget_s=None, progress=None):
-    """Times every usable strategy per size class and mode on ``transport``; collective.
-
-    Candidates run interleaved (each repetition runs every candidate once);
-    a candidate's time is the median over repetitions of the slowest rank.
-
-    Args:
-        sizes: size classes in bytes (float32 buffers).
-        reps: timed repetitions after one warm-up.
-        budget_s: stop after the size class that exceeds this many seconds
-            (rank 0's clock decides for everyone).
-        progress: ``progress(size)`` called on each class (rank 0 prints).
-
-    Returns:
-        ``{(mode, size): {name: seconds}}``
-    """
-    what = ("tune", [])
-    start = time.perf_counter()
-    times = {}
-    made = {}
-    rng = np.random.default_rng(transport.rank)
-    for size in sizes:
-        if progress is not None:
-            progress(size)
-        n = size // 4
-        src = rng.standard_normal(n).astype(np.float32)
-        dst = np.empty_like(src)
-        for mode in MODES:
-            names = candidates(mode, transport)
-            samples = {name: [] for name in names}
-            for rep in range(reps + 1):
-                for name in names:
-                    red = made.get(name)
-                    if red is None:
-                        red = made[name] = reducers.make(name, transport, transport_piece(transport))
-                    if mode == IN_PLACE:
-                        dst[...] = src
-                    transport.barrier(what)
-                    t = time.perf_counter()
-                    red.allreduce(dst, None if mode == IN_PLACE else src, what)
-                    dt = max(transport.allgather_records(time.perf_counter() - t, what))
-                    if rep:
-                        samples[name].append(dt)
-            for name, ts in samples.items():
-                times.setdefault((mode, size), {})[name] = float(np.median(ts))
-        if budget_s is not None:
-            over = transport.bcast_record(time.perf_counter() - start > budget_s, 0, what)
-            if over:
-                break
-    for red in made.values():
-        close = getattr(getattr(red, "inner", red), "close", None)
-        if close is not None:
-            close()
-    return times
-
-
-def transport_piece(transport):
-    return getattr(transport, "piece_bytes", 4 << 20)
-
-
 # -- the cache -------------------------------------------------------------
 def cache_key(transport):
-    """What a table depends on; collective (gathers host names)."""
-    hosts = transport.allgather_records(socket.gethostname(), ("tune", []))
+    """What a table depends on; collective (gathers host names).
+
+    Beyond the MPI library, the ranks and the hosts: the link, which host names
+    do not tell (a cluster reshaped from 10 to 1 Gbit/s keeps them):
+    ``MPIKV_CLUSTER_RATE`` (``scripts/cluster.sh`` sets it) and
+    ``MPIKV_TUNE_LABEL`` (any text, e.g. the fabric), each only where set and
+    taken from rank 0 so that every rank has the same key.
+    """
+    mine = (socket.gethostname(), os.environ.get("MPIKV_CLUSTER_RATE"),
+            os.environ.get("MPIKV_TUNE_LABEL"))
+    records = transport.allgather_records(mine, ("tune", []))
     per_host = {}
-    for h in hosts:
+    for h, _, _ in records:
         per_host[h] = per_host.get(h, 0) + 1
-    return {"library": transport.library.splitlines()[0] if transport.library else "?",
-            "mpi_version": transport.mpi_version, "ranks": transport.size,
-            "ranks_per_node": sorted(per_host.values()), "hosts": sorted(per_host)}
+    key = {"library": transport.library.splitlines()[0] if transport.library else "?",
+           "mpi_version": transport.mpi_version, "ranks": transport.size,
+           "ranks_per_node": sorted(per_host.values()), "hosts": sorted(per_host)}
+    # Only where set: a key without them is the one tables were cached under before.
+    _, rate, label = records[0]
+    if rate:
+        key["rate"] = rate
+    if label:
+        key["label"] = label
+    return key
 
 
 def cache_dir(environ=None):
@@ -254,6 +236,12 @@ def read_cache(path, key):
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         if data.get("key") != key:
+            return None
+        if data["table"].get("format") != FORMAT:
+            # Another version's table (format 1 had no to_owners column): measured again
+            # and rewritten, not misread, and not worth a warning.
+            get_logger().info("tuning cache %s has format %r, not %d: measuring again",
+                              path, data["table"].get("format"), FORMAT)
             return None
         return Table.from_json(data["table"], f"cache {path} ({data['table'].get('source')}, "
                                               f"{data.get('date', '?')})")

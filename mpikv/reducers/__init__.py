@@ -7,7 +7,8 @@
 | ``reduce_bcast_blocks`` | ``Reduce`` of each rank's block to it, ``Bcast`` of each | ``Reduce`` of each owner's block |
 | ``reduce_scatter`` | ``Reduce_scatter`` + ``Allgatherv`` | ``Reduce_scatter`` by owner blocks |
 | ``shared`` | node shared memory (MPI-3 window), ``Allreduce`` across nodes | the same |
-| ``hierarchical`` | ``Reduce`` in the node, ``Allreduce`` across nodes, ``Bcast`` in the node | the same |
+| ``hierarchical`` | ``Reduce`` in the node, ``Allreduce`` across nodes, ``Bcast`` in the node | ``Reduce`` in the node, ``Reduce_scatter`` of the nodes' parts across nodes, ``Scatterv`` in the node |
+| ``ring`` | a ring of ``Sendrecv`` to near-equal blocks, ``Allgatherv`` | the ring to the owners' blocks |
 
 Chosen by the store's state, not the table: ``compressed:2bit``,
 ``compressed:fp16``, ``compressed:bf16`` (:mod:`.compressed`, after
@@ -17,7 +18,9 @@ in node shared memory, :class:`.shared.WindowReducer`).
 Wrappers: ``copy+NAME`` copies an out-of-place input into the destination and
 runs ``NAME`` in place; ``staged:NAME`` carries GPU buffers through pinned
 host memory when MPI is not CUDA-aware. Which strategy moves which bucket is
-decided by the tuning table (:mod:`mpikv.tuning`), once per bucket layout.
+decided by the tuning table (:mod:`mpikv.tuning`), once per bucket layout:
+its column is in place or out of place when every rank gets the sum, and
+``to_owners`` when only the owners do, on host or (where measured) GPU buffers.
 """
 
 import importlib
@@ -32,6 +35,7 @@ STRATEGIES = {
     "reduce_scatter": "reduce_scatter.ReduceScatterReducer",
     "shared": "shared.SharedMemoryReducer",
     "hierarchical": "hierarchical.HierarchicalReducer",
+    "ring": "ring.RingReducer",
 }
 NAMES = tuple(STRATEGIES)
 COPY = "copy+"
@@ -111,7 +115,7 @@ class Chooser:
         self._made.clear()
         self.compression = None
 
-    def get(self, bucket, nbytes, in_place, device=False, window=None):
+    def get(self, bucket, nbytes, in_place, device=False, window=None, owners=False):
         """The reducer of one bucket.
 
         Args:
@@ -119,10 +123,13 @@ class Chooser:
                 residuals per key).
             nbytes: its size in bytes (the table's row).
             in_place: the table's column; the same on every rank.
-            device: whether its buffers are on a GPU.
+            device: whether its buffers are on a GPU (the table's ``device:``
+                columns where measured).
             window: the bucket's :class:`~mpikv.transport.shm.SharedArena` when
                 its zero-copy buffers are that window's segments and the sum
                 goes to every rank, else None.
+            owners: the sum goes to the owners only (an updater or optimizer
+                runs there): the table's ``to_owners`` column.
         """
         comp = self.compression
         if comp is not None and not comp.per_device:
@@ -132,15 +139,15 @@ class Chooser:
             from .shared import WindowReducer
             found = WindowReducer(self.transport, window)
         else:
-            return self._strategy(nbytes, in_place, device)
+            return self._strategy(nbytes, in_place, device, owners)
         return self._staged(found) if device else found
 
-    def _strategy(self, nbytes, in_place, device):
-        name = self.table.choose(nbytes, in_place)
+    def _strategy(self, nbytes, in_place, device, owners):
+        name = self.table.choose(nbytes, in_place, owners, device)
         if not usable(name, self.transport):
             # A forced or cached name this layout cannot run (shared memory with one
             # rank per node): the same answer on every rank, so the same fallback.
-            name = "allreduce" if in_place else COPY + "allreduce"
+            name = "allreduce" if in_place or owners else COPY + "allreduce"
         key = (name, device)
         found = self._made.get(key)
         if found is None:

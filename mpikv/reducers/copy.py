@@ -1,5 +1,7 @@
 """Out of place as a copy, then any strategy in place."""
 
+import numpy as np
+
 from .. import backends
 from .base import Reducer
 
@@ -24,11 +26,19 @@ class CopyFirstReducer(Reducer):
         return True
 
     def allreduce(self, dst, src, what):
-        if src is not None:
-            backends.copyto(dst, src)
+        self._copy(dst, src)
         self.inner.allreduce(dst, None, what)
 
     def reduce_to_owners(self, dst, src, blocks, what):
-        if src is not None:
-            backends.copyto(dst, src)
+        self._copy(dst, src)
         self.inner.reduce_to_owners(dst, None, blocks, what)
+
+    @staticmethod
+    def _copy(dst, src):
+        if src is None:
+            return
+        backends.copyto(dst, src)
+        if type(dst) is not np.ndarray:
+            # A device copy is a queued kernel; a CUDA-aware MPI that the inner strategy
+            # calls straight (hierarchical's node calls) would read dst before it ran.
+            backends.synchronize(dst)

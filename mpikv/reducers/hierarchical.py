@@ -1,6 +1,9 @@
 """Hierarchical: ``Reduce`` within each node, ``Allreduce`` across the nodes' leaders,
-``Bcast`` within each node (Horovod's hierarchical allreduce)."""
+``Bcast`` within each node (Horovod's hierarchical allreduce); to the owners,
+``Reduce`` within each node, ``Reduce_scatter`` across the leaders by node (each
+node gets only what its ranks own), ``Scatterv`` of the owners' blocks in the node."""
 
+from ..transport.spans import node_spans
 from .base import Reducer
 
 
@@ -28,3 +31,15 @@ class HierarchicalReducer(Reducer):
                 if leader and nodes.nodes > 1:
                     nodes.allreduce_across_(piece)
                 nodes.bcast_from_leader_(piece)
+
+    def reduce_to_owners(self, dst, src, blocks, what):
+        # Between nodes each leader sends the whole buffer once and gets back only its
+        # node's part: half an Allreduce's traffic on the link at two nodes.
+        nodes = self.transport.nodes
+        with self.transport.guard(what):
+            for a, b in self._pieces(dst):
+                nodes.reduce_to_leader(dst[a:b], None if src is None else src[a:b])
+            if nodes.local_rank == 0 and nodes.nodes > 1:
+                step = max(1, self.piece_bytes // dst.itemsize // nodes.nodes)
+                nodes.reduce_scatter_across_(dst, node_spans(blocks, nodes.members), step)
+            nodes.scatter_from_leader_(dst, blocks)

@@ -32,7 +32,7 @@ def test_json_on_two_ranks_is_one_object_from_rank_0():
     assert info["size"] == 2
     # The strategy table in force, where it came from, one row per size class.
     assert len(info["tuning"]["rows"]) == 9 and info["tuning"]["source"]
-    assert all(len(row) == 3 for row in info["tuning"]["rows"])
+    assert all(len(row) == 4 for row in info["tuning"]["rows"])   # size, 3 columns
     assert sorted(r for ranks in info["hosts"].values() for r in ranks) == [0, 1]
     assert "Open MPI" in info["mpi_library"] and not info["mpi_library"].endswith("\x00")
     assert info["mpi_standard"].count(".") == 1
@@ -63,12 +63,13 @@ def test_the_table_in_force_comes_from_the_cache_or_the_default(tmp_path):
     assert os.listdir(tmp_path) == []                     # info never probes nor writes
     # A cache for that key (as `mpikv tune` would write it) is what info then shows.
     table = tuning.Table({("in_place", 4096): "reduce_scatter",
-                          ("out_of_place", 4096): "copy+reduce_bcast"}, "hand-made")
+                          ("out_of_place", 4096): "copy+reduce_bcast",
+                          ("to_owners", 4096): "hierarchical"}, "hand-made")
     assert tuning.write_cache(tune["cache_path"], tune["key"], table) is None
     again = _info_json(2, env)["tuning"]
     assert again["source"].startswith(f"cache {tune['cache_path']} (hand-made, ")
     assert again["rows"] == [list(r) for r in table.rows()]
-    assert again["rows"][-1] == [256 << 20, "reduce_scatter", "copy+reduce_bcast"]
+    assert again["rows"][-1] == [256 << 20, "reduce_scatter", "copy+reduce_bcast", "hierarchical"]
     rc, out, _ = run_job(2, "-m", "mpikv", "info", env=env)
     assert rc == 0, out
     assert f"strategies:     cache {tune['cache_path']}" in out

@@ -78,16 +78,26 @@ def test_forced_reducer_wins_over_the_cache(tmp_path):
 
 def test_tune_json_no_write_and_chosen_sizes(tmp_path):
     rc, out, _ = run_job(2, "-m", "mpikv", "tune", "--sizes", "4K,64K", "--reps", "1",
-                         "--json", "--no-write", env=_env(tmp_path, "0"))
+                         "--json", "--no-write", "--compression",
+                         env={**_env(tmp_path, "0"), "MPIKV_TUNE_LABEL": "test-fabric"})
     assert rc == 0, out
     lines = [line for line in out.splitlines() if line.startswith("{")]
     assert len(lines) == 1, out                           # rank 0 only
     doc = json.loads(lines[0])
     assert doc["path"] is None and doc["error"] is None and doc["key"]["ranks"] == 2
+    assert doc["key"]["label"] == "test-fabric"
+    modes = ["in_place", "out_of_place", "to_owners"]
     assert [(r["size"], r["mode"]) for r in doc["rows"]] == [
-        (4096, "in_place"), (4096, "out_of_place"), (65536, "in_place"), (65536, "out_of_place")]
+        (s, m) for s in (4096, 65536) for m in modes]     # no GPU here: no device: rows
     assert all(r["ms"] > 0 and r["runner_up"] for r in doc["rows"])
     assert "16 KiB" not in out and _cache_files(tmp_path) == []
+    # compression against the best uncompressed strategy, per size, mode and codec
+    assert {(r["size"], r["mode"], r["codec"]) for r in doc["compression"]} == {
+        (s, m, "compressed:" + c) for s in (4096, 65536) for m in ("in_place", "to_owners")
+        for c in ("2bit", "fp16", "bf16")}
+    assert all(r["best"] and r["speedup"] > 0 for r in doc["compression"])
+    assert len(doc["compression_summary"]) == 6 and all(
+        "pays" in line for line in doc["compression_summary"])
 
 
 def test_tune_refuses_bad_arguments_before_starting_mpi():

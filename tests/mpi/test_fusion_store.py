@@ -139,10 +139,10 @@ def test_zero_copy_refuses_float16_and_unknown_keys(comm):
 
 def test_bad_reducer_name_is_an_error():
     with pytest.raises(ValueError, match="allreduce"):
-        mpikv.create("dist_sync", reducer="ring")
+        mpikv.create("dist_sync", reducer="spiral")
     with pytest.raises(ValueError, match="MPIKV_REDUCER"):
         from mpikv import config
-        config.resolve(environ={"MPIKV_REDUCER": "ring"})
+        config.resolve(environ={"MPIKV_REDUCER": "spiral"})
     assert config.resolve(environ={"MPIKV_ALGORITHM": "reduce_scatter"}).reducer == "reduce_scatter"
 
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from mpikv import reducers, tuning
-from mpikv.tuning import IN_PLACE, OUT_OF_PLACE, SIZES, Table
+from mpikv.tuning import DEVICE, IN_PLACE, OUT_OF_PLACE, SIZES, TO_OWNERS, Table
 
 MiB = 1 << 20
 
@@ -63,7 +63,7 @@ def test_forced_and_default_tables_cover_every_class():
         assert forced.choose(size, True) == "reduce_scatter"
         assert forced.choose(size, False) == "copy+reduce_scatter"
     with pytest.raises(ValueError, match="unknown reduction strategy"):
-        tuning.forced("ring", "x")
+        tuning.forced("spiral", "x")
     default = tuning.default_table()
     assert set(default.winners) == {(m, s) for m in tuning.MODES for s in SIZES}
     for name in default.winners.values():
@@ -76,7 +76,7 @@ def test_json_round_trip_and_refusals():
     assert back.winners == table.winners and back.times == table.times
     assert back.source == "src"
     good = table.to_json()
-    for bad in ({**good, "format": 99}, {**good, "winners": [["in_place", MiB, "ring"]]},
+    for bad in ({**good, "format": 99}, {**good, "winners": [["in_place", MiB, "spiral"]]},
                 {**good, "winners": [["sideways", MiB, "allreduce"]]},
                 {**good, "winners": [["in_place", 12345, "allreduce"]]}, ["not", "a", "dict"]):
         with pytest.raises(ValueError):
@@ -144,7 +144,7 @@ def test_choose_is_per_mode_and_equal_distances_take_the_smaller_class():
     assert table.choose(8193, True) == "shared"
     assert table.choose(4096, False) == "allreduce"        # no out-of-place entry
     assert [r[0] for r in table.rows()] == list(SIZES)
-    assert table.rows()[-1] == (SIZES[-1], "shared", "allreduce")
+    assert table.rows()[-1] == (SIZES[-1], "shared", "allreduce", "shared")  # owners: in place
 
 
 def test_size_class_rounds_on_a_log_scale():
@@ -163,7 +163,7 @@ def test_default_table_values_follow_DEFAULT():
         ["allreduce"] * 5 + ["copy+allreduce"] * 4)        # 4 KiB..1 MiB, then 4..256 MiB
     forced = tuning.forced("shared", "f")
     assert {forced.choose(s, m) for s in SIZES for m in (True, False)} == {"shared"}
-    assert forced.source == "f" and len(forced.winners) == 2 * len(SIZES)
+    assert forced.source == "f" and len(forced.winners) == 3 * len(SIZES)
 
 
 def test_json_round_trip_of_a_whole_table_and_more_refusals():
@@ -247,3 +247,102 @@ def test_tune_parse_sizes():
     for bad in ("3K", "1G", "", "x", "4K,,1M"):
         with pytest.raises(ValueError):
             tune.parse_sizes(bad)
+
+
+# -- the to-the-owners and device columns, the link in the key -------------------
+def test_owners_take_their_column_else_the_in_place_one():
+    table = Table({(IN_PLACE, MiB): "allreduce", (OUT_OF_PLACE, MiB): "copy+shared",
+                   (TO_OWNERS, MiB): "reduce_scatter"}, "t")
+    assert table.choose(MiB, True, owners=True) == "reduce_scatter"
+    assert table.choose(MiB, False, owners=True) == "reduce_scatter"   # measured in place
+    assert table.choose(MiB, False) == "copy+shared"
+    older = Table({(IN_PLACE, MiB): "hierarchical", (OUT_OF_PLACE, MiB): "copy+shared"}, "t")
+    assert older.choose(MiB, False, owners=True) == "hierarchical"     # no column: in place
+    assert tuning.forced("copy+ring", "f").choose(MiB, False, owners=True) == "ring"
+    assert tuning.default_table().choose(MiB, True, owners=True) in reducers.NAMES
+
+
+def test_device_buckets_take_the_device_columns_where_measured_else_the_hosts():
+    host = {(IN_PLACE, MiB): "allreduce", (TO_OWNERS, MiB): "reduce_scatter"}
+    table = Table({**host, (DEVICE + IN_PLACE, MiB): "hierarchical"}, "t")
+    assert table.choose(MiB, True, device=True) == "hierarchical"
+    assert table.choose(MiB, True) == "allreduce"
+    # no device:to_owners column: the host's to_owners, not the device in-place one
+    assert table.choose(MiB, True, owners=True, device=True) == "reduce_scatter"
+    assert Table(host, "t").choose(MiB, True, device=True) == "allreduce"
+    back = Table.from_json(json.loads(json.dumps(table.to_json())))
+    assert back.winners == table.winners
+
+
+def test_decide_keeps_device_columns_apart():
+    times = {(IN_PLACE, MiB): {"allreduce": 1.0, "shared": 2.0},
+             (DEVICE + IN_PLACE, MiB): {"allreduce": 2.0, "shared": 1.0}}
+    table = tuning.decide(times, "t")
+    assert table.choose(MiB, True) == "allreduce"
+    assert table.choose(MiB, True, device=True) == "shared"
+
+
+def test_a_format_1_cache_is_measured_again_not_misread(tmp_path, caplog):
+    key = {"library": "Open MPI v5", "ranks": 2, "ranks_per_node": [2], "hosts": ["vm"]}
+    path = tuning.cache_path(key, {"MPIKV_CACHE_DIR": str(tmp_path)})
+    old = {"format": 1, "source": "mpikv tune (2 ranks, 3 reps)",
+           "winners": [["in_place", MiB, "shared"], ["out_of_place", MiB, "copy+shared"]],
+           "times": []}
+    with open(path, "w") as f:
+        json.dump({"key": key, "date": "2026-11-23 10:00:00", "table": old}, f)
+    with caplog.at_level("INFO", logger="mpikv"):
+        assert tuning.read_cache(path, key) is None
+    assert "format 1" in caplog.text and "measuring again" in caplog.text
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert tuning.FORMAT == 2
+    with pytest.raises(ValueError, match="not a tuning table of this version"):
+        Table.from_json(old)
+
+
+class _Ranks:
+    """What cache_key reads of a transport, each rank's environment given."""
+
+    library, mpi_version = "Open MPI v5.0.11\nmore", "3.1"
+
+    def __init__(self, records):
+        self.records, self.size = records, len(records)
+
+    def allgather_records(self, record, what):
+        return list(self.records)
+
+
+def test_the_cache_key_names_the_link_from_rank_0(monkeypatch):
+    plain = tuning.cache_key(_Ranks([("h1", None, None), ("h2", None, None)]))
+    assert plain == {"library": "Open MPI v5.0.11", "mpi_version": "3.1", "ranks": 2,
+                     "ranks_per_node": [1, 1], "hosts": ["h1", "h2"]}   # as before: no rate
+    fast = tuning.cache_key(_Ranks([("h1", "10Gbit", None), ("h2", "10Gbit", None)]))
+    slow = tuning.cache_key(_Ranks([("h1", "1Gbit", "ib"), ("h2", "other", "x")]))
+    assert fast == {**plain, "rate": "10Gbit"}
+    assert slow == {**plain, "rate": "1Gbit", "label": "ib"}            # rank 0's
+    env = {"MPIKV_CACHE_DIR": "/c"}
+    assert len({tuning.cache_path(k, env) for k in (plain, fast, slow)}) == 3
+
+
+def test_cache_key_reads_this_ranks_environment(monkeypatch):
+    class One(_Ranks):
+        def allgather_records(self, record, what):
+            return [record]
+    monkeypatch.setenv("MPIKV_CLUSTER_RATE", "1Gbit")
+    monkeypatch.setenv("MPIKV_TUNE_LABEL", "roce-25g")
+    key = tuning.cache_key(One([None]))
+    assert key["rate"] == "1Gbit" and key["label"] == "roce-25g"
+    monkeypatch.delenv("MPIKV_CLUSTER_RATE")
+    monkeypatch.setenv("MPIKV_TUNE_LABEL", "")
+    assert "rate" not in tuning.cache_key(One([None])) and "label" not in tuning.cache_key(
+        One([None]))
+
+
+def test_rows_have_the_to_owners_column_and_candidates_it():
+    table = Table({(TO_OWNERS, MiB): "ring", (IN_PLACE, MiB): "allreduce"}, "t")
+    assert table.rows()[4] == (MiB, "allreduce", "allreduce", "ring")
+
+    class Stub:
+        size = 2
+    assert tuning.candidates(TO_OWNERS, Stub()) == tuning.candidates(IN_PLACE, Stub())
+    assert tuning.candidates(DEVICE + OUT_OF_PLACE, Stub()) == tuning.candidates(
+        OUT_OF_PLACE, Stub())
