@@ -1,6 +1,8 @@
 """What the Trainer trains: named parameters, their param groups, their buckets."""
 
 from ..errors import ValueTypeError
+from . import tensors
+from .half import HALF
 
 
 def named_groups(params):
@@ -79,3 +81,27 @@ def backward_buckets(sizes, bucket_bytes, first_bytes=None):
     if current:
         buckets.append(current)
     return buckets
+
+
+def on_device_of(value, param, name):
+    """``value`` (a view of the store's memory for ``param``), checked to be where
+    ``param`` is: the Trainer never moves a parameter to another device."""
+    if (tensors.is_device(value), tensors.device_index(value)) != \
+            (tensors.is_device(param), tensors.device_index(param)):
+        raise ValueTypeError(
+            f"the store keeps {name} on {value.device}, but the parameter is on "
+            f"{param.device}: the Trainer leaves each parameter on its device")
+    return value
+
+
+def by_precision(members, params):
+    """Splits a bucket's members into runs of 16-bit and other parameters, each run on
+    one device, in order."""
+    runs = []
+    for i in members:
+        half = (params[i].dtype in HALF, tensors.device_index(params[i]))
+        if runs and runs[-1][0] == half:
+            runs[-1][1].append(i)
+        else:
+            runs.append((half, [i]))
+    return [run for _, run in runs]
