@@ -44,9 +44,10 @@ Variants:
   ``ddp-sgd+fp16`` (or ``+bf16``) is DDP with torch's ``fp16_compress_hook``
   (``bf16_compress_hook``).
 
-Across hosts (``scripts/cluster.sh run -- python -m mpikv bench train ...``) the
-measuring jobs are placed as the launched one (spawn info ``pmix.mapby``
-``PPR:R:NODE``), and DDP's gloo
+Across hosts (``scripts/cluster.sh run -- python -m mpikv bench train --time ...``)
+the variants are timed in the launched job itself, all in one group (Open MPI
+5.0.11 fails to start a second spawned job across the namespace hosts; pick
+variants that fit in memory together), and DDP's gloo
 runs over the cluster's link (``MPIKV_CLUSTER_MASTER``, ``MPIKV_CLUSTER_IFNAME``);
 the tables name the hosts and the link's rate.
 
@@ -407,31 +408,15 @@ def spawn(child, model, variants, args, comm):
         # This file by its path: the child finds the clone however the parent was started.
         child_args = [str(Path(__file__).resolve()), "--child", child, "--model", model,
                       "--variants", ",".join(variants)] + _size_args(model, args)
-        inter = MPI.COMM_SELF.Spawn(sys.executable, child_args, maxprocs=comm.size,
-                                    info=_placement(comm))
+        inter = MPI.COMM_SELF.Spawn(sys.executable, child_args, maxprocs=comm.size)
         while not inter.Iprobe(source=0):
             time.sleep(0.05)  # an idle parent leaves the cores to the job it started
         res = inter.recv(source=0)
         inter.Disconnect()
-    else:
-        _placement(comm)
     req = comm.Ibarrier()
     while not req.Test():
         time.sleep(0.05)
     return comm.bcast(res)
-
-
-def _placement(comm):
-    """Spawn's info: the child job placed as this one, ranks per host alike (collective).
-
-    Without it Open MPI puts every spawned rank on the first host.
-    """
-    from mpi4py import MPI
-    hosts = comm.allgather(MPI.Get_processor_name())
-    info = MPI.Info.Create()
-    if len(set(hosts)) > 1:
-        info.Set("pmix.mapby", f"PPR:{max(hosts.count(h) for h in hosts)}:NODE")
-    return info
 
 
 def _size_args(model, args):
@@ -467,13 +452,16 @@ def time_groups(variants, growth_mib, args, comm):
     from mpi4py import MPI
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     # The jobs' ranks on this node share what is free now; 15 % left for the rest.
-    budget = comm.allreduce(0.85 * _meminfo_available_mib() / local.size, op=MPI.MIN)
+    # scripts/cluster.sh's hosts are one machine: all the ranks share its memory.
+    sharing = comm.size if os.environ.get("MPIKV_CLUSTER_HOSTS") else local.size
+    budget = comm.allreduce(0.85 * _meminfo_available_mib() / sharing, op=MPI.MIN)
     local.Free()
 
     def by_optimizer(group):
         opts = {}
         for v in group:
-            opts.setdefault(v.split("-")[-1], []).append(v)
+            # X, X+codec, X/comm, local-OPT and ddp-OPT: compared with each other
+            opts.setdefault(split_variant(v)[1].split("-")[-1], []).append(v)
         return list(opts.values())
 
     def pairs(group):
@@ -584,6 +572,9 @@ def run(args, comm):
                 "tensors": len(list(net.parameters())), "model_bytes": model_bytes(net),
                 "batch": describe_batch(model, args), "variants": {v: {} for v in variants}}
         del net
+        if args.measure in ("both", "memory") and out["hosts"] > 1:
+            raise SystemExit("bench train --memory runs each variant in a job of its own "
+                             "(MPI_Comm_spawn), which fails across hosts here: use --time")
         if args.measure in ("both", "memory"):
             for v in variants:
                 mem = spawn("memory", model, [v], args, comm)
@@ -597,10 +588,22 @@ def run(args, comm):
                       else _estimate_mib(v, info["model_bytes"]) for v in variants}
             growth["start"] = max([r["start_MiB"] for r in rows.values() if "start_MiB" in r],
                                   default=_status_mib("VmRSS"))
-            groups = time_groups(variants, growth, args, comm)
-            for group in groups:
-                for v, row in spawn("time", model, group, args, comm).items():
-                    rows[v].update(row)
+            if out["hosts"] > 1:
+                # Open MPI 5.0.11 starts one spawned job across the namespace hosts of
+                # scripts/cluster.sh, but a second one fails in MPI_Init ("PML add
+                # procs failed"): across hosts the variants are timed in this job.
+                groups = [variants]
+                found = time_child(argparse.Namespace(**{**vars(args), "model": model,
+                                                         "variants": ",".join(variants)}),
+                                   comm)
+                found = comm.bcast(found)
+            else:
+                groups = time_groups(variants, growth, args, comm)
+                found = {}
+                for group in groups:
+                    found.update(spawn("time", model, group, args, comm))
+            for v, row in found.items():
+                rows[v].update(row)
             warmup, steps = _steps(model, args)
             info.update(groups=groups, warmup=warmup, steps=steps)
         _ratios(info)
@@ -614,7 +617,7 @@ def run(args, comm):
 
 def _estimate_mib(variant, nbytes):
     # Without a memory pass, what BERT-base grew by here at most (DDP + Adam: 6 x the model).
-    per_model = 6 if variant.partition("+")[0].endswith("adam") else 5
+    per_model = 6 if split_variant(variant)[1].endswith("adam") else 5
     return per_model * nbytes / 2**20
 
 

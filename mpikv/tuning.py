@@ -187,6 +187,12 @@ def decide(times, source):
 
 
 # -- the cache -------------------------------------------------------------
+def _placement(hosts):
+    """Each rank's host as the index of its first appearance: ``[0, 0, 1, 1]``."""
+    first = {}
+    return [first.setdefault(h, len(first)) for h in hosts]
+
+
 def cache_key(transport):
     """What a table depends on; collective (gathers host names).
 
@@ -204,7 +210,10 @@ def cache_key(transport):
         per_host[h] = per_host.get(h, 0) + 1
     key = {"library": transport.library.splitlines()[0] if transport.library else "?",
            "mpi_version": transport.mpi_version, "ranks": transport.size,
-           "ranks_per_node": sorted(per_host.values()), "hosts": sorted(per_host)}
+           "ranks_per_node": sorted(per_host.values()), "hosts": sorted(per_host),
+           # which ranks share a host: by block (h1 h1 h2 h2) or not (h1 h2 h1 h2)
+           # puts different hops of a ring on the link
+           "placement": _placement([h for h, _, _ in records])}
     # Only where set: a key without them is the one tables were cached under before.
     _, rate, label = records[0]
     if rate:

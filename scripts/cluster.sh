@@ -182,7 +182,7 @@ kill_in() {  # kill_in NS...: TERM, then KILL, what runs in these namespaces onl
     for ns; do   # children started meanwhile, too
       exists "$ns" && for pid in $(ip netns pids "$ns" || true); do pids+=("$pid"); done
     done
-    for pid in "${pids[@]}"; do alive "$pid" && kill -KILL "$pid" 2> /dev/null; done
+    for pid in "${pids[@]}"; do alive "$pid" && { kill -KILL "$pid" 2> /dev/null || true; }; done
     wait_gone 30 "${pids[@]}" || echo "$me: PIDs still alive after SIGKILL" >&2
   fi
 }
@@ -300,6 +300,10 @@ run() {
   . "$top/scripts/env.sh"
   export PATH="$venv/bin:$PATH" VIRTUAL_ENV=$venv PYTHONUNBUFFERED=1
   # The agent's children (the other hosts' daemons and ranks) inherit these.
+  # MPI's transports as variables too: jobs the ranks spawn (MPI_Comm_spawn) read
+  # these, not mpiexec's command line.
+  export OMPI_MCA_btl=tcp,sm,self OMPI_MCA_btl_tcp_if_include=$net.0/24 \
+         PRTE_MCA_oob_tcp_if_include=$net.0/24 OMPI_MCA_oob_tcp_if_include=$net.0/24
   export MPIKV_CLUSTER_MASTER=$net.1 MPIKV_CLUSTER_IFNAME=$ifname MPIKV_CLUSTER_HOSTS=$n \
          MPIKV_CLUSTER_RANKS_PER_HOST=$per MPIKV_CLUSTER_RATE=$(rate_of 1)
   [ $# -gt 0 ] || set -- python slurm/check_job.py --expect $((n * per))

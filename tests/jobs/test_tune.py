@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from mpikv import tuning
+from mpikv import tuning, tuning_compression
 
 from .conftest import ROOT, run_job
 
@@ -96,8 +96,14 @@ def test_tune_json_no_write_and_chosen_sizes(tmp_path):
         (s, m, "compressed:" + c) for s in (4096, 65536) for m in ("in_place", "to_owners")
         for c in ("2bit", "fp16", "bf16")}
     assert all(r["best"] and r["speedup"] > 0 for r in doc["compression"])
-    assert len(doc["compression_summary"]) == 6 and all(
-        "pays" in line for line in doc["compression_summary"])
+    # one line per codec and mode, each as the summary of the rows printed with it
+    assert len(doc["compression_summary"]) == 6
+    assert doc["compression_summary"] == tuning_compression.summary(doc["compression"])
+    phrases = ("never pays here", "pays at every measured size", "pays from ", "pays up to ",
+               "pays at ")
+    for line in doc["compression_summary"]:
+        codec_mode, _, where = line.partition(": ")
+        assert codec_mode.startswith("compressed:") and where.startswith(phrases), line
 
 
 def test_tune_refuses_bad_arguments_before_starting_mpi():

@@ -109,3 +109,20 @@ def test_bad_arguments_are_refused(cluster):
                        (["run", "--ranks-per-host", "0"], "positive number")):
         rc, out, _ = run([CLUSTER, *args], timeout=60)
         assert rc != 0 and says in out, (args, rc, out)
+
+
+def test_bench_train_across_hosts(cluster):
+    """The Trainer and DDP (gloo on the cluster's interface) timed across two hosts, in
+    the launched job; the same weights from the same batches."""
+    cluster("up", "--hosts", "2", "--rate", "10gbit")
+    out = cluster("run", "--", "python", "-m", "mpikv", "bench", "train", "--model", "bert",
+                  "--bert-layers", "1", "--bert-hidden", "32", "--bert-heads", "2",
+                  "--bert-vocab", "100", "--bert-seq", "8", "--warmup", "1", "--steps", "2",
+                  "--time", "--variants", "trainer-sgd,ddp-sgd", "--json")
+    res = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert res["hosts"] == 2 and res["link"] == "10Gbit", res
+    rows = res["models"][0]["variants"]
+    assert sorted(rows) == ["ddp-sgd", "trainer-sgd"]
+    for name, row in rows.items():
+        assert row["hosts"] == ["h1", "h2"] and row["step_ms"] > 0, (name, row)
+    assert rows["trainer-sgd"]["max_abs_diff_vs_ddp"] < 1e-4

@@ -314,13 +314,23 @@ class _Ranks:
 def test_the_cache_key_names_the_link_from_rank_0(monkeypatch):
     plain = tuning.cache_key(_Ranks([("h1", None, None), ("h2", None, None)]))
     assert plain == {"library": "Open MPI v5.0.11", "mpi_version": "3.1", "ranks": 2,
-                     "ranks_per_node": [1, 1], "hosts": ["h1", "h2"]}   # as before: no rate
+                     "ranks_per_node": [1, 1], "hosts": ["h1", "h2"],
+                     "placement": [0, 1]}                                 # no rate
     fast = tuning.cache_key(_Ranks([("h1", "10Gbit", None), ("h2", "10Gbit", None)]))
     slow = tuning.cache_key(_Ranks([("h1", "1Gbit", "ib"), ("h2", "other", "x")]))
     assert fast == {**plain, "rate": "10Gbit"}
     assert slow == {**plain, "rate": "1Gbit", "label": "ib"}            # rank 0's
     env = {"MPIKV_CACHE_DIR": "/c"}
     assert len({tuning.cache_path(k, env) for k in (plain, fast, slow)}) == 3
+
+
+def test_the_cache_key_tells_placements_apart():
+    """Ranks by block and ranks taking turns between hosts: other hops on the link."""
+    block = tuning.cache_key(_Ranks([(h, None, None) for h in ("h1", "h1", "h2", "h2")]))
+    turns = tuning.cache_key(_Ranks([(h, None, None) for h in ("h1", "h2", "h1", "h2")]))
+    assert block["placement"] == [0, 0, 1, 1] and turns["placement"] == [0, 1, 0, 1]
+    env = {"MPIKV_CACHE_DIR": "/c"}
+    assert tuning.cache_path(block, env) != tuning.cache_path(turns, env)
 
 
 def test_cache_key_reads_this_ranks_environment(monkeypatch):

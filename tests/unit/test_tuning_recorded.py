@@ -39,6 +39,8 @@ def test_the_recordings_are_this_format_and_say_where_they_come_from():
         assert {m for m, _ in t.winners} == set(tuning.MODES)   # no GPU there: no device:
         for name_ in t.winners.values():
             reducers.check_name(name_)
+        # the recorded winners are what decide() makes of the recorded times
+        assert tuning.decide(t.times, name).winners == t.winners
 
 
 @pytest.mark.parametrize("name", CLUSTERS)
