@@ -20,6 +20,8 @@ replayed call to its caller's ``on_call`` (a :class:`ReplayedCall`).
 import ast
 import itertools
 
+import weakref
+
 import numpy as np
 
 from . import backends, errors, flight
@@ -63,8 +65,27 @@ class Protocol:
         # (activity, hint, (activity, hint) at exit), or None.
         self.context = None
         self._exited = False
+        # Callables (weakly held) run before each call: a Trainer's launcher makes
+        # store calls on a thread of its own, and must be drained before a call of
+        # the user's comes in (see add_settler).
+        self._settlers = []
 
     # -- what every call goes through ------------------------------------------
+    def add_settler(self, method):
+        """Runs ``method()`` (a bound method, held weakly) before every later call:
+        whoever makes store calls on a thread of its own waits for them there, so
+        that the store never takes calls from two threads at once."""
+        self._settlers.append(weakref.WeakMethod(method))
+
+    def remove_settler(self, method):
+        self._settlers = [r for r in self._settlers if r() not in (None, method)]
+
+    def _settle(self):
+        for ref in list(self._settlers):
+            method = ref()
+            if method is not None:
+                method()
+
     def fail_next_call(self, exc_class, message):
         """This rank's next call fails on every rank (see :meth:`mpikv.KVStore.fail_next_call`)."""
         self._failure = (exc_class, str(message))
@@ -160,6 +181,7 @@ class Protocol:
         route = self.routes.one_key(op, key, value, out)
         if route is None:
             return False
+        self._settle()
         entry = self._begin(op, route.what[1], priority, out if value is None else value)
         verdict = self.transport.agree(route.digest(priority), False, route.what)
         if verdict != AGREED:
@@ -184,6 +206,7 @@ class Protocol:
         every later call raises on every rank."""
         if self.closed:
             return
+        self._settle()
         self._executor.drain()
 
         def end():
@@ -207,6 +230,7 @@ class Protocol:
         Returns:
             int: the rank that joined last (see :meth:`mpikv.KVStore.join`).
         """
+        self._settle()
         self._executor.drain()
         t = self.transport
         # Larger for a later join, the same on every rank for the same moment.
@@ -313,6 +337,7 @@ class Protocol:
 
     def _agree(self, call):
         """Raises the same MPIKVError on every rank unless all ranks made this call right."""
+        self._settle()
         what = (call.op, call.keys)
         if self.closed:   # the same on every rank: close() is collective
             raise errors.InputError(f"{call.op}: the store is closed (close() was called)")

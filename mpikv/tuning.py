@@ -110,6 +110,10 @@ class Table:
                 return self.winners[(m, best)]
         return "allreduce"
 
+    def measured_on_device(self):
+        """Whether the table has ``device:`` columns (timed on GPU buffers)."""
+        return any(m.startswith(DEVICE) for m, _ in self.winners)
+
     def to_json(self):
         return {"format": FORMAT, "source": self.source,
                 "winners": [[m, s, n] for (m, s), n in sorted(self.winners.items())],

@@ -144,6 +144,11 @@ class Chooser:
 
     def _strategy(self, nbytes, in_place, device, owners):
         name = self.table.choose(nbytes, in_place, owners, device)
+        if (device and strategy_class(name.removeprefix(COPY)).host_only
+                and not self.table.measured_on_device() and self._stage().direct):
+            # A host column's winner that stages every GPU buffer, where MPI takes
+            # them as they are and nothing was timed on the GPU: the direct default.
+            name = "allreduce" if in_place or owners else COPY + "allreduce"
         if not usable(name, self.transport):
             # A forced or cached name this layout cannot run (shared memory with one
             # rank per node): the same answer on every rank, so the same fallback.

@@ -77,6 +77,16 @@ class Launcher:
         if error is not None:
             raise error
 
+    def stop(self):
+        """Ends the thread after the calls queued (no wait, nothing re-raised): for a
+        Trainer dropped without ``close()``."""
+        if self._thread is not None:
+            self._queue.put(None)
+
+    def on_thread(self):
+        """Whether the caller is the launcher's own thread."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
     def close(self):
         """:meth:`drain` (re-raising), then ends the thread; later calls run inline."""
         try:
@@ -100,6 +110,8 @@ class Launcher:
                     fn()
                 except BaseException as exc:  # noqa: BLE001 - re-raised by drain()
                     error = exc
+            # The call's closure holds the Trainer's arrays and store: not while idle.
+            fn = None
             with self._idle:
                 if error is not None:
                     self._error = error

@@ -125,6 +125,10 @@ class Trainer(ClosesAfterWith):
         self._owns_store = kvstore is None or isinstance(kvstore, str)
         self._kv = _make_store(kvstore, self._params, compression is not None)
         self._launcher = _launcher_for(self._kv, bool(self._devices))
+        # The user's own calls on this store (between backward and step, say) come
+        # after the launcher's too.
+        self._kv._protocol.add_settler(self._settle_for_user)
+        weakref.finalize(self, self._launcher.stop)   # dropped without close()
         kv = SettledStore(self._kv, self._settled)   # the helpers' store: after the launcher
         if compression is not None:
             kv.set_gradient_compression(compression)
@@ -563,6 +567,7 @@ class Trainer(ClosesAfterWith):
         for hook in self._hooks:
             hook.remove()
         self._hooks = None
+        self._kv._protocol.remove_settler(self._settle_for_user)
         self._launcher.close()
         for hook in self._forward_hooks:
             hook.remove()
@@ -768,6 +773,12 @@ class Trainer(ClosesAfterWith):
         return self._kv
 
     kvstore = property(_settled, doc="The store (after the calls backward queued).")
+
+    def _settle_for_user(self):
+        """Before any call on the store: the launcher's calls first (not on its own
+        thread, whose calls these are)."""
+        if not self._launcher.on_thread():
+            self._settled()
 
     def _abandon(self):
         """After a failed reduction call: the calls agreed before it end (they touch

@@ -15,6 +15,7 @@ from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
 from . import cuda
+from .pipeline import wants_pieces
 from .staging import Staging
 from .base import AGREED, DIFFER, JOINED, Transport
 from .watchdog import (TIMEOUT_EXIT_CODE, Watchdog, abort, format_what, install_exception_hook,
@@ -278,15 +279,16 @@ class MPITransport(Transport):
             (staging or self.staging).run(lambda b, _: call(b), buf, copy_in=copy_in,
                                           copy_back=copy_back, pieces=pieces)
 
+    # Allreduce, Reduce and Bcast go through the staging whatever the buffer: a large
+    # one goes in the staging's pieces on every rank, host or GPU, so ranks whose
+    # values live in different places still make the same MPI calls.
     def allreduce_(self, buf, what):
-        if type(buf) is not np.ndarray:
-            return self._device(lambda b: self.comm.Allreduce(MPI.IN_PLACE, b, op=MPI.SUM),
-                                buf, what, pieces=True)
-        with self._watchdog.watch(what):
-            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        return self._device(lambda b: self.comm.Allreduce(MPI.IN_PLACE, b, op=MPI.SUM),
+                            buf, what, pieces=True)
 
     def reduce(self, src, dst, root, what):
-        if type(src) is not np.ndarray or type(dst) is not np.ndarray:
+        if (type(src) is not np.ndarray or type(dst) is not np.ndarray
+                or wants_pieces(src.nbytes, self.staging.piece_bytes)):
             return super().reduce(src, dst, root, what)
         with self._watchdog.watch(what):
             self.comm.Reduce(src, dst if self.rank == root else None, op=MPI.SUM, root=root)
@@ -306,17 +308,11 @@ class MPITransport(Transport):
         return self._watchdog.watch(what)
 
     def reduce_(self, buf, root, what):
-        if type(buf) is not np.ndarray:
-            mine = self.rank == root
-            return self._device(
-                lambda b: self.comm.Reduce(MPI.IN_PLACE if mine else b, b if mine else None,
-                                           op=MPI.SUM, root=root), buf, what, copy_back=mine,
-                pieces=True)
-        with self._watchdog.watch(what):
-            if self.rank == root:
-                self.comm.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=root)
-            else:
-                self.comm.Reduce(buf, None, op=MPI.SUM, root=root)
+        mine = self.rank == root
+        return self._device(
+            lambda b: self.comm.Reduce(MPI.IN_PLACE if mine else b, b if mine else None,
+                                       op=MPI.SUM, root=root), buf, what, copy_back=mine,
+            pieces=True)
 
     def reduce_scatter_(self, buf, counts, displs, what):
         mine = buf[displs[self.rank]:displs[self.rank] + counts[self.rank]]
@@ -334,12 +330,9 @@ class MPITransport(Transport):
         mine[...] = block
 
     def bcast_(self, buf, root, what):
-        if type(buf) is not np.ndarray:
-            return self._device(lambda b: self.comm.Bcast(b, root=root), buf, what,
-                                copy_in=self.rank == root, copy_back=self.rank != root,
-                                staging=self.pull_staging, pieces=True)
-        with self._watchdog.watch(what):
-            self.comm.Bcast(buf, root=root)
+        return self._device(lambda b: self.comm.Bcast(b, root=root), buf, what,
+                            copy_in=self.rank == root, copy_back=self.rank != root,
+                            staging=self.pull_staging, pieces=True)
 
     def allgatherv_(self, buf, counts, displs, what):
         def gather(b):

@@ -27,7 +27,7 @@ import threading
 import numpy as np
 
 from . import cuda
-from .pipeline import DEFAULT_STAGING_PIECE, pipelined, wants_pieces
+from .pipeline import DEFAULT_STAGING_PIECE, piece_ranges, pipelined, wants_pieces
 from .._logging import get_logger
 from .._xp import module_of, on
 from ..backends import is_device, synchronize
@@ -116,8 +116,9 @@ class Staging:
         With ``pieces``, a staged buffer of more than :attr:`piece_bytes` goes
         in pieces, ``fn`` once per piece, the copies of other pieces
         overlapping it (:func:`mpikv.transport.pipeline.pipelined`). Only for
-        work that is elementwise over the buffer; direct and host buffers
-        still go whole.
+        work that is elementwise over the buffer. Host and direct buffers of
+        that size go in the same pieces: a rank whose buffer is on the host
+        makes as many MPI calls as a rank whose buffer is staged.
 
         Args:
             fn: the MPI work on flat contiguous buffers; only blocking calls.
@@ -134,20 +135,26 @@ class Staging:
             what ``fn`` returns; in pieces, the list of what it returned for each.
         """
         dev_dst, dev_src = is_device(dst), src is not None and is_device(src)
+        cut = pieces and wants_pieces(dst.nbytes, self.piece_bytes)
         if not (dev_dst or dev_src):
-            return fn(dst, src)
+            return self._in_pieces(fn, dst, src) if cut else fn(dst, src)
         if not host_only and self.direct:
             for buf, dev in ((dst, dev_dst), (src, dev_src)):
                 if dev:
                     synchronize(buf)
             try:
-                return fn(dst, src)
+                return self._in_pieces(fn, dst, src) if cut else fn(dst, src)
             except (mpi_errors() if self._errors is None else self._errors) as exc:
                 self._refused(exc)
-        if pieces and wants_pieces(dst.nbytes, self.piece_bytes):
+        if cut:
             return pipelined(self.stager, fn, dst, src, dev_dst, dev_src,
                              copy_in and src is None, copy_back, self.piece_bytes)
         return self._staged(fn, dst, src, dev_dst, dev_src, copy_in, copy_back)
+
+    def _in_pieces(self, fn, dst, src):
+        """``fn`` over the pieces that staging would cut (the same MPI calls)."""
+        return [fn(dst[a:b], None if src is None else src[a:b])
+                for a, b in piece_ranges(dst.size, dst.itemsize, self.piece_bytes)]
 
     def _refused(self, exc):
         reason = f"{type(exc).__name__}: {exc}"

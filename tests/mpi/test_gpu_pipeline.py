@@ -97,3 +97,22 @@ def test_ranks_must_agree_on_the_piece(comm):
     raises_everywhere(comm, errors.MismatchError,
                       lambda: mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT,
                                            staging_piece=piece))
+
+
+@pytest.mark.parametrize("reducer", ["allreduce", "reduce_bcast"])
+def test_ranks_with_the_key_on_gpu_and_on_host_make_the_same_calls(cp, comm, reducer):
+    """Rank 0 keeps a multi-piece key on its GPU, the others on the host: staged or not,
+    each rank cuts Bcast and Allreduce into the same pieces (before, a host rank made
+    one call where the GPU rank made several, and the job hung)."""
+    n, r = comm.size, comm.rank
+    size = 1001
+    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, staging_piece=PIECE,
+                      reducer=reducer, autotune=False)
+    mine = (np.arange(size) % 7 + r).astype(np.float32)
+    value = cp.asarray(mine) if r == 0 else mine.copy()
+    kv.init("w", value)
+    out = cp.zeros(size, cp.float32) if r == 0 else np.zeros(size, np.float32)
+    kv.pushpull("w", value, out=out)
+    got = out.get() if r == 0 else out
+    want = sum((np.arange(size) % 7 + q).astype(np.float32) for q in range(n))
+    np.testing.assert_array_equal(got, want)

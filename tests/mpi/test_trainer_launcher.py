@@ -167,3 +167,38 @@ def test_a_failed_agreement_on_the_launcher_is_raised_on_every_rank(comm, where,
         assert torch.equal(p.detach(), got[n]), n
     clean.close()
     kv2.close()
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_the_users_own_store_calls_between_backward_and_step_wait_for_the_launcher(
+        comm, shard):
+    """A sum of the user's on the store given to the Trainer (a loss to log) while the
+    launcher may still be agreeing buckets: it comes after them on every rank, right,
+    and the steps equal those of a Trainer without the user's calls."""
+    import time
+
+    import numpy as np
+    nets = []
+    for user_calls in (True, False):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(12)])
+        kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, autotune=False)
+        trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.01}, kv,
+                                      bucket_bytes=512, shard=shard)
+        assert len(trainer._buckets) > 4
+        for step in range(6):
+            trainer.zero_grad()
+            if comm.rank == comm.size - 1:
+                time.sleep(0.01)   # the last rank late: the others' buckets still agree
+            torch.manual_seed(100 * step + comm.rank)
+            net(torch.randn(4, 16)).pow(2).mean().backward()
+            if user_calls:
+                loss = np.array([step + comm.rank], np.float64)
+                kv.allreduce_(loss, tag="loss")
+                assert loss[0] == comm.size * step + comm.size * (comm.size - 1) // 2
+            trainer.step()
+        trainer.close()
+        kv.close()
+        nets.append(net)
+    for a, b in zip(nets[0].parameters(), nets[1].parameters()):
+        assert torch.equal(a, b)

@@ -356,3 +356,24 @@ def test_rows_have_the_to_owners_column_and_candidates_it():
     assert tuning.candidates(TO_OWNERS, Stub()) == tuning.candidates(IN_PLACE, Stub())
     assert tuning.candidates(DEVICE + OUT_OF_PLACE, Stub()) == tuning.candidates(
         OUT_OF_PLACE, Stub())
+
+
+def test_a_host_only_winner_is_not_used_for_gpu_buffers_mpi_takes_directly():
+    """No GPU column measured: a host column's ``ring`` (numpy adds, so every GPU buffer
+    staged) gives way to ``allreduce`` where MPI takes device buffers as they are."""
+    from types import SimpleNamespace
+
+    from mpikv import reducers
+
+    def chosen(direct, table):
+        transport = SimpleNamespace(size=2, rank=0, comm=object(),
+                                    staging=SimpleNamespace(direct=direct))
+        red = reducers.Chooser(transport, table, 1 << 20)._strategy(16 << 20, True, True,
+                                                                    owners=True)
+        return red.inner.name
+    ring = tuning.forced("ring", "test")
+    assert chosen(True, ring) == "allreduce"
+    assert chosen(False, ring) == "ring"          # staged anyway: the host's winner
+    measured = Table({**ring.winners, ("device:to_owners", 16 << 20): "ring"}, "gpu")
+    assert measured.measured_on_device() and not ring.measured_on_device()
+    assert chosen(True, measured) == "ring"       # timed on the GPU: trusted
