@@ -83,6 +83,8 @@ def _backward(net, step, comm):
 
 @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
 def test_reductions_and_their_agreements_run_off_the_hook_thread(comm, where, monkeypatch, shard):
+    if comm.size == 1:
+        pytest.skip("one rank: the calls run inline (nothing to wait for)")
     net = _model()
     kv = mpikv.create(where, timeout=TEST_TIMEOUT)
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, kv, bucket_bytes=64,
@@ -117,6 +119,8 @@ def test_reductions_and_their_agreements_run_off_the_hook_thread(comm, where, mo
 @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
 def test_a_failed_agreement_on_the_launcher_is_raised_on_every_rank(comm, where, monkeypatch,
                                                                      shard):
+    if comm.size == 1:
+        pytest.skip("one rank: the calls run inline")
     net = _model()
     kv = mpikv.create(where, timeout=TEST_TIMEOUT)
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, kv,
