@@ -9,7 +9,8 @@ default ``Reduce_scatter_block`` took 570-584 ms. Each rank sends and receives
 
 import numpy as np
 
-from .base import Reducer, even_blocks
+from .base import Reducer
+from .reduce_scatter import ReduceScatterReducer
 
 
 class RingReducer(Reducer):
@@ -28,11 +29,7 @@ class RingReducer(Reducer):
     def usable(cls, transport):
         return transport.size > 1 and hasattr(transport, "comm")
 
-    def allreduce(self, dst, src, what):
-        t = self.transport
-        blocks = even_blocks(dst.size, t.size)
-        self.reduce_to_owners(dst, src, blocks, what)
-        t.allgatherv_(dst, blocks.counts, blocks.displs, what)
+    allreduce = ReduceScatterReducer.allreduce   # to the owners, then Allgatherv
 
     def reduce_to_owners(self, dst, src, blocks, what):
         t = self.transport
