@@ -19,7 +19,6 @@ replayed call to its caller's ``on_call`` (a :class:`ReplayedCall`).
 
 import ast
 import itertools
-
 import weakref
 
 import numpy as np
