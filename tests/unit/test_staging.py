@@ -594,7 +594,9 @@ def test_in_pieces_out_of_place_copies_the_input_down(cp, fake):
     assert fakecupy.races() == [] and fakecupy.pending() == 0
 
 
-def test_in_pieces_only_when_asked_and_staged(cp, fake):
+def test_in_pieces_only_when_asked_and_the_same_pieces_everywhere(cp, fake):
+    """Not asked: whole. Asked: staged, direct and host buffers all go in the same
+    pieces, so ranks whose buffers live in different places make the same MPI calls."""
     stager, device, _ = fake
     dev = device(np.ones(8, np.float32))
     staging = _staged_in_pieces(stager, 8)
@@ -602,8 +604,11 @@ def test_in_pieces_only_when_asked_and_staged(cp, fake):
     assert fakecupy.events().count("d2h") == 1
     aware = _policy(stager, True)
     aware.piece_bytes = 8
-    assert aware.run(_allreduce(), dev, pieces=True) == "device"   # direct: whole
+    assert aware.run(_allreduce(), dev, pieces=True) == ["device"] * 4   # 32 bytes
     assert dev.tolist() == [4] * 8
+    host = np.ones(8, np.float32)
+    assert staging.run(_allreduce(), host, pieces=True) == ["host"] * 4
+    assert staging.run(_allreduce(), host) == "host"
 
 
 def test_in_pieces_body_raises_waits_for_queued_copies(cp, fake):
