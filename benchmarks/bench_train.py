@@ -228,16 +228,6 @@ def init_process_group(comm):
 def make_variant(variant, net, loss_fn, comm):
     """Wraps ``net`` (the variant's own copy) for ``variant``; returns ``step(batch)``."""
     kind, opt, comp = split_variant(variant)
-    if kind == "local":
-        cls, kwargs = OPTIMIZERS[opt]
-        optimizer = cls(net.parameters(), **kwargs)
-
-        def step(batch):
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(net, batch).backward()
-            optimizer.step()
-        step.keep = optimizer
-        return step
     if comm_only(variant):
         return _comm_step(kind, opt, comp, net, comm)
     if kind in ("trainer", "shardgrads"):
@@ -253,7 +243,11 @@ def make_variant(variant, net, loss_fn, comm):
             trainer.step()
         step.keep = trainer
         return step
-    if kind == "horovod":
+    if kind == "local":   # no communication: the compute alone
+        cls, kwargs = OPTIMIZERS[opt]
+        optimizer = cls(net.parameters(), **kwargs)
+        wrapped = net
+    elif kind == "horovod":
         import horovod.torch as hvd
         hvd.init()
         cls, kwargs = OPTIMIZERS[opt]
