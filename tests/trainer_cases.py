@@ -60,6 +60,22 @@ CASES = {
     "split-keys": {"store": {"bigarray_bound": 10}},
     "param-groups": {"groups": True},
     "batch-size": {"batch_size": True},
+    # torch's other optimizers: their own step on the owners' parts
+    "nadam": {"opt": torch.optim.NAdam, "kw": {"lr": 0.01, "weight_decay": 1e-3}},
+    "adagrad": {"opt": torch.optim.Adagrad, "kw": {"lr": 0.05, "initial_accumulator_value": 0.1}},
+    "adadelta": {"opt": torch.optim.Adadelta, "kw": {"lr": 0.5}},
+    "adamax": {"opt": torch.optim.Adamax, "kw": {"lr": 0.01}},
+    "radam": {"opt": torch.optim.RAdam, "kw": {"lr": 0.01, "decoupled_weight_decay": True,
+                                               "weight_decay": 0.01}},
+    "rmsprop-centered": {"opt": torch.optim.RMSprop, "kw": {"lr": 0.01, "momentum": 0.9,
+                                                            "centered": True}},
+    "asgd": {"opt": torch.optim.ASGD, "kw": {"lr": 0.01, "t0": 2}},
+    "rprop": {"opt": torch.optim.Rprop, "kw": {"lr": 0.01}},
+    "nadam-split-keys": {"opt": torch.optim.NAdam, "kw": {"lr": 0.01},
+                         "store": {"bigarray_bound": 10}},
+    # whole parameters on their owners: a class that is not elementwise, and one that is
+    "adafactor": {"opt": torch.optim.Adafactor, "kw": {"lr": 0.01}},
+    "adamw-whole": {"opt": torch.optim.AdamW, "kw": {"lr": 0.01}, "split": False},
 }
 
 
@@ -67,7 +83,7 @@ def settings(name):
     s = {"opt": torch.optim.SGD, "kw": {"lr": 0.1, "momentum": 0.9, "nesterov": True,
                                         "weight_decay": 1e-3},
          "zero": "trainer", "head": "none", "micro": 1, "clip": None, "sched": False,
-         "store": {}, "groups": False, "batch_size": False}
+         "store": {}, "groups": False, "batch_size": False, "split": None}
     s.update(CASES[name])
     return s
 
@@ -110,7 +126,7 @@ def _mx_optimizer():
 
 #: the cases also run with uneven data: one rank has extra batches, then all join
 JOIN_CASES = ["sgd", "adamw", "mxnet-sgd", "clip", "clip-batch-size", "scheduler",
-              "split-keys", "param-groups", "batch-size"]
+              "split-keys", "param-groups", "batch-size", "nadam-split-keys", "adafactor"]
 
 
 def steps_of(rank, size, extra):
@@ -129,7 +145,8 @@ def train(name, kv_type="dist_sync", rank=0, size=1, extra=0, joined=None):
     store = mpikv.create(kv_type, timeout=120, **s["store"])
     opt, kw = (_mx_optimizer(), None) if s["opt"] == "mx" else (s["opt"], s["kw"])
     sched = SCHEDULERS[s["sched"]] if s["sched"] else None
-    trainer = mpikv.torch.Trainer(_params(s, net), opt, kw, store, lr_scheduler=sched)
+    trainer = mpikv.torch.Trainer(_params(s, net), opt, kw, store, lr_scheduler=sched,
+                                  split_parameters=s["split"])
     per = GLOBAL_BATCH // size
     rows = slice(rank * per, (rank + 1) * per)
     for step in range(steps_of(rank, size, extra)):

@@ -10,6 +10,7 @@ Needs torch (``pip install mpikv[torch]``)::
 """
 
 from .optimizers import MXNetRule, TorchAdam, TorchSGD
+from .torch_rules import TorchOptim
 from .trainer import Trainer
 
-__all__ = ["Trainer", "TorchSGD", "TorchAdam", "MXNetRule"]
+__all__ = ["Trainer", "TorchSGD", "TorchAdam", "TorchOptim", "MXNetRule"]

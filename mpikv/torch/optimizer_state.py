@@ -39,23 +39,6 @@ _MXNET = ("trainer.optimizer runs an mpikv optimizer (MXNet's rules), whose stat
           "trainer.load_checkpoint(path) (collective)")
 
 
-def _scalar_dtype():
-    """The dtype of torch's Adam ``step`` tensors (``torch.optim.optimizer._get_scalar_dtype``):
-    float64 under a float64 default dtype, else float32."""
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-
-
-def _torch_class(rule, group):
-    """The torch class whose ``state_dict`` format the Trainer's rule gives.
-
-    AdamW and Adam share theirs; AdamW's ``load_state_dict`` keeps
-    ``decoupled_weight_decay=True``, so a group that decouples it reads as AdamW.
-    """
-    if isinstance(rule, TorchSGD):
-        return torch.optim.SGD
-    return torch.optim.AdamW if group.get("decoupled_weight_decay") else torch.optim.Adam
-
-
 def _describe(trainer, index, trainer_index):
     return f"parameter {index} ({trainer._names[trainer_index]!r})"
 
@@ -70,13 +53,16 @@ class ShardedTorchState:
     def __init__(self, trainer):
         self._trainer = trainer
         self._consolidated = None   # (state, trainer.num_update at consolidation), on `to`
+        self._scalar_segments = set()   # (torch index, name) of the scalars being gathered
         self._to = None
 
     # -- what belongs where ------------------------------------------------------
     def _rule(self):
         rule = self._trainer._rule
-        if isinstance(rule, MXNetRule) or not isinstance(rule, _TORCH_RULES):
+        if isinstance(rule, MXNetRule) or not hasattr(rule, "torch_format"):
             raise OptimizerError(_MXNET)
+        for group in self._trainer.optimizer.param_groups:
+            rule.torch_format(group)   # raises where the state has no torch format
         return rule
 
     def _torch_order(self):
@@ -89,7 +75,8 @@ class ShardedTorchState:
 
     def _names_of(self, rule, group):
         """The state names of a parameter of ``group`` that torch keeps and the owners hold."""
-        return tuple(n for n in _needed(rule, group) if n in rule.elementwise_state_names)
+        return tuple(n for n in rule.torch_format(group).names
+                     if n in rule.elementwise_state_names)
 
     def _state_dtype(self, rule, key):
         """The dtype of the owners' state of ``key``: float32 with a master copy (a
@@ -146,13 +133,18 @@ class ShardedTorchState:
         groups = trainer.optimizer.param_groups
         # (torch index, state name, dtype, shape, first byte) of every array to gather.
         segments, total = [], 0
+        self._scalar_segments = set()
         for j, (i, g) in enumerate(order):
             if head[j] < 1:   # never updated: torch holds no state for it
                 continue
             key = trainer._names[i]
-            dtype = self._state_dtype(rule, key)
-            shape = tuple(trainer._params[i].shape)
+            scalars = rule.torch_format(groups[g]).scalars
             for name in self._names_of(rule, groups[g]):
+                # A scalar is kept as an array filled with it: its first element will do.
+                dtype, shape = ((np.dtype(np.float64), (1,)) if name in scalars else
+                                (self._state_dtype(rule, key), tuple(trainer._params[i].shape)))
+                if name in scalars:
+                    self._scalar_segments.add((j, name))
                 segments.append((j, name, dtype, shape, total))
                 nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
                 total += -(-nbytes // 8) * 8   # int64 lanes: every array starts on one
@@ -182,14 +174,21 @@ class ShardedTorchState:
             return
         state = {}
         for j, (i, g) in enumerate(order):
-            if head[j] < 1:
-                continue
             p = trainer._params[i]
+            fmt = rule.torch_format(groups[g], p.device)
+            if head[j] < 1:   # never updated: torch holds no state, or its constructor's
+                if fmt.initial is not None:
+                    state[j] = fmt.initial(p.detach())
+                continue
             entry = {}
-            if isinstance(rule, TorchAdam):
-                entry["step"] = torch.tensor(float(head[j]), dtype=_scalar_dtype())
-            for name in self._names_of(rule, groups[g]):
-                entry[name] = tensors.from_native(out[(j, name)]).reshape(p.shape).to(p.device)
+            for name in fmt.order:
+                if name == "step":
+                    entry[name] = _scalar(float(head[j]), fmt.step, p)
+                elif name in fmt.scalars:
+                    entry[name] = _scalar(float(out[(j, name)][0]), fmt.scalars[name], p)
+                else:
+                    entry[name] = tensors.from_native(out[(j, name)]).reshape(p.shape).to(
+                        p.device)
             state[j] = entry
         self._consolidated = (state, trainer.num_update)
 
@@ -202,6 +201,11 @@ class ShardedTorchState:
             i = order[j][0]
             for start, stop, state, _ in self._owned(trainer._names[i]):
                 if state is None:
+                    continue
+                if (j, name) in self._scalar_segments:   # a scalar, kept filled
+                    if start == 0:
+                        pieces.append((base, base + 8, np.ascontiguousarray(
+                            _on_host(state[name]).reshape(-1)[:1], np.float64).view(np.uint8)))
                     continue
                 flat = halfbits.astype(_on_host(state[name]).reshape(-1), dtype)
                 pieces.append((base + start * dtype.itemsize, base + stop * dtype.itemsize,
@@ -235,7 +239,7 @@ class ShardedTorchState:
                 f"every rank) before state_dict()")
         groups, index = [], 0
         for group in trainer.optimizer.param_groups:
-            cls = _torch_class(rule, group)
+            cls = rule.torch_format(group).cls
             # The user's class's full set of hyperparameters (flags too), the Trainer's values.
             full = {k: v for k, v in _probe(cls).param_groups[0].items() if k != "params"}
             full.update({k: v for k, v in group.items() if k != "params"})
@@ -315,7 +319,7 @@ class ShardedTorchState:
                     f"trainer.optimizer's {len(mine['params'])} (the Trainer trains the "
                     f"parameters with requires_grad=True, tied ones once)")
             other = sorted(k for k in saved if k in foreign)
-            cls = _torch_class(rule, mine)
+            cls = rule.torch_format(mine).cls
             if other:
                 raise OptimizerError(f"param group {g} of the state has {', '.join(other)}: "
                                      f"not a state of torch.optim.{cls.__name__}")
@@ -328,14 +332,16 @@ class ShardedTorchState:
             if flags:
                 raise OptimizerError(f"param group {g} of the state has {flags[0]}=True, which "
                                      f"the owners do not run")
-            for name in _needed(rule, complete):
+            for name in rule.torch_format(complete).names:
                 if name not in rule.elementwise_state_names:
                     # The owners' states were made without it: their steps would fail.
-                    setting = "momentum" if name == "momentum_buffer" else "amsgrad"
+                    setting = ", ".join(f"{k}={complete[k]!r}" for k in _switched(rule, mine,
+                                                                                  complete))
                     raise OptimizerError(
-                        f"param group {g} of the state has {setting}={complete[setting]!r}, "
-                        f"whose {name} the owners do not keep: the Trainer was made without "
-                        f"{setting}; make it with the state's hyperparameters")
+                        f"param group {g} of the state has {setting}, whose {name} the owners "
+                        f"do not keep: the Trainer was made without "
+                        f"{', '.join(_switched(rule, mine, complete))}; make it with the "
+                        f"state's hyperparameters")
             for saved_id in saved["params"]:
                 if saved_id in id_map:
                     raise OptimizerError(f"the state lists parameter {saved_id!r} twice")
@@ -356,10 +362,11 @@ class ShardedTorchState:
                      if not (k == "momentum_buffer" and v is None)}   # older torch: no buffer
             if not entry:
                 continue   # nothing yet: as torch, the parameter starts afresh
-            names = _needed(rule, groups[g])
-            expected = (("step",) if isinstance(rule, TorchAdam) else ()) + names
+            fmt = rule.torch_format(groups[g], trainer._params[i].device)
+            names = fmt.names
+            expected = (("step",) if fmt.step is not None else ()) + names
             if set(entry) != set(expected):
-                cls = _torch_class(rule, groups[g])
+                cls = fmt.cls
                 keeps = sorted(expected) if expected else "none (momentum=0)"
                 raise OptimizerError(
                     f"the state of {what} has {sorted(entry)}; torch.optim.{cls.__name__} "
@@ -371,12 +378,15 @@ class ShardedTorchState:
                 t = entry[name]
                 if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                     raise OptimizerError(f"{name} of {what} is not a floating-point tensor")
-                if tuple(t.shape) != tuple(p.shape):
+                if name in fmt.scalars:
+                    if t.numel() != 1:
+                        raise OptimizerError(f"{name} of {what} is not a scalar")
+                elif tuple(t.shape) != tuple(p.shape):
                     raise OptimizerError(f"{name} of {what} has shape {tuple(t.shape)}, the "
                                          f"parameter {tuple(p.shape)}")
                 loaded[name] = t.detach()
             count = 1   # SGD keeps no count: one says "the buffer is there"
-            if isinstance(rule, TorchAdam):
+            if fmt.step is not None:
                 count = _step(entry["step"], what)
             entries[j] = (count, loaded)
         return groups, entries
@@ -390,10 +400,12 @@ class ShardedTorchState:
         """
         trainer, engine = self._trainer, self._engine()
         staged = {}
-        for j, (i, _) in enumerate(self._torch_order()):
+        groups = trainer.optimizer.param_groups
+        for j, (i, g) in enumerate(self._torch_order()):
             key = trainer._names[i]
             entry = engine.entries[key]
             count, loaded = entries.get(j, (0, {}))
+            scalars = rule.torch_format(groups[g]).scalars
             for start, stop, old, whole in self._owned(key):
                 weight = entry.array if whole else entry.flat[start:stop]
                 fresh = rule.create_state(key, weight)
@@ -404,18 +416,27 @@ class ShardedTorchState:
                 with torch.no_grad():
                     for name, t in loaded.items():
                         target = tensors.from_native(fresh[name])
+                        if name in scalars:
+                            target.fill_(float(t))   # a scalar, kept filled
+                            continue
                         part = t.reshape(-1)[start:stop].reshape(target.shape)
                         target.copy_(part)   # in the owners' dtype, as torch casts to the param's
                 staged[(key, start)] = fresh
         return staged
 
 
-def _needed(rule, group):
-    """The elementwise state names torch keeps for a parameter of ``group``: only
-    those the group uses (torch keeps no momentum buffer at momentum 0)."""
-    if isinstance(rule, TorchSGD):
-        return ("momentum_buffer",) if float(group["momentum"]) != 0 else ()
-    return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+def _switched(rule, mine, saved):
+    """The hyperparameters turned on in ``saved`` and off in ``mine`` (a flag, or a
+    rate that was zero): those that make torch keep more state."""
+    def on(value):
+        return bool(value) if isinstance(value, (bool, int, float)) else value is not None
+    return [k for k in rule.hyper if k in saved and k in mine and on(saved[k]) and not on(mine[k])]
+
+
+def _scalar(value, kept, param):
+    """A 0-d state tensor as torch keeps it: ``kept`` is ``(dtype, device or None)``."""
+    dtype, device = kept
+    return torch.tensor(value, dtype=dtype, device=param.device if device is None else device)
 
 
 def _step(value, what):

@@ -104,6 +104,32 @@ class Deferred(Optimizer):
         raise NotImplementedError
 
 
+class TorchFormat:
+    """How torch keeps one parameter's state under a param group's hyperparameters.
+
+    Attributes:
+        cls: the torch class whose ``state_dict`` format this is.
+        arrays: names of the state tensors shaped like the parameter.
+        scalars: name -> ``(dtype, device or None)`` of 0-d state tensors other
+            than ``step`` (None: the parameter's device).
+        step: ``(dtype, device or None)`` of the ``step`` count, or None.
+        order: every name, ``step`` included, in the order torch's state holds them.
+        initial: for a class whose constructor makes the state (Adagrad), a
+            function of a parameter giving its state before any update; else None.
+    """
+
+    def __init__(self, cls, arrays, scalars=None, step=None, order=None, initial=None):
+        self.cls, self.arrays, self.scalars, self.step = cls, tuple(arrays), scalars or {}, step
+        self.initial = initial
+        self.order = tuple(order) if order is not None else (
+            (("step",) if step is not None else ()) + self.names)
+
+    @property
+    def names(self):
+        """Every state name but ``step``: arrays, then scalars."""
+        return self.arrays + tuple(self.scalars)
+
+
 class _TorchRule(Deferred):
     """A torch optimizer's update rule with param groups.
 
@@ -183,6 +209,11 @@ class _TorchRule(Deferred):
     def _step(self, hyper, parts):
         raise NotImplementedError
 
+    def torch_format(self, group, device="cpu"):
+        """The :class:`TorchFormat` of a parameter of ``group`` (torch's names) on
+        ``device``."""
+        raise NotImplementedError
+
 
 @register
 class TorchSGD(_TorchRule):
@@ -194,6 +225,11 @@ class TorchSGD(_TorchRule):
     @property
     def elementwise_state_names(self):
         return ("momentum_buffer",) if any(g["momentum"] for g in self._groups) else ()
+
+    def torch_format(self, group, device="cpu"):
+        # torch keeps no momentum buffer at momentum 0
+        return TorchFormat(torch.optim.SGD,
+                           ("momentum_buffer",) if float(group["momentum"]) != 0 else ())
 
     def _step(self, hyper, parts):
         params = [as_tensor(w) for _, w, _, _ in parts]
@@ -226,6 +262,14 @@ class TorchAdam(_TorchRule):
     def elementwise_state_names(self):
         names = ("exp_avg", "exp_avg_sq")
         return names + ("max_exp_avg_sq",) if any(g["amsgrad"] for g in self._groups) else names
+
+    def torch_format(self, group, device="cpu"):
+        # AdamW and Adam share a format; AdamW's load_state_dict keeps
+        # decoupled_weight_decay=True, so a group that decouples it reads as AdamW.
+        cls = torch.optim.AdamW if group.get("decoupled_weight_decay") else torch.optim.Adam
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        return TorchFormat(cls, ("exp_avg", "exp_avg_sq") + (
+            ("max_exp_avg_sq",) if group["amsgrad"] else ()), step=(scalar, torch.device("cpu")))
 
     def _step(self, hyper, parts):
         params = [as_tensor(w) for _, w, _, _ in parts]
@@ -288,22 +332,9 @@ class MXNetRule(Deferred):
         self.num_update = self.inner.num_update
 
 
-#: torch optimizer class -> the rule that runs its arithmetic on the owners
+#: torch optimizer class -> the rule that runs its arithmetic on the owners through
+#: torch's functional updates (the others run their own step: :mod:`.torch_rules`)
 RULES = {torch.optim.SGD: TorchSGD, torch.optim.Adam: TorchAdam, torch.optim.AdamW: TorchAdam}
-
-
-def rule_for(torch_class):
-    """The rule for a torch optimizer class.
-
-    Raises:
-        OptimizerError: no rule runs that class on the owners.
-    """
-    rule = RULES.get(torch_class)
-    if rule is None:
-        names = ", ".join(f"torch.optim.{c.__name__}" for c in RULES)
-        raise OptimizerError(f"{getattr(torch_class, '__name__', torch_class)!r} cannot run "
-                             f"on the owners; supported: {names}, or an mpikv.optimizer")
-    return rule
 
 
 def _plain(value):
@@ -315,22 +346,39 @@ def _plain(value):
     return value
 
 
-def make_rule(optimizer, optimizer_params, hyper_groups, names, group_of, multi_precision):
-    """The store's optimizer and the full hyperparameters of each param group."""
+def make_rule(optimizer, optimizer_params, hyper_groups, names, group_of, multi_precision,
+              split=True):
+    """The store's optimizer and the full hyperparameters of each param group.
+
+    Args:
+        split: the owners' parts are flat shards of parameters (True) or whole
+            parameters (False): :func:`.torch_rules.splits`.
+
+    Returns:
+        ``(rule, groups, defaults)``.
+    """
     from .. import optimizer as mx_optimizer
+    from . import torch_rules
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
-        rule_class = rule_for(optimizer)
         # torch's own constructor checks the arguments and fills in its defaults.
         probe = optimizer([{"params": [torch.zeros(1, requires_grad=True)], **g}
                            for g in hyper_groups], **optimizer_params)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in probe.param_groups]
-        for flag in ("fused", "differentiable", "capturable"):
+        for flag in torch_rules.FLAGS:
             if any(g.get(flag) for g in groups):
                 raise OptimizerError(f"{flag}=True is not supported on the owners")
-        hyper = [{k: g[k] for k in rule_class.hyper} for g in groups]
-        defaults = {k: v for k, v in probe.defaults.items() if k in rule_class.hyper}
-        return rule_class(hyper, [[n, g] for n, g in zip(names, group_of)],
-                          multi_precision=multi_precision), hyper, defaults
+        rule_class = RULES.get(optimizer) if split else None
+        names_kept = (rule_class.hyper if rule_class is not None else
+                      [k for k in groups[0] if k not in torch_rules.FLAGS + ("param_names",)])
+        hyper = [{k: g[k] for k in names_kept if k in g} for g in groups]
+        defaults = {k: v for k, v in probe.defaults.items() if k in names_kept}
+        key_groups = [[n, g] for n, g in zip(names, group_of)]
+        if rule_class is not None:
+            rule = rule_class(hyper, key_groups, multi_precision=multi_precision)
+        else:
+            rule = torch_rules.TorchOptim(hyper, key_groups, optimizer, whole=not split,
+                                          multi_precision=multi_precision)
+        return rule, hyper, defaults
     if isinstance(optimizer, str):
         optimizer = mx_optimizer.create(optimizer, **optimizer_params)
     elif optimizer_params:

@@ -10,7 +10,7 @@ from torch.autograd import Variable
 from .._closing import ClosesAfterWith
 from .. import _xp, errors
 from . import checkpoint
-from . import status, syncbn, tensors
+from . import status, syncbn, tensors, torch_rules
 from .buffers import SharedBuffers, refuse_without_module
 from ._params import backward_buckets, by_precision, named_groups, on_device_of
 from .half import HALF as _HALF
@@ -42,8 +42,10 @@ class Trainer(ClosesAfterWith):
             param-group dicts whose ``"params"`` are either. Names are the keys;
             parameters with ``requires_grad=False`` are skipped; tied
             parameters count once.
-        optimizer: a ``torch.optim`` class (``SGD``, ``Adam``, ``AdamW``), an
-            :class:`mpikv.optimizer.Optimizer`, or an mpikv optimizer's name.
+        optimizer: a ``torch.optim.Optimizer`` class (torch's or the user's; not
+            ``LBFGS`` or ``SparseAdam``), an :class:`mpikv.optimizer.Optimizer`, or
+            an mpikv optimizer's name. The owners run torch's own arithmetic on
+            their parts.
         optimizer_params: keyword arguments of the optimizer class.
         kvstore: a store, or a store type; default ``dist_sync`` when MPI has
             more than one rank, else ``local`` (``_device`` variants for CUDA
@@ -84,6 +86,14 @@ class Trainer(ClosesAfterWith):
             module's ``torch.nn.SyncBatchNorm`` layers (from
             ``SyncBatchNorm.convert_sync_batchnorm``) sum their batch
             statistics over the ranks through the store, switch or not.
+        split_parameters: whether an owner's part may be a flat shard of a
+            parameter (True) or is always whole parameters (False: each
+            parameter on one owner, as ``ZeroRedundancyOptimizer`` partitions
+            them; the store never splits them). Default: shards for torch's
+            elementwise optimizers (SGD, Adam, AdamW, Adagrad, Adadelta,
+            Adamax, NAdam, RAdam, RMSprop, ASGD, Rprop) and mpikv's; whole
+            parameters for any other class (``Adafactor``, a user's LAMB).
+            True for another class asserts that its update is elementwise.
 
     Attributes:
         kvstore: the store.
@@ -97,7 +107,8 @@ class Trainer(ClosesAfterWith):
 
     def __init__(self, params, optimizer, optimizer_params=None, kvstore=None, *,
                  bucket_bytes=8 << 20, unused_parameters="zeros", lr_scheduler=None,
-                 multi_precision=None, compression=None, shard=None, broadcast_buffers=None):
+                 multi_precision=None, compression=None, shard=None, broadcast_buffers=None,
+                 split_parameters=None):
         if unused_parameters not in ("zeros", "error"):
             raise ValueError(f"unused_parameters must be 'zeros' or 'error', "
                              f"not {unused_parameters!r}")
@@ -123,7 +134,10 @@ class Trainer(ClosesAfterWith):
         if compression is not None:
             _check_compressible(self._names, self._params)
         self._owns_store = kvstore is None or isinstance(kvstore, str)
-        self._kv = _make_store(kvstore, self._params, compression is not None)
+        #: the owners' parts are flat shards of parameters, else whole parameters
+        self.split_parameters = torch_rules.splits(optimizer, split_parameters)
+        self._kv = _make_store(kvstore, self._params, compression is not None,
+                               whole=not self.split_parameters)
         self._launcher = _launcher_for(self._kv, bool(self._devices))
         # The user's own calls on this store (between backward and step, say) come
         # after the launcher's too.
@@ -137,7 +151,8 @@ class Trainer(ClosesAfterWith):
         if multi_precision is None:
             multi_precision = half
         rule, groups, defaults = make_rule(optimizer, optimizer_params or {}, hyper_groups,
-                                           self._names, self._group_of, bool(multi_precision))
+                                           self._names, self._group_of, bool(multi_precision),
+                                           self.split_parameters)
         self._rule = rule
         kv.set_optimizer(rule)
         self.optimizer = _OwnersOptimizer(self, [
@@ -668,6 +683,7 @@ class Trainer(ClosesAfterWith):
         rank that is not in it gets, as the ranks that are, a
         :class:`mpikv.MismatchError` that says where each rank is).
         """
+        self._refuse_held_state("save_checkpoint")
         self._between_steps()
         self._tell_store("save_checkpoint")
         try:
@@ -677,6 +693,7 @@ class Trainer(ClosesAfterWith):
 
     def load_checkpoint(self, path):
         """Restores a :meth:`save_checkpoint` save, on any number of ranks; collective."""
+        self._refuse_held_state("load_checkpoint")
         self._between_steps()
         self._tell_store("load_checkpoint")
         try:
@@ -693,6 +710,15 @@ class Trainer(ClosesAfterWith):
             self._pull_weights()
         finally:
             self._tell_store()
+
+    def _refuse_held_state(self, what):
+        """Raises where the owners keep state the store's checkpoint has no place for
+        (the rule is the same on every rank: every rank raises)."""
+        if getattr(self._rule, "whole", False):
+            raise errors.OptimizerError(
+                f"trainer.{what}: torch.optim.{self._rule.torch_class.__name__} runs on whole "
+                f"parameters, its state kept as torch keeps it; checkpoints of that state are "
+                f"not supported yet")
 
     def _check_buffers(self, meta):
         """Why a Trainer file's buffers do not fit this model, or None."""
@@ -922,13 +948,25 @@ def _launcher_for(kv, on_gpu):
     return Launcher(threaded, kv._options.abort_on_exception)
 
 
-def _make_store(kvstore, params, compressed=False):
+def _make_store(kvstore, params, compressed=False, whole=False):
+    """The Trainer's store: ``kvstore`` if one, else a new one (keys kept whole
+    on one owner each where ``whole``)."""
     import mpikv
     if kvstore is not None and not isinstance(kvstore, str):
+        if whole and kvstore.num_workers > 1:
+            # The plan is the same on every rank: every rank raises alike.
+            bound = kvstore.plan.bigarray_bound
+            cut = [p for p in params if p.numel() >= bound]
+            if cut:
+                raise errors.OptimizerError(
+                    f"the optimizer runs on whole parameters, and this store splits arrays of "
+                    f"{bound} elements or more over its owners ({len(cut)} parameter(s) here): "
+                    f"make the store with a larger bigarray_bound, or let the Trainer make it")
         return kvstore
+    options = {"bigarray_bound": _WHOLE} if whole else {}
     on_gpu = any(tensors.is_device(p) for p in params)
     if kvstore is None:
-        kv = mpikv.create("dist_sync_device" if on_gpu else "dist_sync")
+        kv = mpikv.create("dist_sync_device" if on_gpu else "dist_sync", **options)
         # A local store does not compress (MXNet's rule): one rank still gets a dist one.
         if kv.num_workers > 1 or compressed:
             return kv
@@ -936,7 +974,11 @@ def _make_store(kvstore, params, compressed=False):
         kvstore = "local"
     if on_gpu and "device" not in kvstore:
         kvstore = "device" if kvstore == "local" else "dist_sync_device"
-    return mpikv.create(kvstore)
+    return mpikv.create(kvstore, **options)
+
+
+#: a bigarray_bound no parameter reaches: every key on one owner
+_WHOLE = 1 << 62
 
 
 #: an integer dtype of each element size, to copy bits through a sum

@@ -335,9 +335,20 @@ def test_a_gradient_set_by_hand_before_step_is_summed(comm):
 
 def test_an_unsupported_torch_optimizer_is_refused():
     net = cases.Net()
-    with pytest.raises(mpikv.OptimizerError, match="RMSprop.*supported: torch.optim.SGD"):
-        mpikv.torch.Trainer(net, torch.optim.RMSprop, {"lr": 0.1},
+    with pytest.raises(mpikv.OptimizerError, match="LBFGS cannot run on the owners"):
+        mpikv.torch.Trainer(net, torch.optim.LBFGS, {"lr": 0.1},
                             mpikv.create("dist_sync", timeout=120))
+
+
+def test_whole_parameters_on_a_store_that_splits_them_is_an_error_on_every_rank(comm):
+    store = mpikv.create("dist_sync", timeout=120, bigarray_bound=10)
+    if comm.size == 1:   # one rank splits nothing
+        with mpikv.torch.Trainer(cases.Net(), torch.optim.Adafactor, {"lr": 0.01}, store) as t:
+            assert t.split_parameters is False
+    else:
+        with pytest.raises(mpikv.OptimizerError, match="this store splits arrays of 10"):
+            mpikv.torch.Trainer(cases.Net(), torch.optim.Adafactor, {"lr": 0.01}, store)
+    store.close()
 
 
 @pytest.mark.parametrize("opt,kw", [
@@ -376,6 +387,17 @@ def test_trainer_equals_ddp(comm, gloo, opt, kw):
 
 
 @pytest.mark.skipif(not cuda_torch(), reason="needs a GPU with CUDA torch and cupy")
+def test_whole_parameters_on_a_store_that_splits_them_is_an_error_on_every_rank(comm):
+    store = mpikv.create("dist_sync", timeout=120, bigarray_bound=10)
+    if comm.size == 1:   # one rank splits nothing
+        with mpikv.torch.Trainer(cases.Net(), torch.optim.Adafactor, {"lr": 0.01}, store) as t:
+            assert t.split_parameters is False
+    else:
+        with pytest.raises(mpikv.OptimizerError, match="this store splits arrays of 10"):
+            mpikv.torch.Trainer(cases.Net(), torch.optim.Adafactor, {"lr": 0.01}, store)
+    store.close()
+
+
 @pytest.mark.parametrize("opt,kw", [
     (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3}),
     (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05}),
@@ -550,6 +572,13 @@ STATE_OPTIMIZERS = {
                               "weight_decay": 1e-3}),
     "adam-amsgrad": (torch.optim.Adam, {"lr": 0.01, "amsgrad": True, "weight_decay": 1e-3}),
     "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05}),
+    # torch's other elementwise optimizers: scalars (NAdam's mu_product, ASGD's eta
+    # and mu) and states torch makes in its constructor (Adagrad's sum)
+    "nadam": (torch.optim.NAdam, {"lr": 0.01, "weight_decay": 1e-3}),
+    "asgd": (torch.optim.ASGD, {"lr": 0.01, "t0": 2}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.05, "initial_accumulator_value": 0.1}),
+    "rmsprop-centered": (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.9, "centered": True}),
+    "rprop": (torch.optim.Rprop, {"lr": 0.01}),
 }
 
 

@@ -22,6 +22,13 @@ OPTIMIZERS = {
     "sgd-dampening": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.8, "dampening": 0.1}),
     "adam-amsgrad": (torch.optim.Adam, {"lr": 0.01, "amsgrad": True, "weight_decay": 1e-3}),
     "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05}),
+    # torch's other elementwise optimizers: scalars (NAdam's mu_product, ASGD's eta
+    # and mu) and states torch makes in its constructor (Adagrad's sum)
+    "nadam": (torch.optim.NAdam, {"lr": 0.01, "weight_decay": 1e-3}),
+    "asgd": (torch.optim.ASGD, {"lr": 0.01, "t0": 2}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.05, "initial_accumulator_value": 0.1}),
+    "rmsprop-centered": (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.9, "centered": True}),
+    "rprop": (torch.optim.Rprop, {"lr": 0.01}),
 }
 
 
@@ -82,8 +89,9 @@ def test_consolidated_state_is_the_plain_torch_optimizers(name, grouped):
         plain_step(ref, plain, step)
         trainer_step(net, trainer, step)
     got = consolidated(trainer)
-    # The unused head and spare layer have no entry, as in torch.
-    assert len(got["state"]) == 6
+    # The unused head and spare layer have no entry, as in torch; Adagrad's
+    # constructor gives every parameter one.
+    assert len(got["state"]) == (10 if opt is torch.optim.Adagrad else 6)
     cases.assert_same_state(got, plain.state_dict(), tol=1e-12)
     trainer.close()
 
@@ -143,7 +151,10 @@ def test_the_trainers_state_loads_into_a_plain_torch_optimizer(name):
     for step in range(3, 6):
         plain_step(ref, plain, step)
         trainer_step(net, trainer, step)
-    assert_same_weights(ref, net)
+    # torch's load_state_dict casts NAdam's float32 mu_product to the parameter's
+    # float64, so the plain run goes on with a wider product than the Trainer (as
+    # it would than a torch run that was never reloaded).
+    assert_same_weights(ref, net, **({"tol": 1e-9} if name == "nadam" else {}))
 
 
 def test_an_empty_state_starts_the_owners_afresh_as_in_torch():

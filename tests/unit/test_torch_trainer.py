@@ -87,6 +87,68 @@ def test_rules_on_parts_equal_torch_on_the_whole_parameter(torch_class, rule_cla
     assert int(states[0][COUNT][0]) == len(grads)
 
 
+GENERIC = [
+    (torch.optim.NAdam, {"lr": 0.01, "weight_decay": 0.1, "decoupled_weight_decay": True}),
+    (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.01, "initial_accumulator_value": 0.2}),
+    (torch.optim.Adadelta, {"lr": 0.5, "weight_decay": 0.01}),
+    (torch.optim.Adamax, {"lr": 0.01, "maximize": True}),
+    (torch.optim.RAdam, {"lr": 0.01}),
+    (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5, "centered": True}),
+    (torch.optim.ASGD, {"lr": 0.01, "t0": 1}),
+    (torch.optim.Rprop, {"lr": 0.01, "etas": (0.4, 1.3)}),
+]
+
+
+@pytest.mark.parametrize("torch_class,kw", GENERIC, ids=[c.__name__ for c, _ in GENERIC])
+def test_any_elementwise_optimizer_on_flat_shards_equals_torch_on_the_whole(torch_class, kw):
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal(10).astype(np.float32)
+    grads = [rng.standard_normal(10).astype(np.float32) for _ in range(4)]
+    ref = torch.nn.Parameter(torch.from_numpy(w0.copy()))
+    opt = torch_class([ref], **kw)
+    group = {k: v for k, v in opt.param_groups[0].items()
+             if k not in ("params", "differentiable", "capturable", "fused")}
+    rule = mpikv.torch.TorchOptim([group], [["w", 0]], torch_class)
+    weight = w0.copy()
+    parts = [slice(0, 4), slice(4, 10)]  # as an owner split would cut it
+    states = [rule.create_state("w", weight[s]) for s in parts]
+    for g in grads:
+        ref.grad = torch.from_numpy(g.copy())
+        opt.step()
+        grad = g.copy()
+        for s, state in zip(parts, states):
+            rule.begin_update("w", weight[s], grad[s], state)
+        rule.apply(1.0)
+        np.testing.assert_array_equal(weight, ref.detach().numpy())
+    again = mpikv.optimizer.from_config(rule.get_config())
+    assert type(again) is mpikv.torch.TorchOptim and again.get_config() == rule.get_config()
+
+
+def test_a_hyperparameter_that_needs_state_not_kept_is_an_error_before_any_change():
+    rule = mpikv.torch.TorchOptim([{"lr": 0.1, "momentum": 0.0}], [["w", 0]],
+                                  torch.optim.RMSprop)
+    rule.bind([{"lr": 0.1, "momentum": 0.0}])
+    weight, grad = np.ones(3, np.float32), np.ones(3, np.float32)
+    rule.begin_update("w", weight, grad, rule.create_state("w", weight))
+    rule._live[0]["momentum"] = 0.9   # as a scheduler that cycles momentum would
+    with pytest.raises(mpikv.OptimizerError, match="momentum_buffer"):
+        rule.apply(1.0)
+    np.testing.assert_array_equal(weight, np.ones(3))
+    assert rule.owned_parts() == []
+
+
+def test_state_of_whole_parameter_optimizers_is_not_saved_silently(tmp_path):
+    net = cases.Net()
+    with mpikv.torch.Trainer(net, torch.optim.Adafactor, {"lr": 0.01}, "local") as trainer:
+        net(cases.data(0, 0)[0], False).sum().backward()
+        trainer.step()
+        with pytest.raises(mpikv.OptimizerError, match="Adafactor runs on whole parameters"):
+            trainer.save_checkpoint(str(tmp_path / "ckpt"))
+        with pytest.raises(mpikv.OptimizerError, match="Adafactor runs on whole parameters"):
+            trainer.optimizer.consolidate_state_dict()
+        assert not list(tmp_path.iterdir())
+
+
 def test_apply_scales_the_gradients_first():
     rule = TorchSGD([{"lr": 1.0, "momentum": 0, "dampening": 0, "weight_decay": 0,
                       "nesterov": False, "maximize": False, "foreach": None}], [["w", 0]])
@@ -98,7 +160,7 @@ def test_apply_scales_the_gradients_first():
 
 def test_rule_configs_rebuild_the_rule():
     from mpikv import optimizer
-    rule = mpikv.torch.optimizers.rule_for(torch.optim.AdamW)(
+    rule = mpikv.torch.optimizers.RULES[torch.optim.AdamW](
         [{"lr": 0.1, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
           "maximize": False, "decoupled_weight_decay": True, "foreach": None}], [["a", 0]])
     again = optimizer.from_config(rule.get_config())
@@ -172,7 +234,8 @@ def test_gather_gradients_needs_gradient_buffers():
 
 
 @pytest.mark.parametrize("optimizer,kw,match", [
-    (torch.optim.RMSprop, {"lr": 0.1}, "cannot run on the owners"),
+    (torch.optim.LBFGS, {"lr": 0.1}, "LBFGS cannot run on the owners: its step re-evaluates"),
+    (torch.optim.SparseAdam, {"lr": 0.1}, "SparseAdam cannot run on the owners"),
     ("lamb", {}, "not LAMB"),
     (object(), None, "must be a torch.optim class"),
     (torch.optim.SGD, {"lr": 0.1, "fused": True}, "fused=True"),
@@ -180,6 +243,16 @@ def test_gather_gradients_needs_gradient_buffers():
 def test_optimizers_the_trainer_cannot_run_are_refused(optimizer, kw, match):
     with pytest.raises(mpikv.MPIKVError, match=match):
         mpikv.torch.Trainer(cases.Net(), optimizer, kw, "local")
+
+
+def test_shards_of_a_not_elementwise_optimizer_are_refused_and_whole_is_its_default():
+    with pytest.raises(mpikv.OptimizerError, match="Adafactor keeps state that is not shaped"):
+        mpikv.torch.Trainer(cases.Net(), torch.optim.Adafactor, {"lr": 0.01}, "local",
+                            split_parameters=True)
+    with mpikv.torch.Trainer(cases.Net(), torch.optim.Adafactor, {"lr": 0.01}, "local") as t:
+        assert t.split_parameters is False
+    with mpikv.torch.Trainer(cases.Net(), torch.optim.NAdam, {"lr": 0.01}, "local") as t:
+        assert t.split_parameters is True
 
 
 def test_an_optimizer_object_is_refused_in_one_line_with_the_accepted_form():
