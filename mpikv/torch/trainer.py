@@ -264,7 +264,16 @@ class Trainer(ClosesAfterWith):
         self._share_next = torch.is_grad_enabled() and self._sync
 
     def _hook(self, index):
+        # The parameter holds its hook for as long as the model lives: a closure over
+        # the Trainer would keep a Trainer dropped without close() alive, and with it
+        # its launcher thread (weakref.finalize never fired). The hook holds it weakly;
+        # once it is gone the hook does nothing and the model trains as a plain one.
+        trainer = weakref.ref(self)
+
         def hook(param):
+            self = trainer()
+            if self is None:
+                return
             if self._averaging and self._sent:
                 # A second backward before step(): its gradients accumulate on the
                 # averaged ones, and the sum is reduced again, as DDP does (a

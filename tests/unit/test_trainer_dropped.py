@@ -1,0 +1,117 @@
+"""A Trainer dropped without ``close()``: once collected, its launcher thread ends
+and its hooks do nothing; the model trains on as a plain torch model."""
+
+import gc
+import threading
+import time
+import weakref
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import mpikv.torch  # noqa: E402
+from mpikv.torch import trainer as trainer_module  # noqa: E402
+from mpikv.torch.launcher import Launcher  # noqa: E402
+
+#: the name of the launcher's thread (mpikv/torch/launcher.py)
+LAUNCHER_THREAD = "mpikv-launcher"
+
+
+def _launcher_threads():
+    return [t for t in threading.enumerate() if t.name == LAUNCHER_THREAD and t.is_alive()]
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _plain_sgd_step(model, x, lr=0.1):
+    """One plain torch SGD step (no Trainer); returns the gradients it used."""
+    model.zero_grad()
+    model(x).square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+    return grads
+
+
+@pytest.fixture
+def threaded_launcher(monkeypatch):
+    """A launcher with its thread on a one-process local store: alone, a rank makes
+    the calls inline (_launcher_for), and there would be no thread to watch end. The
+    launcher serialises the store's calls either way, so the local store takes them."""
+    monkeypatch.setattr(trainer_module, "_launcher_for",
+                        lambda kv, on_gpu: Launcher(True, kv._options.abort_on_exception))
+
+
+def test_a_dropped_trainer_ends_its_launcher_thread_and_leaves_a_plain_model(threaded_launcher):
+    before = len(_launcher_threads())
+    model = _model()
+    trainer = mpikv.torch.Trainer(model, torch.optim.SGD, {"lr": 0.1})
+    x = torch.randn(6, 8)
+    model(x).square().sum().backward()   # the buckets leave through the launcher's thread
+    trainer.step()
+    threads = _launcher_threads()
+    assert len(threads) == before + 1
+    ours = [t for t in threads if t is trainer._launcher._thread]
+    assert len(ours) == 1
+    dropped = weakref.ref(trainer)
+
+    del trainer
+    gc.collect()
+
+    assert dropped() is None
+    ours[0].join(timeout=30)   # the finalizer queued the thread's end: it ends on its own
+    assert not ours[0].is_alive()
+    assert len(_launcher_threads()) == before
+
+    # The model trains on as a plain one: the hooks left on its parameters do
+    # nothing, and a step gives what the same step gives on a copy never trained
+    # by a Trainer.
+    reference = _model()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(6, 8)
+    got = _plain_sgd_step(model, x)
+    want = _plain_sgd_step(reference, x)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+    # A second backward accumulates on the first gradients, as torch's own do.
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_a_trainer_in_use_keeps_its_hooks_through_a_collection(threaded_launcher):
+    """Only a dropped Trainer is let go: one still referenced reduces its buckets
+    through its launcher after a collection as before it."""
+    model = _model()
+    trainer = mpikv.torch.Trainer(model, torch.optim.SGD, {"lr": 0.1})
+    launched = []
+    launch = trainer._launch
+
+    def traced(b):
+        launched.append(b)
+        return launch(b)
+    trainer._launch = traced
+    gc.collect()
+    x = torch.randn(6, 8)
+    reference = _model()
+    model(x).square().sum().backward()
+    trainer.step()
+    assert sorted(launched) == list(range(len(trainer._buckets)))
+    assert trainer._launcher._thread is not None and trainer._launcher._thread.is_alive()
+    _plain_sgd_step(reference, x)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+    thread = trainer._launcher._thread
+    trainer.close()
+    deadline = time.monotonic() + 30
+    while thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not thread.is_alive()
