@@ -134,24 +134,48 @@ def steps_of(rank, size, extra):
     return STEPS + (extra if extra and rank == extra % size else 0)
 
 
-def train(name, kv_type="dist_sync", rank=0, size=1, extra=0, joined=None):
+#: the cases a script's own optimizer wrapped in DistributedOptimizer runs too (not
+#: an mpikv optimizer, nor a step(batch_size), which torch's step does not take)
+DISTRIBUTED_OPTIMIZER_CASES = sorted(n for n in CASES if settings(n)["opt"] != "mx"
+                                     and not settings(n)["batch_size"])
+
+
+def _plain_groups(s, net):
+    """The groups a script would give its own torch optimizer (no names)."""
+    groups = _params(s, net)
+    if isinstance(groups, list):
+        return [{**g, "params": [p for _, p in g["params"]]} for g in groups]
+    return [p for p in net.parameters() if p.requires_grad]
+
+
+def train(name, kv_type="dist_sync", rank=0, size=1, extra=0, joined=None, face="trainer"):
     """Trains case ``name`` through a Trainer; returns ``{name: weight}`` (numpy copies).
 
     With ``extra``, one rank has that many more steps, and every rank then
-    calls ``join``, whose result is appended to ``joined``.
+    calls ``join``, whose result is appended to ``joined``. With ``face=
+    "optimizer"`` the script makes its own torch optimizer (and scheduler) and
+    wraps it in ``mpikv.torch.DistributedOptimizer``.
     """
     s = settings(name)
     net = Net()
     store = mpikv.create(kv_type, timeout=120, **s["store"])
     opt, kw = (_mx_optimizer(), None) if s["opt"] == "mx" else (s["opt"], s["kw"])
     sched = SCHEDULERS[s["sched"]] if s["sched"] else None
-    trainer = mpikv.torch.Trainer(_params(s, net), opt, kw, store, lr_scheduler=sched,
-                                  split_parameters=s["split"])
+    if face == "optimizer":
+        own = s["opt"](_plain_groups(s, net), **s["kw"])
+        scheduler = sched(own) if sched else None   # made before wrapping, as scripts do
+        own = mpikv.torch.DistributedOptimizer(own, named_parameters=net.named_parameters(),
+                                               kvstore=store, split_parameters=s["split"])
+        trainer = own.trainer
+    else:
+        trainer = mpikv.torch.Trainer(_params(s, net), opt, kw, store, lr_scheduler=sched,
+                                      split_parameters=s["split"])
+        own, scheduler = trainer, trainer.lr_scheduler
     per = GLOBAL_BATCH // size
     rows = slice(rank * per, (rank + 1) * per)
     for step in range(steps_of(rank, size, extra)):
         if s["zero"] == "trainer":
-            trainer.zero_grad()
+            own.zero_grad()
         else:
             net.zero_grad(set_to_none=True)
         for micro in range(s["micro"]):
@@ -159,14 +183,21 @@ def train(name, kv_type="dist_sync", rank=0, size=1, extra=0, joined=None):
             ctx = trainer.no_sync() if micro < s["micro"] - 1 else _nothing()
             with ctx:
                 _loss(s, net(x[rows], uses_head(s, rank)), y[rows]).backward()
-        if s["clip"]:
+        if s["clip"] and face == "optimizer":   # Horovod's way
+            own.synchronize()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), s["clip"])
+            with own.skip_synchronize():
+                own.step()
+        elif s["clip"]:
             trainer.allreduce_grads()
             torch.nn.utils.clip_grad_norm_(net.parameters(), s["clip"])
             trainer.update(GLOBAL_BATCH if s["batch_size"] else None)
+        elif face == "optimizer":
+            own.step()
         else:
             trainer.step(GLOBAL_BATCH if s["batch_size"] else None)
-        if trainer.lr_scheduler is not None:
-            trainer.lr_scheduler.step()
+        if scheduler is not None:
+            scheduler.step()
     if extra:
         joined.append(trainer.join())
     return {n: p.detach().numpy().copy() for n, p in net.named_parameters()}

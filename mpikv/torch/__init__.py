@@ -9,8 +9,12 @@ Needs torch (``pip install mpikv[torch]``)::
         trainer.step()                    # owners update their parts; weights come back
 """
 
+from .distributed import (DistributedOptimizer, DistributedSampler, init_process_group,
+                          local_rank, rank, size)
 from .optimizers import MXNetRule, TorchAdam, TorchSGD
 from .torch_rules import TorchOptim
 from .trainer import Trainer
 
-__all__ = ["Trainer", "TorchSGD", "TorchAdam", "TorchOptim", "MXNetRule"]
+__all__ = ["Trainer", "DistributedOptimizer", "DistributedSampler", "init_process_group", "rank",
+           "size", "local_rank",
+           "TorchSGD", "TorchAdam", "TorchOptim", "MXNetRule"]

@@ -81,7 +81,7 @@ class Trainer(ClosesAfterWith):
             it (or none) ran with gradients enabled and outside :meth:`no_sync`,
             every rank takes the module's buffers (BatchNorm's running
             statistics) from rank 0, or from the first rank still training
-            after a :meth:`join`. Default: on when ``params`` is a module (the
+            after a :meth:`join`. Default: on given a module (``params`` or ``module``; the
             buffers are found on it); buffers are in checkpoints then. The
             module's ``torch.nn.SyncBatchNorm`` layers (from
             ``SyncBatchNorm.convert_sync_batchnorm``) sum their batch
@@ -94,6 +94,9 @@ class Trainer(ClosesAfterWith):
             Adamax, NAdam, RAdam, RMSprop, ASGD, Rprop) and mpikv's; whole
             parameters for any other class (``Adafactor``, a user's LAMB).
             True for another class asserts that its update is elementwise.
+        module: the model, when ``params`` are its (named) parameters or param
+            groups rather than the module: its buffers and SyncBatchNorm layers
+            are then handled as for a module given as ``params``.
 
     Attributes:
         kvstore: the store.
@@ -108,7 +111,7 @@ class Trainer(ClosesAfterWith):
     def __init__(self, params, optimizer, optimizer_params=None, kvstore=None, *,
                  bucket_bytes=8 << 20, unused_parameters="zeros", lr_scheduler=None,
                  multi_precision=None, compression=None, shard=None, broadcast_buffers=None,
-                 split_parameters=None):
+                 split_parameters=None, module=None):
         if unused_parameters not in ("zeros", "error"):
             raise ValueError(f"unused_parameters must be 'zeros' or 'error', "
                              f"not {unused_parameters!r}")
@@ -120,7 +123,14 @@ class Trainer(ClosesAfterWith):
         self._averaging = shard == "optimizer"
         self.shard = shard
         named, hyper_groups = named_groups(params)
-        module = params if isinstance(params, torch.nn.Module) else None
+        if isinstance(params, torch.nn.Module):
+            if module is not None and module is not params:
+                raise errors.ValueTypeError("module= names the model whose buffers are shared "
+                                            "when params are not the module itself")
+            module = params
+        elif module is not None and not isinstance(module, torch.nn.Module):
+            raise errors.ValueTypeError(f"module must be a torch.nn.Module, not "
+                                        f"{type(module).__name__}")
         if broadcast_buffers is None:
             broadcast_buffers = module is not None
         refuse_without_module(broadcast_buffers, module)

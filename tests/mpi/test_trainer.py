@@ -21,7 +21,16 @@ pytestmark = pytest.mark.mpi
 
 @pytest.mark.parametrize("name", sorted(cases.CASES))
 def test_trainer_equals_one_process_with_the_global_batch(comm, name):
-    got = cases.train(name, "dist_sync", comm.rank, comm.size)
+    _equals_one_process_everywhere(comm, name, "trainer")
+
+
+@pytest.mark.parametrize("name", cases.DISTRIBUTED_OPTIMIZER_CASES)
+def test_distributed_optimizer_equals_one_process_with_the_global_batch(comm, name):
+    _equals_one_process_everywhere(comm, name, "optimizer")
+
+
+def _equals_one_process_everywhere(comm, name, face):
+    got = cases.train(name, "dist_sync", comm.rank, comm.size, face=face)
     cases.assert_close(got, cases.reference(name, comm.size))
     # Every rank holds the same weights, bit for bit.
     everyone = comm.allgather(got)

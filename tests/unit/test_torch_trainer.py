@@ -173,6 +173,11 @@ def test_local_trainer_equals_plain_torch(name):
     cases.assert_close(cases.train(name, "local"), cases.reference(name, 1))
 
 
+@pytest.mark.parametrize("name", cases.DISTRIBUTED_OPTIMIZER_CASES)
+def test_local_distributed_optimizer_equals_plain_torch(name):
+    cases.assert_close(cases.train(name, "local", face="optimizer"), cases.reference(name, 1))
+
+
 def test_parameters_and_gradients_live_in_the_store():
     net = cases.Net()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, "local")
