@@ -67,6 +67,13 @@ largest rank's, beside the RSS before the model was built, the model's bytes
 (its parameters) and the node shared memory the rank had touched at the end
 (RSS counts those pages in every rank that touched them).
 
+A spawned job that fails (an exception on some rank, or a rank killed, as the
+OOM killer does) ends the run with a message that names its variants and the
+rank, and a nonzero status: a rank that raises writes its exception where
+the parent looks before the job aborts, and the parent, polling for the result,
+watches the job's processes too (``MPIKV_BENCH_FAIL_VARIANT=VARIANT``, or ``VARIANT:kill``,
+makes the last rank of the job of VARIANT raise, or kill itself, for tests).
+
 After the timed steps, ``max|w-ddp|`` is the largest difference between a
 variant's weights and those of ``ddp-X`` (same optimizer, same group), and
 ``max|w-r0|`` between the ranks' replicas. At 2 ranks the sums are
@@ -78,8 +85,11 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
+import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -124,6 +134,17 @@ DEFAULT_STEPS = {"resnet18": (5, 30), "resnet50": (2, 10), "bert": (2, 6)}
 GOALS = [("resnet18", "step time", "trainer-sgd", "ddp-sgd", 0.8),
          ("bert", "peak RSS", "trainer-adam", "ddp-adam", 0.6),
          ("bert", "peak RSS", "trainer-adam", "model bytes", 3.0)]
+
+
+#: A test makes the job of this variant fail on its last rank ("VARIANT" raises,
+#: "VARIANT:kill" kills the process with SIGKILL, as the OOM killer would).
+FAIL_ENV = "MPIKV_BENCH_FAIL_VARIANT"
+#: After a spawned job's trouble is first seen, how long its other reports are still
+#: awaited (a kill makes the ranks left waiting raise in turn).
+REPORT_GRACE_S = 2.0
+#: How long the ranks of a spawned job have to say that they started: they have
+#: passed MPI_Init when Spawn returns, so only a process killed right then stays silent.
+START_DEADLINE_S = 120.0
 
 
 # -- the models' inputs --------------------------------------------------------------------
@@ -368,6 +389,7 @@ def memory_child(args, comm):
     net = build(model, args)
     data = batches(model, args, comm.rank, args.memory_steps)
     step = make_variant(variant, net, loss_of, comm)
+    _fail_for_test(variant, comm)
     for i, batch in enumerate(data):
         torch.manual_seed(_step_seed(args, comm.rank, i))
         step(batch)
@@ -394,23 +416,170 @@ def spawn(child, model, variants, args, comm):
 
     MPI_Comm_spawn: every measurement starts from a clean process (what a
     Trainer or DDP leaves behind is not freed back to the system). Returns the
-    child job's result on every rank.
+    child job's result on every rank. A job that fails ends this run (see
+    :func:`await_child`), with a message that names its variants.
     """
     from mpi4py import MPI
     res = None
     if comm.rank == 0:
+        reports = tempfile.mkdtemp(prefix="mpikv-bench-train-")
         # This file by its path: the child finds the clone however the parent was started.
         child_args = [str(Path(__file__).resolve()), "--child", child, "--model", model,
-                      "--variants", ",".join(variants)] + _size_args(model, args)
+                      "--variants", ",".join(variants), "--report-dir", reports,
+                      ] + _size_args(model, args)
         inter = MPI.COMM_SELF.Spawn(sys.executable, child_args, maxprocs=comm.size)
-        while not inter.Iprobe(source=0):
-            time.sleep(0.05)  # an idle parent leaves the cores to the job it started
-        res = inter.recv(source=0)
+        failed = None
+        try:
+            res = await_child(inter, comm.size, reports)
+        except ChildFailed as exc:
+            failed = exc
+        finally:
+            shutil.rmtree(reports, ignore_errors=True)
+        if failed is not None:
+            what = "variant" if len(variants) == 1 else "variants"
+            end_failed(f"bench train: the {child} job of {what} {', '.join(variants)} "
+                       f"({model}) failed: {failed}", comm)
         inter.Disconnect()
     req = comm.Ibarrier()
     while not req.Test():
         time.sleep(0.05)
     return comm.bcast(res)
+
+
+class ChildFailed(Exception):
+    """A spawned job ended, or some rank of it did, without sending its result."""
+
+
+def await_child(inter, size, reports, poll_s=0.05):
+    """The result of the job at the other end of ``inter`` (``size`` ranks).
+
+    Polls (an idle parent leaves the cores to the job it started) for the
+    result, and between polls reads what the job's ranks wrote in ``reports``:
+    each rank's pid as it starts (:func:`_write_report`), and the exception of a
+    rank that raised. A rank killed (SIGKILL, the OOM killer) writes nothing,
+    and the ranks left would wait for it in a collective: its process's end
+    alone says that no result comes. The failures travel in files, not over
+    ``inter``: a rank's end closes its connection to this process, and Open MPI
+    5 aborts a process whose connection closes ("Socket closed" on a NULL
+    communicator; ERRORS_RETURN on ``inter`` and COMM_SELF did not stop it)
+    before it could say why.
+
+    Raises:
+        ChildFailed: a rank raised, a rank's process ended before the result
+            came, or a rank never said that it started.
+    """
+    started = time.monotonic()
+    trouble_since = None
+    while True:
+        if inter.Iprobe(source=0):
+            return inter.recv(source=0)
+        pids, raised = _read_reports(reports)
+        dead = sorted(r for r, (pid, host) in pids.items()
+                      if host == socket.gethostname() and not _running(pid))
+        if (raised or dead) and trouble_since is None:
+            trouble_since = time.monotonic()
+        if trouble_since is not None and time.monotonic() - trouble_since > REPORT_GRACE_S:
+            # After a while, not at once: a kill makes the ranks left waiting raise in
+            # turn, and their reports name the ranks already dead then.
+            raise ChildFailed(_what_failed(raised, dead, pids))
+        if (trouble_since is None and len(pids) < size
+                and time.monotonic() - started > START_DEADLINE_S):
+            missing = sorted(set(range(size)) - set(pids))
+            raise ChildFailed(f"{_ranks(missing)} never said that it started "
+                              f"(in {START_DEADLINE_S:.0f} s)")
+        time.sleep(poll_s)
+
+
+def _read_reports(reports):
+    """What a spawned job's ranks wrote: ``({rank: (pid, host)}, [failure reports])``."""
+    pids, raised = {}, []
+    for path in Path(reports).glob("*.json"):
+        kind, _, rank = path.stem.partition("-")
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue   # (written by rename: whole or absent; an odd file is skipped)
+        if kind == "started":
+            pids[int(rank)] = tuple(data)
+        elif kind == "failed":
+            raised.append(data)
+    return pids, raised
+
+
+def _write_report(reports, kind, rank, data):
+    """Writes ``reports/KIND-RANK.json`` whole (a rename): the parent polls for it."""
+    path = Path(reports) / f"{kind}-{rank}.json"
+    part = path.with_suffix(".part")
+    part.write_text(json.dumps(data))
+    os.replace(part, path)
+
+
+def _what_failed(raised, dead, pids):
+    """Says what ended a job: the first cause, then what followed from it.
+
+    Each report lists the ranks already dead when its exception came: a rank dead
+    before any rank raised was killed (the others failed for want of it); else the
+    lowest rank that raised is the cause. Ranks dead with no report from anyone are
+    put down to a kill: the parent cannot see why a process ended.
+    """
+    killed = sorted({r for report in raised for r in report["dead_peers"]})
+    raised = sorted(raised, key=lambda report: report["rank"])
+    if not raised:
+        killed = dead
+    parts = []
+    if killed:
+        # (Open MPI ends a job's other ranks when one is killed: they may be seen dead
+        # in the same poll, and which one was killed first is not known then.)
+        parts.append(f"{_ranks(killed, pids)} ended without a result or an error: killed (by the "
+                     f"OOM killer, if one ran out of memory: see dmesg; Open MPI then "
+                     f"ends the job's other ranks)")
+    for report in raised if killed else raised[:1]:
+        parts.append(f"rank {report['rank']} {'then raised' if killed else 'raised'} "
+                     f"{report['error']} (its traceback is above)")
+    return "; ".join(parts)
+
+
+def _ranks(ranks, pids=None):
+    """``rank 1 (pid 42)``, ``ranks 0 (pid 41), 1 (pid 42)``: the pids where known."""
+    pids = pids or {}
+    named = ", ".join(f"{r} (pid {pids[r][0]})" if r in pids else str(r) for r in ranks)
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {named}"
+
+
+def _running(pid):
+    """Whether process ``pid`` (on this host) still runs: not gone, not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # "pid (comm) state ...": the name may hold spaces and parentheses.
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def end_failed(message, comm):
+    """Ends the whole run from rank 0: ``message`` on standard error, a nonzero status.
+
+    The other ranks wait in :func:`spawn`'s barrier. MPI_Finalize would wait for
+    the failed job, still connected (its ranks left waiting may never end), so
+    the run ends with MPI_Abort, which ends what is left of that job too.
+    """
+    print(message, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    comm.Abort(1)
+
+
+def _fail_for_test(variant, comm):
+    """Fails here, on the job's last rank alone, when the test hook asks for ``variant``
+    (:data:`FAIL_ENV`): "VARIANT" raises, "VARIANT:kill" dies by SIGKILL."""
+    asked = os.environ.get(FAIL_ENV, "")
+    name, _, how = asked.partition(":")
+    if not asked or name != variant or comm.rank != comm.size - 1:
+        return
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"{FAIL_ENV}={asked}: {variant} fails on rank {comm.rank}")
 
 
 def _size_args(model, args):
@@ -485,6 +654,7 @@ def time_child(args, comm):
     for v in group:
         nets[v] = build(model, args)  # seeded: the same weights in every variant
         steppers[v] = make_variant(v, nets[v], loss_of, comm)
+        _fail_for_test(v, comm)
         turn[v] = 0
 
     def case(v):
@@ -736,7 +906,27 @@ def parser():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON document on rank 0")
     p.add_argument("--child", choices=("memory", "time"), help=argparse.SUPPRESS)
+    p.add_argument("--report-dir", help=argparse.SUPPRESS)   # a child's: see await_child
     return p
+
+
+def _report_failure(reports, variants, rank, exc):
+    """Writes this rank's exception for the parent, with the ranks of the job already
+    dead (a kill is the likelier cause of an exception in a collective than the code)."""
+    here = socket.gethostname()
+    pids, _ = _read_reports(reports)
+    dead = sorted(r for r, (pid, host) in pids.items()
+                  if r != rank and host == here and not _running(pid))
+    _write_report(reports, "failed", rank, {"rank": rank, "variant": variants,
+                                            "dead_peers": dead,
+                                            "error": _one_line(exc)})
+
+
+def _one_line(exc, limit=300):
+    """``Type: message``, its first line, at most ``limit`` characters (torch's and
+    gloo's messages run long; the traceback above has them whole)."""
+    text = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def main(argv=None):
@@ -746,13 +936,20 @@ def main(argv=None):
     comm = MPI.COMM_WORLD
     if args.child:
         parent = MPI.Comm.Get_parent()
+        # The parent watches this process: a rank killed (SIGKILL) says nothing.
+        _write_report(args.report_dir, "started", comm.rank,
+                      (os.getpid(), socket.gethostname()))
         try:
             res = (memory_child if args.child == "memory" else time_child)(args, comm)
-        except BaseException:
-            # A rank that fails alone would leave the others (and the parent) waiting.
+        except BaseException as exc:
+            # A rank that fails alone would leave the others (and the parent) waiting:
+            # the parent is told why, then the job aborts.
             traceback.print_exc()
             sys.stderr.flush()
-            comm.Abort(1)
+            try:
+                _report_failure(args.report_dir, args.variants, comm.rank, exc)
+            finally:   # whatever the report met, the job must not be left waiting
+                comm.Abort(1)
         if comm.rank == 0:
             parent.send(res, dest=0)
         parent.Disconnect()

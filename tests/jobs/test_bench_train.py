@@ -129,3 +129,35 @@ def test_overlap_is_measured_against_compute_and_communication_alone():
         assert "comm_hidden" not in rows[name]
         assert rows[name]["max_abs_diff_vs_ddp"] is None  # not the same work as DDP's
         assert rows[name]["max_abs_diff_vs_rank0"] == 0.0 or name == "local-sgd"
+
+
+@pytest.mark.parametrize("fail, measure, cause", [
+    ("ddp-sgd", "--memory", "rank 1 raised RuntimeError: MPIKV_BENCH_FAIL_VARIANT=ddp-sgd: "
+                            "ddp-sgd fails on rank 1"),
+    ("trainer-sgd:kill", "--time", "ended without a result or an error: killed"),
+], ids=["raises", "killed"])
+def test_a_failed_child_job_ends_the_run_with_its_variant_and_a_nonzero_status(
+        fail, measure, cause):
+    """A spawned job whose last rank raises, or is killed by SIGKILL (as the OOM killer
+    would), ends the run within its timeout, naming the job, its variants and the
+    rank; it used to leave the parent waiting for a result forever."""
+    if fail.startswith("trainer-") and importlib.util.find_spec("mpikv.torch") is None:
+        pytest.skip("the Trainer variants need mpikv.torch")
+    variant = fail.partition(":")[0]
+    # --groups each: the failing variant has a job of its own in --time too.
+    rc, out, seconds = run_job(2, "-m", "mpikv", "bench", "train", *TINY, measure,
+                               "--groups", "each", "--variants", f"ddp-adam,{variant}",
+                               "--json", env={"MPIKV_AUTOTUNE": "0",
+                                              "MPIKV_BENCH_FAIL_VARIANT": fail},
+                               timeout=180)
+    assert rc not in (0, 124), (rc, out)   # 124: the timeout ended a hang
+    job = "memory" if measure == "--memory" else "time"
+    lines = [line for line in out.splitlines() if line.startswith("bench train:")]
+    assert len(lines) == 1, out
+    assert lines[0].startswith(f"bench train: the {job} job of variant {variant} (bert) "
+                               f"failed: "), out
+    assert cause in lines[0], out
+    if fail.endswith(":kill"):   # the rank that ended is named with its pid
+        assert "1 (pid " in lines[0], out
+    assert not any(line.startswith("{") for line in out.splitlines()), out  # no result
+    assert seconds < 170   # ended by the failure, not by the timeout's kill
