@@ -709,6 +709,13 @@ class Engine:
             return None
         return stored, self.reducer(layout, 0, stored), [key]
 
+    def outdate(self, keys):
+        """Marks this rank's copies of ``keys`` as behind their owners': the next pull
+        gathers them (the same on every rank, as every rank calls it alike)."""
+        if self.transport.size > 1:
+            for key in keys:
+                self._entries[key].stale = True
+
     def uses_shared_memory(self, keys):
         """Whether a key list's zero-copy buffers are in node shared memory."""
         layout = self._layouts.get(tuple(sorted(keys, key=sort_key)))

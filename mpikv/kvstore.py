@@ -223,6 +223,20 @@ class KVStore(ClosesAfterWith):
         """The :class:`mpikv.tuning.Table` that picks each bucket's reduction strategy."""
         return self._engine.chooser.table
 
+    def outdate(self, keys):
+        """Marks this rank's copies of ``keys`` as no longer the owners' values: the
+        next ``pull`` of each gathers it from its owners, as after a push.
+
+        For a caller that reuses the memory of the parts it does not own (the
+        Trainer's ``shard="parameters"``). Local, but every rank must call it
+        alike (the pulls it changes are collective), when no pull of these keys
+        is in flight.
+
+        Args:
+            keys: a list of initialised keys.
+        """
+        self._engine.outdate(list(keys))
+
     def uses_shared_memory(self, keys):
         """Whether the zero-copy buffers of this key list live in node shared memory."""
         return self._engine.uses_shared_memory(list(keys))

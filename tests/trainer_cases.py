@@ -148,13 +148,22 @@ def _plain_groups(s, net):
     return [p for p in net.parameters() if p.requires_grad]
 
 
-def train(name, kv_type="dist_sync", rank=0, size=1, extra=0, joined=None, face="trainer"):
+#: the cases that run at every level of sharding too (``shard="gradients"`` and
+#: ``"parameters"``; not a head that some ranks skip: every rank must run the same
+#: modules when the weights are gathered module by module, as with FSDP)
+LEVEL_CASES = ["sgd", "adam-amsgrad", "mxnet-sgd", "set-to-none", "no-sync", "clip",
+               "scheduler", "split-keys", "param-groups", "batch-size", "nadam-split-keys",
+               "adafactor", "rprop"]
+
+
+def train(name, kv_type="dist_sync", rank=0, size=1, extra=0, joined=None, face="trainer",
+          shard=None):
     """Trains case ``name`` through a Trainer; returns ``{name: weight}`` (numpy copies).
 
     With ``extra``, one rank has that many more steps, and every rank then
     calls ``join``, whose result is appended to ``joined``. With ``face=
     "optimizer"`` the script makes its own torch optimizer (and scheduler) and
-    wraps it in ``mpikv.torch.DistributedOptimizer``.
+    wraps it in ``mpikv.torch.DistributedOptimizer``; ``shard`` is the Trainer's.
     """
     s = settings(name)
     net = Net()
@@ -169,7 +178,8 @@ def train(name, kv_type="dist_sync", rank=0, size=1, extra=0, joined=None, face=
         trainer = own.trainer
     else:
         trainer = mpikv.torch.Trainer(_params(s, net), opt, kw, store, lr_scheduler=sched,
-                                      split_parameters=s["split"])
+                                      split_parameters=s["split"], shard=shard,
+                                      **({"module": net} if shard == "parameters" else {}))
         own, scheduler = trainer, trainer.lr_scheduler
     per = GLOBAL_BATCH // size
     rows = slice(rank * per, (rank + 1) * per)
@@ -200,7 +210,8 @@ def train(name, kv_type="dist_sync", rank=0, size=1, extra=0, joined=None, face=
             scheduler.step()
     if extra:
         joined.append(trainer.join())
-    return {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
+    with trainer.gathered():   # shard="parameters": the owners' parts, whole
+        return {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
 
 
 def reference(name, size, extra=0):

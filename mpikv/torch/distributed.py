@@ -191,65 +191,59 @@ def _repatch_scheduler_step(optimizer):
     optimizer.step = wrapper
 
 
-def init_process_group(backend="gloo", comm=None, **kwargs):
+def init_process_group(backend="gloo", **kwargs):
     """``torch.distributed.init_process_group`` on the MPI ranks, without torchrun.
 
-    Rank 0 picks a free port and tells the others, so a script launched by
+    Over ``MPI.COMM_WORLD``: rank 0 picks a free port and tells the others, so a script launched by
     ``mpiexec`` or ``srun`` keeps its own ``torch.distributed`` calls
     (``dist.get_rank()``, ``dist.all_reduce`` of a metric, ``dist.barrier()``)
     beside the store. Collective; does nothing if torch's group exists.
 
     Args:
         backend: torch's backend (``"gloo"``; ``"nccl"`` on GPUs).
-        comm: the mpi4py communicator of the ranks (default ``COMM_WORLD``).
         **kwargs: further arguments of torch's ``init_process_group``.
     """
     import os
     import socket
 
     import torch.distributed as dist
-    from mpi4py import MPI
+    from ..transport import world
     if dist.is_initialized():
         return
-    comm = comm if comm is not None else MPI.COMM_WORLD
-    one_host = len(set(comm.allgather(MPI.Get_processor_name()))) == 1
+    one_host = world.on_one_host()
     addr = port = None
-    if comm.rank == 0:
+    if world.rank() == 0:
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
         addr = (os.environ.get("MASTER_ADDR") or os.environ.get("MPIKV_CLUSTER_MASTER") or (
             "127.0.0.1" if one_host else socket.gethostbyname(socket.gethostname())))
-    addr, port = comm.bcast((addr, port))
+    addr, port = world.from_rank_0((addr, port))
     if one_host:
         # gloo otherwise picks the interface of the hostname, which a container may lack.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     elif os.environ.get("MPIKV_CLUSTER_IFNAME"):  # scripts/cluster.sh: the hosts' link
         os.environ.setdefault("GLOO_SOCKET_IFNAME", os.environ["MPIKV_CLUSTER_IFNAME"])
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=comm.rank,
-                            world_size=comm.size, **kwargs)
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}",
+                            rank=world.rank(), world_size=world.size(), **kwargs)
 
 
 def rank():
     """This process's rank in ``MPI.COMM_WORLD`` (``dist.get_rank()``)."""
-    from mpi4py import MPI
-    return MPI.COMM_WORLD.Get_rank()
+    from ..transport import world
+    return world.rank()
 
 
 def size():
     """The number of ranks in ``MPI.COMM_WORLD`` (``dist.get_world_size()``)."""
-    from mpi4py import MPI
-    return MPI.COMM_WORLD.Get_size()
+    from ..transport import world
+    return world.size()
 
 
 def local_rank():
-    """This process's rank among the ranks on its node (``LOCAL_RANK``)."""
-    from mpi4py import MPI
-    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return node.Get_rank()
-    finally:
-        node.Free()
+    """This process's rank among the ranks on its node (``LOCAL_RANK``); collective."""
+    from ..transport import world
+    return world.local_rank()
 
 
 def DistributedSampler(dataset, **kwargs):

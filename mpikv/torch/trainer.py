@@ -10,7 +10,7 @@ from torch.autograd import Variable
 from .._closing import ClosesAfterWith
 from .. import _xp, errors
 from . import checkpoint
-from . import status, syncbn, tensors, torch_rules
+from . import pages, param_shards, status, syncbn, tensors, torch_rules
 from .buffers import SharedBuffers, refuse_without_module
 from ._params import backward_buckets, by_precision, named_groups, on_device_of
 from .half import HALF as _HALF
@@ -18,7 +18,8 @@ from .half import HalfGradients
 from .hyper import SharedHyperparameters
 from .joined import JoinedSteps
 from .launcher import Launcher, SettledStore
-from .optimizers import Deferred, MXNetRule, make_rule
+from .optimizers import Deferred, MXNetRule
+from .rule_choice import make_rule
 from .status import StepStatus
 
 #: format tag of the Trainer's part of a checkpoint
@@ -111,14 +112,17 @@ class Trainer(ClosesAfterWith):
     def __init__(self, params, optimizer, optimizer_params=None, kvstore=None, *,
                  bucket_bytes=8 << 20, unused_parameters="zeros", lr_scheduler=None,
                  multi_precision=None, compression=None, shard=None, broadcast_buffers=None,
-                 split_parameters=None, module=None):
+                 split_parameters=None, module=None, units=None):
         if unused_parameters not in ("zeros", "error"):
             raise ValueError(f"unused_parameters must be 'zeros' or 'error', "
                              f"not {unused_parameters!r}")
         if shard is None:
             shard = "optimizer" if compression is None else "gradients"
-        if shard not in ("optimizer", "gradients"):
-            raise ValueError(f"shard must be 'optimizer' or 'gradients', not {shard!r}")
+        if shard not in ("optimizer", "gradients", "parameters"):
+            raise ValueError(f"shard must be 'optimizer', 'gradients' or 'parameters', "
+                             f"not {shard!r}")
+        if units is not None and shard != "parameters":
+            raise ValueError("units= cuts the model for shard='parameters' only")
         #: backward leaves the averaged gradients in .grad (DDP's guarantee)
         self._averaging = shard == "optimizer"
         self.shard = shard
@@ -146,8 +150,16 @@ class Trainer(ClosesAfterWith):
         self._owns_store = kvstore is None or isinstance(kvstore, str)
         #: the owners' parts are flat shards of parameters, else whole parameters
         self.split_parameters = torch_rules.splits(optimizer, split_parameters)
+        if shard == "parameters":
+            why = param_shards.refuse(self._params) or (
+                None if module is not None else
+                "shard='parameters' needs the module (as params, or module=): its "
+                "forward and backward gather the weights")
+            if why:
+                raise errors.InputError(why)
         self._kv = _make_store(kvstore, self._params, compression is not None,
-                               whole=not self.split_parameters)
+                               whole=not self.split_parameters,
+                               private=shard == "parameters")
         self._launcher = _launcher_for(self._kv, bool(self._devices))
         # The user's own calls on this store (between backward and step, say) come
         # after the launcher's too.
@@ -194,6 +206,9 @@ class Trainer(ClosesAfterWith):
         self._forward_hooks = ([module.register_forward_pre_hook(_Hook(self, "_before_forward")),
                                 module.register_forward_hook(_Hook(self, "_after_forward"))]
                                if broadcast_buffers and self._buffers else [])
+        # Weights on their owners only: gathered around each unit's forward and backward.
+        self._shards = (param_shards.ParameterShards(self, module, units)
+                        if shard == "parameters" else None)
 
     # -- setup -------------------------------------------------------------
     def _wire(self, bucket_bytes):
@@ -210,6 +225,7 @@ class Trainer(ClosesAfterWith):
         self._bucket_device = []
         self._bucket_keys, self._grad_arrays, self._value_arrays = [], [], []
         self._grads = [None] * len(params)
+        self._value_views = [None] * len(params)
         for b, members in enumerate(self._buckets):
             for i in members:
                 self._bucket_of[i] = b
@@ -239,6 +255,7 @@ class Trainer(ClosesAfterWith):
                 with torch.no_grad():
                     p.data = on_device_of(tensors.from_native(value), p, self._names[i])
                     self._grads[i] = own[k] if own is not None else tensors.from_native(grad)
+                self._value_views[i] = value
                 p.grad = self._grads[i]
 
     # -- the step ------------------------------------------------------------
@@ -284,6 +301,8 @@ class Trainer(ClosesAfterWith):
             self = trainer()
             if self is None:
                 return
+            if self._shards is not None:   # its unit may give its weights back now
+                self._shards.grad_ready(index)
             if self._averaging and self._sent:
                 # A second backward before step(): its gradients accumulate on the
                 # averaged ones, and the sum is reduced again, as DDP does (a
@@ -405,6 +424,8 @@ class Trainer(ClosesAfterWith):
         self._store_done()
         self._handles = []
         self._sent = True
+        if self._shards is not None:   # the owners have the sums: the rest goes
+            self._release_gradients()
 
     def _check(self, gather=False):
         """Sums the status of the step's gradients over the ranks, once per step.
@@ -602,6 +623,9 @@ class Trainer(ClosesAfterWith):
             hook.remove()
         self._hooks = None
         self._kv._protocol.remove_settler(self._settle_for_user)
+        if self._shards is not None:   # every weight whole again, for the plain model
+            self._shards.gather_all()
+            self._shards.remove()
         self._launcher.close()
         for hook in self._forward_hooks:
             hook.remove()
@@ -649,7 +673,11 @@ class Trainer(ClosesAfterWith):
             self._share_next = True
 
     def _pull_weights(self):
-        """Every bucket's owners' parts, gathered in place into the parameters."""
+        """Every bucket's owners' parts, gathered in place into the parameters
+        (with ``shard="parameters"``: each unit's forward gathers its own)."""
+        if self._shards is not None:
+            self._shards.release_all()
+            return
         self.kvstore.wait([self.kvstore.pull_async(keys, out=values)
                            for keys, values in zip(self._bucket_keys, self._value_arrays)])
         self._store_done()
@@ -664,9 +692,12 @@ class Trainer(ClosesAfterWith):
         """
         del set_to_none
         self._between_steps()  # a backward whose step never came: nothing is applied
+        if self._shards is not None:   # zeros that cost no memory until written
+            self._release_gradients(owned_too=True)
         with torch.no_grad():
             for i, grad in enumerate(self._grads):
-                grad.zero_()
+                if self._shards is None:
+                    grad.zero_()
                 if self._params[i].grad is not grad:
                     self._params[i].grad = grad
 
@@ -729,6 +760,46 @@ class Trainer(ClosesAfterWith):
             self._pull_weights()
         finally:
             self._tell_store()
+
+    def _value_of(self, index):
+        """The store's value array that parameter ``index`` is a view of."""
+        return self._value_views[index]
+
+    def _release_gradients(self, owned_too=False):
+        """Gives back the memory of the gradients' parts other ranks own (they read
+        zero until backward writes them again); the owned parts too if asked.
+
+        Buckets in node shared memory (a store passed in with ``shared_memory``
+        on) keep their memory: their parts are zeroed where asked instead.
+        """
+        plan, rank = self._kv.plan, self._kv.rank
+        for b, members in enumerate(self._buckets):
+            shared = self._kv.uses_shared_memory(self._bucket_keys[b])
+            for i in members:
+                grad = self._grads[i]
+                if shared:
+                    if owned_too:
+                        with torch.no_grad():
+                            grad.zero_()
+                    continue
+                pages.release(tensors.to_native(grad).reshape(-1),
+                              [(s.start, s.stop) for s in plan[self._names[i]].shards
+                               if owned_too or s.owner != rank])
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every weight whole in the model inside the block (``shard="parameters"``:
+        to read ``model.state_dict()``, say); given back after it. Collective.
+        Elsewhere the weights are always whole and it does nothing."""
+        if self._shards is None:
+            yield
+            return
+        self._settled()
+        self._shards.gather_all()
+        try:
+            yield
+        finally:
+            self._shards.release_all()
 
     def _refuse_held_state(self, what):
         """Raises where the owners keep state the store's checkpoint has no place for
@@ -967,9 +1038,10 @@ def _launcher_for(kv, on_gpu):
     return Launcher(threaded, kv._options.abort_on_exception)
 
 
-def _make_store(kvstore, params, compressed=False, whole=False):
+def _make_store(kvstore, params, compressed=False, whole=False, private=False):
     """The Trainer's store: ``kvstore`` if one, else a new one (keys kept whole
-    on one owner each where ``whole``)."""
+    on one owner each where ``whole``; gradient buffers in private memory, whose
+    pages can be given back, where ``private``)."""
     import mpikv
     if kvstore is not None and not isinstance(kvstore, str):
         if whole and kvstore.num_workers > 1:
@@ -983,6 +1055,8 @@ def _make_store(kvstore, params, compressed=False, whole=False):
                     f"make the store with a larger bigarray_bound, or let the Trainer make it")
         return kvstore
     options = {"bigarray_bound": _WHOLE} if whole else {}
+    if private:
+        options["shared_memory"] = False
     on_gpu = any(tensors.is_device(p) for p in params)
     if kvstore is None:
         kv = mpikv.create("dist_sync_device" if on_gpu else "dist_sync", **options)

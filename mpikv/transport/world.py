@@ -63,4 +63,43 @@ def job_facts(comm=None):
     }
 
 
-__all__ = ["job_facts", "mpi_running", "rank_label"]
+# -- for code beside a store (a torch process group, a data sampler); these do
+# initialise MPI ------------------------------------------------------------------------
+def _comm(comm):
+    from mpi4py import MPI
+    return MPI.COMM_WORLD if comm is None else comm
+
+
+def rank(comm=None):
+    """This process's rank in ``comm`` (default ``MPI.COMM_WORLD``)."""
+    return _comm(comm).Get_rank()
+
+
+def size(comm=None):
+    """The number of ranks in ``comm`` (default ``MPI.COMM_WORLD``)."""
+    return _comm(comm).Get_size()
+
+
+def local_rank(comm=None):
+    """This process's rank among the ranks of ``comm`` on its node; collective."""
+    from mpi4py import MPI
+    node = _comm(comm).Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank()
+    finally:
+        node.Free()
+
+
+def on_one_host(comm=None):
+    """Whether every rank of ``comm`` runs on one node; collective."""
+    from mpi4py import MPI
+    return len(set(_comm(comm).allgather(MPI.Get_processor_name()))) == 1
+
+
+def from_rank_0(value, comm=None):
+    """Rank 0's ``value`` on every rank of ``comm``; collective."""
+    return _comm(comm).bcast(value)
+
+
+__all__ = ["job_facts", "mpi_running", "rank_label", "rank", "size", "local_rank",
+           "on_one_host", "from_rank_0"]

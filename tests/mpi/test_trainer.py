@@ -29,8 +29,14 @@ def test_distributed_optimizer_equals_one_process_with_the_global_batch(comm, na
     _equals_one_process_everywhere(comm, name, "optimizer")
 
 
-def _equals_one_process_everywhere(comm, name, face):
-    got = cases.train(name, "dist_sync", comm.rank, comm.size, face=face)
+@pytest.mark.parametrize("shard", ["gradients", "parameters"])
+@pytest.mark.parametrize("name", cases.LEVEL_CASES)
+def test_every_level_equals_one_process_with_the_global_batch(comm, name, shard):
+    _equals_one_process_everywhere(comm, name, "trainer", shard)
+
+
+def _equals_one_process_everywhere(comm, name, face, shard=None):
+    got = cases.train(name, "dist_sync", comm.rank, comm.size, face=face, shard=shard)
     cases.assert_close(got, cases.reference(name, comm.size))
     # Every rank holds the same weights, bit for bit.
     everyone = comm.allgather(got)

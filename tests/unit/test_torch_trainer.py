@@ -173,6 +173,12 @@ def test_local_trainer_equals_plain_torch(name):
     cases.assert_close(cases.train(name, "local"), cases.reference(name, 1))
 
 
+@pytest.mark.parametrize("shard", ["gradients", "parameters"])
+@pytest.mark.parametrize("name", cases.LEVEL_CASES)
+def test_local_trainer_equals_plain_torch_at_every_level(name, shard):
+    cases.assert_close(cases.train(name, "local", shard=shard), cases.reference(name, 1))
+
+
 @pytest.mark.parametrize("name", cases.DISTRIBUTED_OPTIMIZER_CASES)
 def test_local_distributed_optimizer_equals_plain_torch(name):
     cases.assert_close(cases.train(name, "local", face="optimizer"), cases.reference(name, 1))
