@@ -119,10 +119,10 @@ class Trainer(ClosesAfterWith):
         if shard is None:
             shard = "optimizer" if compression is None else "gradients"
         if shard not in ("optimizer", "gradients", "parameters"):
-            raise ValueError(f"shard must be 'optimizer', 'gradients' or 'parameters', "
-                             f"not {shard!r}")
+            raise errors.InputError(f"shard must be 'optimizer', 'gradients' or 'parameters', "
+                                    f"not {shard!r}")
         if units is not None and shard != "parameters":
-            raise ValueError("units= cuts the model for shard='parameters' only")
+            raise errors.InputError("units= cuts the model for shard='parameters' only")
         #: backward leaves the averaged gradients in .grad (DDP's guarantee)
         self._averaging = shard == "optimizer"
         self.shard = shard
@@ -380,6 +380,10 @@ class Trainer(ClosesAfterWith):
         handles = self._handles
         # Queued behind its push: the owners' sums reach every rank while backward goes on.
         gather = self._gathered[b] = self._averaging and not self._is_half(b)
+        # shard="parameters": once a bucket's sums are on their owners, the rest of its
+        # gradients goes at once, while backward goes on (on the launcher's thread:
+        # the store runs its calls in order, so waiting there delays nothing after).
+        give_back = self._shards is not None and self._launcher.threaded
 
         def send():
             # On the launcher's thread, the bucket's GPU is made current, as autograd's
@@ -392,6 +396,9 @@ class Trainer(ClosesAfterWith):
                 handles.append(kv.push_async(keys, arrays))
                 if gather:
                     handles.append(kv.gather_gradients_async(keys))
+            if give_back:
+                kv.wait(handles[-1])
+                self._release_gradients(buckets=[b])
         try:
             self._launcher.submit(send)
         except BaseException:   # inline: its agreement failed on every rank
@@ -765,15 +772,17 @@ class Trainer(ClosesAfterWith):
         """The store's value array that parameter ``index`` is a view of."""
         return self._value_views[index]
 
-    def _release_gradients(self, owned_too=False):
+    def _release_gradients(self, owned_too=False, buckets=None):
         """Gives back the memory of the gradients' parts other ranks own (they read
-        zero until backward writes them again); the owned parts too if asked.
+        zero until backward writes them again); the owned parts too if asked; of
+        every bucket, or of ``buckets``.
 
         Buckets in node shared memory (a store passed in with ``shared_memory``
         on) keep their memory: their parts are zeroed where asked instead.
         """
         plan, rank = self._kv.plan, self._kv.rank
-        for b, members in enumerate(self._buckets):
+        for b in range(len(self._buckets)) if buckets is None else buckets:
+            members = self._buckets[b]
             shared = self._kv.uses_shared_memory(self._bucket_keys[b])
             for i in members:
                 grad = self._grads[i]

@@ -713,3 +713,39 @@ def test_a_state_bad_on_one_rank_is_refused_on_every_rank_with_nothing_changed(c
     assert trainer.num_update == 2
     trainer.close()
     trainer.kvstore.close()
+
+
+# -- shard="parameters" --------------------------------------------------------------------
+def test_sharded_parameters_keep_only_the_owned_parts_between_uses(comm):
+    """Between steps each rank holds the parts it owns; the rest reads zero (its
+    memory given back); gathered() gives the whole weights, equal on every rank."""
+    net = cases.Net()
+    store = mpikv.create("dist_sync", timeout=120, bigarray_bound=10, shared_memory=False)
+    trainer = mpikv.torch.Trainer(net, torch.optim.Adam, {"lr": 0.01}, store, shard="parameters")
+    for step in range(2):
+        _rank_step(comm, net, trainer, step)
+    for name, p in net.named_parameters():
+        if not p.requires_grad:
+            continue
+        flat = p.detach().reshape(-1)
+        for shard in store.plan[name].shards:
+            part = flat[shard.start:shard.stop]
+            if shard.owner != comm.rank:
+                assert not part.any(), (name, shard)
+            grad = p.grad.reshape(-1)[shard.start:shard.stop]
+            if shard.owner != comm.rank:
+                assert not grad.any(), (name, shard)
+    with trainer.gathered():
+        whole = {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
+    everyone = comm.allgather(whole)
+    for n in whole:
+        assert all((other[n] == whole[n]).all() for other in everyone), n
+    trainer.close()
+    store.close()
+
+
+def test_ranks_that_run_different_modules_with_sharded_parameters_get_one_error(comm):
+    if comm.size == 1:
+        pytest.skip("one rank runs what it runs")
+    with pytest.raises(mpikv.MismatchError, match="was given on rank"):
+        cases.train("head-on-some-ranks", "dist_sync", comm.rank, comm.size, shard="parameters")
