@@ -1,11 +1,13 @@
 """Trainer steps that stop, checkpoint and resume; run by tests/jobs/test_trainer_resume.py.
 
 Usage: trainer_resume.py FIRST LAST [--load CKPT] [--save CKPT] [--out WEIGHTS.npz]
+                          [--shard LEVEL]
 
 Rank 0 computes the loss of the whole batch and the others backward a zero
 loss (of other data: the BatchNorm buffers are rank 0's, and in checkpoints), and ``step(batch_size=1)`` sums without averaging: the sum is then the
 same on any number of ranks, so runs on different rank counts can be compared
-bit for bit.
+bit for bit (with ``--shard optimizer`` on 1, 2 or 4 ranks: the average over the
+ranks, scaled back, is then exact too).
 """
 
 import argparse
@@ -31,16 +33,17 @@ def main(argv):
     p.add_argument("--load")
     p.add_argument("--save")
     p.add_argument("--out")
+    p.add_argument("--shard", default="gradients")
     a = p.parse_args(argv)
     net = model()
     # Keys of 100 elements or more are split over the owners (fc 0 has 240).
     kv = mpikv.create("dist_sync", bigarray_bound=100, timeout=120)
-    # shard="gradients": the owners update from the sums themselves (the default
-    # averages .grad after backward, and step(batch_size) scales the average back:
-    # one rounding that depends on the number of ranks).
+    # Default shard="gradients": the owners update from the sums themselves (with
+    # "optimizer", .grad is averaged after backward and step(batch_size) scales the
+    # average back: one rounding that depends on the number of ranks, unless a power of 2).
     trainer = mpikv.torch.Trainer(net, torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1},
                                   kv, lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(
-                                      o, step_size=2, gamma=0.5), shard="gradients")
+                                      o, step_size=2, gamma=0.5), shard=a.shard)
     if a.load:
         trainer.load_checkpoint(a.load)
         assert trainer.num_update == a.first, (trainer.num_update, a.first)
@@ -56,10 +59,11 @@ def main(argv):
         trainer.lr_scheduler.step()
     if a.save:
         trainer.save_checkpoint(a.save)
-    if a.out and kv.rank == 0:
-        np.savez(a.out, lr=trainer.learning_rate,
-                 **{n: p.detach().numpy() for n, p in net.named_parameters()},
-                 **{n: b.numpy() for n, b in net.named_buffers()})
+    with trainer.gathered():   # (shard="parameters": each rank holds its parts only)
+        if a.out and kv.rank == 0:
+            np.savez(a.out, lr=trainer.learning_rate,
+                     **{n: p.detach().numpy() for n, p in net.named_parameters()},
+                     **{n: b.numpy() for n, b in net.named_buffers()})
     return 0
 
 
