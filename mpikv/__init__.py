@@ -4,8 +4,9 @@ from ._executor import Handle
 from ._version import __version__
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
+from .rowsparse import RowSparse
 
-__all__ = ["create", "Handle", "__version__", *_errors_all]
+__all__ = ["create", "Handle", "RowSparse", "__version__", *_errors_all]
 
 
 def create(name="local", comm=None, timeout=None, **options):  # noqa: D401

@@ -18,7 +18,7 @@ import copy
 
 import numpy as np
 
-from . import backends, dtypes, statefile
+from . import backends, dtypes, row_tables, statefile
 from ._version import __version__
 from .engine import Entry
 from .errors import MPIKVError, OptimizerError, StateFileError
@@ -78,7 +78,7 @@ def _key_list(entries):
             for key, e in sorted(entries.items(), key=lambda kv: sort_key(kv[0]))]
 
 
-def save(store, fname, kind, with_values, dump_optimizer):
+def save(store, fname, kind, with_values, dump_optimizer, rows=None):
     """Writes the owners' states (and values) to ``fname``; collective.
 
     Args:
@@ -87,6 +87,8 @@ def save(store, fname, kind, with_values, dump_optimizer):
         kind: "optimizer_states" or "checkpoint", recorded in the file.
         with_values: also write the stored values.
         dump_optimizer: also record the optimizer's kind and hyperparameters.
+        rows: the store's :class:`~mpikv.row_tables.RowTables` (each owner writes
+            its block), or None.
     """
     t = store.transport
     what = (kind, [])
@@ -111,6 +113,8 @@ def save(store, fname, kind, with_values, dump_optimizer):
                 else:
                     entries.append((key, _STATE + name, shard.start, shard.stop, shape,
                                     _on_host(arr.reshape(-1))))
+        if rows is not None:
+            entries += row_tables.part_entries(rows, t.rank, with_values)
         return statefile.write_part(fname, generation, t.rank, entries) if entries else None
 
     try:
@@ -129,6 +133,7 @@ def save(store, fname, kind, with_values, dump_optimizer):
         "optimizer_name": None if opt is None else opt.name,
         "optimizer": opt.get_config() if (opt is not None and dump_optimizer) else None,
         "on_gpu": bool(store.on_gpu),
+        "row_tables": row_tables.describe(rows) if rows is not None else [],
     }
 
     def commit():
@@ -138,7 +143,7 @@ def save(store, fname, kind, with_values, dump_optimizer):
     _exchange(t, what, commit)
 
 
-def load(store, fname, kind, with_values):
+def load(store, fname, kind, with_values, rows=None):
     """Restores what :func:`save` wrote, on any number of ranks; collective.
 
     Values and states are read for the element ranges this rank owns now;
@@ -216,11 +221,16 @@ def load(store, fname, kind, with_values):
         local["got"], local["meta"], local["saved"], new = read()
         local["prepared"] = _prepare(store, plan, local["got"], local["meta"], local["saved"],
                                      new, with_values)
+        local["rows"] = [] if rows is None else row_tables.stage(
+            rows, statefile.read_manifest(fname), local["meta"].get("row_tables"),
+            local["prepared"][1], with_values, statefile.read_slices)
         return None
 
     _exchange(t, what, read_local)
     _apply(store, plan, local["prepared"], local["got"], local["meta"], local["saved"],
            with_values)
+    if rows is not None:
+        row_tables.install(rows, local["rows"])
 
 
 def _saved_keys(meta, fname):

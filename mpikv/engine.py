@@ -709,6 +709,11 @@ class Engine:
             return None
         return stored, self.reducer(layout, 0, stored), [key]
 
+    @property
+    def owners(self):
+        """The :class:`~mpikv.owners.Owners`: the updater or optimizer, and its states."""
+        return self._owners
+
     def outdate(self, keys):
         """Marks this rank's copies of ``keys`` as behind their owners': the next pull
         gathers them (the same on every rank, as every rank calls it alike)."""

@@ -22,6 +22,8 @@ from ._protocol import Protocol, ReplayedCall
 from .agreement import format_ranks
 from .calls import Call, CallReader
 from .engine import Engine
+from .row_tables import RowTables
+from .rowsparse import RowSparse
 from .transport import make_transport
 
 #: store type -> transport kind
@@ -195,6 +197,7 @@ class KVStore(ClosesAfterWith):
                               table=table)
         self._protocol = Protocol(transport, self._engine)
         self._reader = CallReader(self._engine.lookup, lambda: self._engine.key_type)
+        self._rows = RowTables(transport)
 
     # -- properties ------------------------------------------------------
     @property
@@ -329,10 +332,14 @@ class KVStore(ClosesAfterWith):
 
         Args:
             key: a key or a list of keys.
-            value: per key, an array or a list of arrays (one per device).
+            value: per key, an array or a list of arrays (one per device); for a
+                row table (:meth:`init_rows`), a :class:`~mpikv.RowSparse`.
             priority: an int, or one int per key: buckets holding keys of
                 higher priority move first. Must be the same on every rank.
         """
+        if self._is_rows_call(key, value):
+            self._push_rows(key, value)
+            return
         if not self._protocol.one_key("push", key, value, None, priority,
                                       lambda: self._push_call("push", key, value, priority)):
             self._protocol.run(self._push_call("push", key, value, priority), push=True,
@@ -380,6 +387,110 @@ class KVStore(ClosesAfterWith):
         """:meth:`pushpull` in the background; returns a :class:`Handle`."""
         return self._protocol.submit(self._push_call("pushpull", key, value, priority, out),
                                      push=True, pull=True)
+
+    # -- row tables ------------------------------------------------------
+    def init_rows(self, key, shape, dtype=np.float32, init=None):
+        """Creates a row table: ``key``'s rows live on their owners only.
+
+        Rank ``r`` owns the ``r``-th of ``num_workers`` near-equal blocks of rows
+        and allocates only those; no rank ever holds the whole table. Push
+        :class:`~mpikv.RowSparse` rows to it (:meth:`push`) and read rows with
+        :meth:`row_sparse_pull`. Collective.
+
+        Args:
+            key: a new key (int or str, as the store's other keys).
+            shape: the whole table's shape (rows first).
+            dtype: its dtype.
+            init: ``init(first_row, stop_row)`` returning this rank's rows, a
+                number for every element, or None (zeros).
+        """
+        call = Call("init_rows")
+        shape = tuple(int(d) for d in np.atleast_1d(shape))
+        call.settings.update(key=repr(key), shape=str(shape), dtype=str(np.dtype(dtype)))
+        if key in self._rows or self._engine.lookup(key) is not None:
+            call.fail(errors.DuplicateInitError, key, f"key {key!r} is already initialised")
+        elif not shape or min(shape) < 0:
+            call.fail(errors.ShapeError, key, f"a row table needs rows: shape {shape}")
+        self._protocol.collective(call, lambda: self._rows.create(key, shape, dtype, init))
+
+    def row_sparse_pull(self, key, out=None, row_ids=None, priority=0):
+        """Copies rows ``row_ids`` of ``key`` into ``out``; only they are fetched.
+
+        As MXNet's: ids may repeat and come in any order. Collective (every rank
+        calls it, each with its own ids).
+
+        Args:
+            key: a row table's key.
+            out: None, a :class:`~mpikv.RowSparse` (it gets the rows, each id
+                once, in increasing order) or a dense array of the table's shape
+                (those rows filled, the others zeroed).
+            row_ids: 1-D integers in ``[0, rows)``.
+            priority: accepted for MXNet compatibility.
+
+        Returns:
+            the rows as a :class:`~mpikv.RowSparse` (``out`` itself if given one).
+        """
+        del priority
+        call = Call("row_sparse_pull")
+        call.settings.update(key=repr(key))
+        table = self._rows.tables.get(key)
+        ids = None
+        if table is None:
+            call.fail(errors.UnknownKeyError, key, f"{key!r} is not a row table "
+                      f"(make it with init_rows)")
+        else:
+            try:
+                ids = np.asarray([] if row_ids is None else row_ids)
+                RowSparse(ids.reshape(-1), np.zeros((ids.size, *table.shape[1:]), table.dtype),
+                          table.shape)
+                if out is not None and not isinstance(out, RowSparse) and (
+                        not isinstance(out, np.ndarray) or out.shape != table.shape):
+                    raise errors.ShapeError(f"out must be a RowSparse or an array of the "
+                                            f"table's shape {table.shape}")
+            except errors.MPIKVError as exc:
+                call.fail(type(exc), key, str(exc))
+        result = []
+        self._protocol.collective(call, lambda: result.append(
+            self._rows.pull((call.op, [key]), key, ids)))
+        rows = result[0]
+        if isinstance(out, RowSparse):
+            out.indices, out.data, out.shape = rows.indices, rows.data, rows.shape
+            return out
+        if out is not None:
+            out[...] = 0
+            out[rows.indices] = rows.data
+        return rows
+
+    def _is_rows_call(self, key, value):
+        keys = key if isinstance(key, (list, tuple)) else [key]
+        values = value if isinstance(value, (list, tuple)) else [value]
+        return any(isinstance(v, RowSparse) for v in values) or any(
+            isinstance(k, (int, str)) and k in self._rows for k in keys)
+
+    def _push_rows(self, key, value):
+        """A push to row tables: each row to its owner (see :mod:`mpikv.row_tables`)."""
+        keys = list(key) if isinstance(key, (list, tuple)) else [key]
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        call = Call("push_rows")
+        call.settings.update(keys=repr(keys), updater=self._engine.updater_kind)
+        if self._engine.optimizer is not None:
+            call.settings["optimizer"] = self._engine.optimizer.get_config()
+        if len(keys) != len(values):
+            call.fail(errors.InputError, None, f"{len(keys)} keys but {len(values)} values")
+        for k, v in zip(keys, values):
+            table = self._rows.tables.get(k)
+            if table is None:
+                call.fail(errors.UnknownKeyError, k, f"{k!r} is not a row table (make it with "
+                          f"init_rows; dense keys take dense pushes)")
+            elif not isinstance(v, RowSparse):
+                call.fail(errors.ValueTypeError, k, f"row table {k!r} takes a RowSparse push, "
+                          f"not {type(v).__name__}")
+            elif v.shape != table.shape:
+                call.fail(errors.ShapeError, k, f"the push has shape {v.shape}; row table {k!r} "
+                          f"has {table.shape}")
+        owners = self._engine.owners
+        self._protocol.collective(call, lambda: [
+            self._rows.push((call.op, [k]), k, v, owners) for k, v in zip(keys, values)])
 
     def wait(self, handle=None):
         """Waits for a handle, a list of handles, or (``None``) every call made so far."""
@@ -618,8 +729,8 @@ class KVStore(ClosesAfterWith):
                     settings={"fname": str(fname), "dump_optimizer": bool(dump_optimizer)})
         if self._engine.optimizer is None:
             call.fail(errors.OptimizerError, None, "no optimizer is set (use set_optimizer)")
-        self._protocol.collective(call, lambda: checkpoint.save(self._engine, str(fname),
-                                                       "optimizer_states", False, dump_optimizer))
+        self._protocol.collective(call, lambda: checkpoint.save(
+            self._engine, str(fname), "optimizer_states", False, dump_optimizer, self._rows))
 
     def load_optimizer_states(self, fname):
         """Loads states saved by :meth:`save_optimizer_states`, on any number of ranks.
@@ -628,8 +739,8 @@ class KVStore(ClosesAfterWith):
         set and the file holds one (``dump_optimizer=True``), it is used.
         """
         call = Call("load_optimizer_states", settings={"fname": str(fname)})
-        self._protocol.collective(call, lambda: checkpoint.load(self._engine, str(fname),
-                                                       "optimizer_states", False))
+        self._protocol.collective(call, lambda: checkpoint.load(
+            self._engine, str(fname), "optimizer_states", False, self._rows))
 
     def save_checkpoint(self, fname):
         """Saves the stored values, the optimizer and its states in one file set; collective.
@@ -638,8 +749,8 @@ class KVStore(ClosesAfterWith):
         (a job killed while saving leaves the previous save whole).
         """
         call = Call("save_checkpoint", settings={"fname": str(fname)})
-        self._protocol.collective(call, lambda: checkpoint.save(self._engine, str(fname),
-                                                       "checkpoint", True, True))
+        self._protocol.collective(call, lambda: checkpoint.save(
+            self._engine, str(fname), "checkpoint", True, True, self._rows))
 
     def load_checkpoint(self, fname):
         """Restores a :meth:`save_checkpoint` save, on any number of ranks; collective.
@@ -649,8 +760,8 @@ class KVStore(ClosesAfterWith):
         the one set on the store, else the file's.
         """
         call = Call("load_checkpoint", settings={"fname": str(fname)})
-        self._protocol.collective(call, lambda: checkpoint.load(self._engine, str(fname),
-                                                       "checkpoint", True))
+        self._protocol.collective(call, lambda: checkpoint.load(
+            self._engine, str(fname), "checkpoint", True, self._rows))
 
     def optimizer_state_nbytes(self):
         """Bytes of optimizer state this rank holds (only for what it owns)."""

@@ -36,6 +36,11 @@ class Owners:
         return self._kind
 
     @property
+    def updater(self):
+        """The updater function, or None."""
+        return self._updater
+
+    @property
     def optimizer(self):
         """The :class:`mpikv.optimizer.Optimizer`, or None."""
         return self._optimizer

@@ -1,0 +1,241 @@
+"""Row tables: keys whose rows live on their owners only, pushed and pulled by rows.
+
+An embedding table too large for one rank is cut into blocks of rows, one per
+rank (rank ``r`` owns rows ``[bounds[r], bounds[r+1])``); each rank allocates
+and fills only its block. A push of :class:`~mpikv.rowsparse.RowSparse`
+gradients sends each row to its owner (``Alltoallv``: first the counts, then
+the indices, then the rows), where repeats from every rank add up and the
+updater or optimizer runs on the touched rows (``lazy_update``, MXNet's
+default for sparse gradients) or on the whole block (``lazy_update=False``).
+A ``row_sparse_pull`` asks each owner for the rows it holds and gets them
+back the same way. No rank ever holds the whole table.
+"""
+
+import numpy as np
+
+from . import errors
+from .optimizer.base import COUNT
+from .plan import split_bounds
+from .rowsparse import RowSparse
+
+
+class RowTable:
+    """One key's block of rows on this rank.
+
+    Attributes:
+        shape, dtype: the whole table's.
+        bounds: ``bounds[r]`` is rank ``r``'s first row (``bounds[-1]`` the row count).
+        block: this rank's rows.
+        state: the optimizer state of the block, or None.
+    """
+
+    def __init__(self, shape, dtype, rank, size):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.bounds = [a for a, _ in split_bounds(self.shape[0], size)] + [self.shape[0]]
+        self.lo, self.hi = self.bounds[rank], self.bounds[rank + 1]
+        self.block = np.zeros((self.hi - self.lo, *self.shape[1:]), self.dtype)
+        self.state = None
+
+    @property
+    def row_size(self):
+        """Elements in one row."""
+        return int(np.prod(self.shape[1:], dtype=np.int64))
+
+    def owners(self, rows):
+        """The owner of each row index."""
+        return np.searchsorted(self.bounds, rows, side="right") - 1
+
+
+class RowTables:
+    """This rank's row tables and their collective traffic.
+
+    Args:
+        transport: the store's transport (rank, size, ``alltoallv``).
+    """
+
+    def __init__(self, transport):
+        self.transport = transport
+        self.tables = {}
+
+    def __contains__(self, key):
+        return key in self.tables
+
+    def create(self, key, shape, dtype, init):
+        """Makes ``key``'s block and fills it with ``init(first_row, stop_row)`` (this
+        rank's rows), a number, or zeros (None)."""
+        t = self.transport
+        table = RowTable(shape, dtype, t.rank, t.size)
+        if callable(init):
+            rows = np.asarray(init(table.lo, table.hi))
+            if rows.shape != table.block.shape:
+                raise errors.ShapeError(f"the initializer of row table {key!r} gave shape "
+                                        f"{rows.shape} for rows {table.lo}..{table.hi}, not "
+                                        f"{table.block.shape}")
+            table.block[...] = rows
+        elif init is not None:
+            table.block[...] = init
+        self.tables[key] = table
+        return table
+
+    # -- the exchange --------------------------------------------------------------------
+    def _exchange(self, what, send, counts, row_size=1):
+        """``Alltoallv`` of ``send`` (grouped by destination rank, ``counts`` rows to
+        each) and the counts first: returns ``(received, counts from each rank)``."""
+        t = self.transport
+        counts = np.asarray(counts, np.int64)
+        got = np.zeros(t.size, np.int64)
+        ones, steps = [1] * t.size, list(range(t.size))
+        t.alltoallv(counts, ones, steps, got, ones, steps, what)
+        recv = np.empty((int(got.sum()), *send.shape[1:]), send.dtype)
+        sdispls = np.concatenate([[0], np.cumsum(counts)[:-1]]) * row_size
+        rdispls = np.concatenate([[0], np.cumsum(got)[:-1]]) * row_size
+        t.alltoallv(send.reshape(-1), counts * row_size, sdispls, recv.reshape(-1),
+                    got * row_size, rdispls, what)
+        return recv, got
+
+    def _by_owner(self, table, rows):
+        """``(order, counts)``: ``rows[order]`` grouped by owner, ``counts[r]`` to rank r."""
+        owner = table.owners(rows)
+        order = np.argsort(owner, kind="stable")
+        return order, np.bincount(owner, minlength=self.transport.size)
+
+    def push(self, what, key, rows, owners):
+        """Sends ``rows`` (a RowSparse) to their owners and applies them there.
+
+        Args:
+            owners: the store's :class:`~mpikv.owners.Owners` (its updater or optimizer).
+        """
+        table = self.tables[key]
+        rows = rows.summed()   # fewer bytes: each rank's repeats added before sending
+        order, counts = self._by_owner(table, rows.indices)
+        ids, _ = self._exchange(what, rows.indices[order], counts)
+        data, _ = self._exchange(what, np.ascontiguousarray(rows.data[order]), counts,
+                                 table.row_size)
+        mine = RowSparse(ids - table.lo, data, table.block.shape).summed()
+        _apply(key, table, mine, owners)
+
+    def pull(self, what, key, row_ids):
+        """The rows ``row_ids`` of ``key`` from their owners: a RowSparse with each id
+        once, in increasing order."""
+        table = self.tables[key]
+        wanted = np.unique(np.asarray(row_ids, np.int64).reshape(-1))
+        order, counts = self._by_owner(table, wanted)   # already grouped: sorted ids
+        asked, got = self._exchange(what, wanted[order], counts)
+        answer = np.ascontiguousarray(table.block[asked - table.lo])
+        rows, _ = self._exchange(what, answer, got, table.row_size)
+        return RowSparse(wanted, rows, table.shape)
+
+
+# -- checkpoints: each owner writes its block's element range, as for a dense key ----------
+#: the names of a row table's arrays in a save (apart from dense keys' "value", "opt.")
+VALUE = "rows.value"
+STATE = "rows.opt."
+
+
+def part_entries(tables, rank, with_values):
+    """This rank's arrays of every row table, as :func:`mpikv.statefile.write_part` takes them."""
+    out = []
+    for key, table in tables.tables.items():
+        n, lo, hi = table.row_size, table.lo, table.hi
+        if with_values and hi > lo:
+            out.append((key, VALUE, lo * n, hi * n, table.shape, table.block.reshape(-1)))
+        for name, arr in (table.state or {}).items():
+            if name == COUNT:
+                if rank == 0:   # one copy: every owner counts every push
+                    out.append((key, STATE + COUNT, 0, 1, (1,), arr.reshape(-1)))
+            elif hi > lo:
+                out.append((key, STATE + name, lo * n, hi * n, table.shape, arr.reshape(-1)))
+    return out
+
+
+def describe(tables):
+    """The row tables of a save's manifest: ``[[key, shape, dtype], ...]``."""
+    return [[key, list(t.shape), str(t.dtype)] for key, t in tables.tables.items()]
+
+
+def stage(tables, man, saved, opt, with_values, read_slices):
+    """Reads this rank's rows of the saved row tables; changes nothing.
+
+    Returns:
+        ``[(key, shape, dtype, block or None, state or None)]`` for :func:`install`.
+
+    Raises:
+        StateFileError: a table saved with another shape or dtype than the store's.
+    """
+    t = tables.transport
+    names = {}
+    for key, name in man.arrays():
+        if name.startswith(STATE):
+            names.setdefault(key, []).append(name[len(STATE):])
+    staged = []
+    for entry in saved or []:
+        key, shape, dtype = entry[0], tuple(entry[1]), np.dtype(entry[2])
+        mine = tables.tables.get(key)
+        if mine is not None and (mine.shape, mine.dtype) != (shape, dtype):
+            raise errors.StateFileError(f"row table {key!r} is saved as {dtype} {shape}, but "
+                                        f"is {mine.dtype} {mine.shape} here")
+        if mine is None and not with_values:
+            continue   # (as for dense keys: states of tables not made are not loaded)
+        table = RowTable(shape, dtype, t.rank, t.size) if mine is None else mine
+        n, lo, hi = table.row_size, table.lo, table.hi
+        wanted = [(key, VALUE, lo * n, hi * n)] if with_values and hi > lo else []
+        state_names = names.get(key, [])
+        if opt is not None and state_names:
+            wanted += [(key, STATE + nm, 0, 1) if nm == COUNT else (key, STATE + nm, lo * n, hi * n)
+                       for nm in state_names if nm == COUNT or hi > lo]
+        got = read_slices(man, wanted) if wanted else {}
+        block = (got[(key, VALUE, lo * n, hi * n)].reshape(table.block.shape)
+                 if with_values and hi > lo else None)
+        state = None
+        if opt is not None and state_names:
+            state = opt.create_state(key, table.block)
+            for nm in state_names:
+                if nm == COUNT:
+                    state[COUNT][...] = got[(key, STATE + COUNT, 0, 1)]
+                elif hi > lo and nm in state:
+                    state[nm][...] = got[(key, STATE + nm, lo * n, hi * n)].reshape(
+                        state[nm].shape)
+        staged.append((key, table, block, state))
+    return staged
+
+
+def install(tables, staged):
+    """Installs what :func:`stage` read (after every rank read its part)."""
+    for key, table, block, state in staged:
+        if block is not None:
+            table.block[...] = block
+        if state is not None:
+            table.state = state
+        tables.tables[key] = table
+
+
+def _apply(key, table, rows, owners):
+    """The owner's update of its touched rows (local indices, each once)."""
+    opt = owners.optimizer
+    if opt is None and owners.kind is None:   # the default: the sum is stored
+        table.block[rows.indices] = rows.data
+        return
+    if opt is None:   # an updater: it sees the touched rows, dense
+        weight = table.block[rows.indices]
+        owners.updater(key, rows.data.astype(table.dtype, copy=False), weight)
+        table.block[rows.indices] = weight
+        return
+    if table.state is None:
+        table.state = opt.create_state(key, table.block)
+    if not getattr(opt, "lazy_update", False):
+        # Dense semantics: every row steps, the untouched ones with a zero gradient.
+        grad = np.zeros_like(table.block)
+        grad[rows.indices] = rows.data
+        opt.update(key, table.block, grad, table.state)
+        return
+    touched = rows.indices
+    weight = table.block[touched]
+    state = {name: (a if name == COUNT else a[touched]) for name, a in table.state.items()}
+    opt.update(key, weight, rows.data.astype(weight.dtype, copy=False), state)
+    table.block[touched] = weight
+    for name, a in state.items():
+        if name != COUNT:
+            table.state[name][touched] = a
+
+
+__all__ = ["RowTable", "RowTables", "part_entries", "describe", "stage", "install"]
