@@ -11,10 +11,11 @@ Needs torch (``pip install mpikv[torch]``)::
 
 from .distributed import (DistributedOptimizer, DistributedSampler, init_process_group,
                           local_rank, rank, size)
+from .embedding import ShardedEmbedding
 from .optimizers import MXNetRule, TorchAdam, TorchSGD
 from .torch_rules import TorchOptim
 from .trainer import Trainer
 
 __all__ = ["Trainer", "DistributedOptimizer", "DistributedSampler", "init_process_group", "rank",
-           "size", "local_rank",
+           "size", "local_rank", "ShardedEmbedding",
            "TorchSGD", "TorchAdam", "TorchOptim", "MXNetRule"]
