@@ -61,8 +61,8 @@ class Adam(_Moments):
         beta1: First-moment decay in [0, 1).
         beta2: Second-moment decay in [0, 1).
         epsilon: > 0.
-        lazy_update: Accepted for MXNet compatibility; updates are dense, so
-            it changes nothing.
+        lazy_update: for row tables' row-sparse pushes: update only the rows
+            pushed (and their state), as MXNet's; dense keys' updates are dense.
         **kwargs: See :class:`~mpikv.optimizer.Optimizer`.
     """
 

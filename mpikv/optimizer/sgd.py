@@ -33,8 +33,8 @@ class SGD(_Momentum):
 
     Args:
         momentum: Momentum in [0, 1).
-        lazy_update: Accepted for MXNet compatibility; updates are dense, so
-            it changes nothing.
+        lazy_update: for row tables' row-sparse pushes: update only the rows
+            pushed (and their state), as MXNet's; dense keys' updates are dense.
         **kwargs: See :class:`~mpikv.optimizer.Optimizer`.
     """
 
@@ -66,7 +66,8 @@ class NAG(_Momentum):
 
     Args:
         momentum: Momentum in [0, 1).
-        lazy_update: Accepted for MXNet compatibility; changes nothing.
+        lazy_update: for row tables' row-sparse pushes: update only the rows
+            pushed (and their state), as MXNet's; dense keys' updates are dense.
         **kwargs: See :class:`~mpikv.optimizer.Optimizer`.
     """
 
