@@ -12,10 +12,11 @@ from .. import errors
 
 #: per rank: unused count, late count, the indices (+1) of the first few unused
 #: parameters (so every rank can name them), the join ticket (0: still
-#: training) and whether the step gathers the gradients
+#: training), whether the step gathers the gradients, and whether this rank asks
+#: the job to stop after a checkpoint (a signal) or to save now (rank 0's clock)
 NAMED = 3
-_JOIN, _GATHER = 2 + NAMED, 3 + NAMED
-_ROW = 4 + NAMED
+_JOIN, _GATHER, _STOP, _SAVE = 2 + NAMED, 3 + NAMED, 4 + NAMED, 5 + NAMED
+_ROW = 6 + NAMED
 #: the tag of the status sum
 TAG = "status"
 
@@ -38,7 +39,7 @@ class StepStatus:
     def _rows(self):
         return self._vector[:self._n * _ROW].reshape(-1, _ROW)
 
-    def row(self, touched, cleared, late, gather, ticket=0):
+    def row(self, touched, cleared, late, gather, ticket=0, stop=False, save=False):
         """This rank's part of the sum (the whole vector, its row filled).
 
         Args:
@@ -48,6 +49,8 @@ class StepStatus:
             gather: whether the step gathers the gradients.
             ticket: this rank's join ticket (nonzero: it has joined, and gives
                 nothing else).
+            stop, save: this rank asks for a checkpoint and the job's end (it
+                got a signal), or for a checkpoint now (see :mod:`.resume`).
         """
         vector = self._vector
         vector[:] = 0
@@ -60,6 +63,7 @@ class StepStatus:
         row[0], row[1] = len(unused), len(late)
         row[2:2 + len(unused[:NAMED])] = [i + 1 for i in unused[:NAMED]]
         row[_GATHER] = gather
+        row[_STOP], row[_SAVE] = stop, save
         vector[self._n * _ROW:] = (np.asarray(touched, np.float64)
                                    + (self._n + 1) * np.asarray(cleared, np.float64))
         return vector
@@ -85,7 +89,8 @@ class StepStatus:
             unused_everywhere=frozenset(self._names[i] for i in np.flatnonzero(used == 0)),
             joined_round=bool(rows[:, _JOIN].any()),
             gathering=bool(rows[:, _GATHER].any()),
-            sender=self.first_training_rank())
+            sender=self.first_training_rank(),
+            stop=bool(rows[:, _STOP].any()), save=bool(rows[:, _SAVE].any()))
         late = [r for r in range(len(rows)) if rows[r, 1]]
         if late:
             return verdict, errors.GradientError(
@@ -120,13 +125,17 @@ class Verdict:
         joined_round: some rank has joined.
         gathering: the step gathers the gradients.
         sender: the first rank still training.
+        stop: some rank asks for a checkpoint and the job's end after this step.
+        save: rank 0 asks for a checkpoint after this step.
     """
 
-    __slots__ = ("unused_everywhere", "joined_round", "gathering", "sender")
+    __slots__ = ("unused_everywhere", "joined_round", "gathering", "sender", "stop", "save")
 
-    def __init__(self, unused_everywhere, joined_round, gathering, sender):
+    def __init__(self, unused_everywhere, joined_round, gathering, sender, stop=False,
+                 save=False):
         self.unused_everywhere, self.joined_round = unused_everywhere, joined_round
         self.gathering, self.sender = gathering, sender
+        self.stop, self.save = stop, save
 
 
 def few(items, limit=NAMED, more=None):

@@ -186,6 +186,8 @@ class Trainer(ClosesAfterWith):
         self._half = HalfGradients(kv, rule, self._names, self._params, self._grads)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.num_update = 0
+        self._resumer = None     # trainer.resume's periodic and signalled checkpoints
+        self._asked = (False, False)
         self._scale = None
         self._joined = 0        # this rank's join ticket, while in join()
         # The hyperparameters as made: the same fields on every rank.
@@ -196,6 +198,7 @@ class Trainer(ClosesAfterWith):
                        for i, p in enumerate(self._params)]
         # The module's buffers: shared before each forward, and in checkpoints.
         self._buffers = SharedBuffers(kv, module) if module is not None else None
+        self._module = module
         self._sender = 0   # the rank whose buffers the others take: the first training
         # DDP's rule: a forward shares them when the forward before it (or none)
         # ran with gradients enabled and outside no_sync.
@@ -449,7 +452,10 @@ class Trainer(ClosesAfterWith):
 
     def _status_row(self, gather):
         """This rank's part of the status sum (see :class:`.status.StepStatus`)."""
-        return self._status.row(self._touched, self._cleared, self._late, gather, self._joined)
+        stop, save = (self._resumer.flags(self.kvstore.rank) if self._resumer is not None
+                      else (False, False))
+        return self._status.row(self._touched, self._cleared, self._late, gather, self._joined,
+                                stop, save)
 
     def _read_status(self):
         """Reads the summed status (the same on every rank, joined or not).
@@ -466,6 +472,7 @@ class Trainer(ClosesAfterWith):
         # The same on every rank: from now on until a step with no rank joined.
         self._rule.hyper_agreed = not self._joined_round
         self._gathering = verdict.gathering
+        self._asked = (verdict.stop, verdict.save)   # for the resumer, after the update
         if error is not None:
             self._rule.discard()
             self._start_step()
@@ -554,6 +561,8 @@ class Trainer(ClosesAfterWith):
 
     def _apply(self):
         """The owners' update and the gathering of the weights (``optimizer.step``)."""
+        if self._resumer is not None:
+            self._resumer.flush()
         self._reduce_for_step()
         scale = self._scale
         if scale is None:  # optimizer.step() called directly: as update()
@@ -566,6 +575,8 @@ class Trainer(ClosesAfterWith):
         self._pull_weights()
         self.num_update += 1
         self._start_step()
+        if self._resumer is not None:   # a checkpoint due, or the job's end at a signal
+            self._resumer.after_step(*self._asked)   # (made at the next iteration's start)
 
     def _update_owned(self, scale):
         """The owners' update of the parts they own, gradients times ``scale``."""
@@ -618,6 +629,8 @@ class Trainer(ClosesAfterWith):
         """
         if self._hooks is None:
             return
+        if self._resumer is not None:
+            self._resumer.flush()
         self._between_steps()
         self._tell_store("close")
         try:
@@ -629,6 +642,8 @@ class Trainer(ClosesAfterWith):
         for hook in self._hooks:
             hook.remove()
         self._hooks = None
+        if self._resumer is not None:
+            self._resumer.stop()
         self._kv._protocol.remove_settler(self._settle_for_user)
         if self._shards is not None:   # every weight whole again, for the plain model
             self._shards.gather_all()
@@ -698,6 +713,8 @@ class Trainer(ClosesAfterWith):
                 set to None (a None gradient would leave the store's buffer).
         """
         del set_to_none
+        if self._resumer is not None:   # a checkpoint due after the last step: now
+            self._resumer.flush()
         self._between_steps()  # a backward whose step never came: nothing is applied
         if self._shards is not None:   # zeros that cost no memory until written
             self._release_gradients(owned_too=True)
@@ -742,6 +759,11 @@ class Trainer(ClosesAfterWith):
         """
         self._refuse_held_state("save_checkpoint")
         self._between_steps()
+        self._save(path)
+
+    def _save(self, path):
+        """The checkpoint, the current step's reductions (if any) kept going on."""
+        self._settled()
         self._tell_store("save_checkpoint")
         try:
             checkpoint.save(self.kvstore, path, self._meta())
@@ -809,6 +831,51 @@ class Trainer(ClosesAfterWith):
             yield
         finally:
             self._shards.release_all()
+
+    def resume(self, directory, every=None, *, minutes=None, keep=2, state=None,
+               requeue=False, signals=("SIGUSR1", "SIGTERM")):
+        """Continues a run from its newest complete checkpoint, and keeps it going
+        through time limits and preemptions; collective, once, before the loop.
+
+        Loads the newest complete checkpoint in ``directory`` on this job's ranks
+        (partial and unreadable ones are skipped and removed), saves one every
+        ``every`` steps or ``minutes`` minutes (keeping the last ``keep``), and
+        turns ``signals`` on: when any rank gets one (SLURM's
+        ``--signal=USR1@SECONDS`` warning, a preemption's SIGTERM, ``kill -USR1``),
+        every rank saves a complete checkpoint at the next step boundary and
+        the job ends with status 75 (``mpikv.torch.resume.EXIT_STATUS``),
+        requeued first with ``requeue=True`` under SLURM.
+
+        Args:
+            directory: where the checkpoints go (seen by every rank).
+            every: save every this many steps; None: only at a signal (or ``minutes``).
+            minutes: also save when this many minutes passed since the last save.
+            keep: how many complete checkpoints to keep.
+            state: the user's own state (the data position, RNG states): an object
+                with ``state_dict()`` and ``load_state_dict(d)``; rank 0's is saved
+                with each checkpoint and loaded on every rank.
+            requeue: ``scontrol requeue $SLURM_JOB_ID`` from rank 0 after the
+                checkpoint, at a signal.
+            signals: the signals that end the job after a checkpoint.
+
+        Returns:
+            int: the step to continue from (``num_update`` of the checkpoint
+            loaded), 0 when there is none.
+        """
+        from .resume import Resumer
+        if self._resumer is not None:
+            raise errors.InputError("trainer.resume was called already")
+        resumer = Resumer(self, directory, every, minutes, keep, state, requeue, signals)
+        step = resumer.start()
+        self._resumer = resumer
+        if self._module is not None:   # the next forward starts the next iteration
+            self._forward_hooks.append(self._module.register_forward_pre_hook(
+                _Hook(self, "_flush_resume")))
+        return step
+
+    def _flush_resume(self, module, args):
+        del module, args
+        self._resumer.flush()
 
     def _refuse_held_state(self, what):
         """Raises where the owners keep state the store's checkpoint has no place for

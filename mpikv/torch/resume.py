@@ -1,0 +1,228 @@
+"""``trainer.resume(directory, every=K)``: a training run as a chain of jobs.
+
+Checkpoints go to ``directory/step-<N>`` every ``every`` steps (or ``minutes``
+minutes, by rank 0's clock), keeping the last ``keep``. A signal (SLURM's
+warning before the time limit, ``--signal=USR1@120``; a preemption's SIGTERM;
+``kill -USR1`` of any one rank) only marks this rank; the step's status sum
+(one ``allreduce_`` the Trainer makes anyway) tells every rank at the next
+step boundary, where all of them save a complete checkpoint and end the job
+with :data:`EXIT_STATUS`, after asking SLURM to requeue the job if asked. The
+next job's ``resume`` loads the newest complete checkpoint on however many
+ranks it has, and returns its step.
+
+A checkpoint is complete once its Trainer file (``.trainer.json``) is in
+place: the Trainer writes it last, after the store's parts and the user's
+state. Partial ones (a job killed while saving) are skipped and removed; one
+that fails to load (a corrupt part) is skipped for the one before it.
+"""
+
+import copy
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .. import statefile
+from ..errors import InputError, MPIKVError, ValueTypeError
+from . import checkpoint
+
+#: the exit status of a job that stopped at a signal after a complete checkpoint
+#: (EX_TEMPFAIL: "try again")
+EXIT_STATUS = 75
+#: the signals that end a job after a checkpoint, by default
+SIGNALS = ("SIGUSR1", "SIGTERM")
+_NAME = re.compile(r"^step-(\d+)(?:$|\.)")
+
+
+def name_of(step):
+    """The checkpoint name of ``step``."""
+    return f"step-{step:09d}"
+
+
+def steps_in(directory):
+    """``{step: [paths of its files]}`` of everything named for a step in ``directory``."""
+    found = {}
+    for entry in Path(directory).iterdir() if Path(directory).is_dir() else ():
+        m = _NAME.match(entry.name)
+        if m:
+            found.setdefault(int(m.group(1)), []).append(entry)
+    return found
+
+
+def is_complete(path, with_state=False):
+    """Whether the checkpoint at ``path`` was finished: its Trainer file in place and
+    readable, the store's manifest intact, and the user's state if there is one."""
+    try:
+        with open(checkpoint.meta_path(path)) as f:
+            if not f.read().strip():
+                return False
+        statefile.read_manifest(str(path))
+    except (OSError, ValueError, MPIKVError):
+        return False
+    return not with_state or Path(state_path(path)).is_file()
+
+
+def state_path(path):
+    """The file of the user's state beside the checkpoint at ``path``."""
+    return str(path) + ".user.pt"
+
+
+def newest_first(directory, with_state=False):
+    """The complete checkpoints of ``directory``: ``[(step, path)]``, newest first."""
+    return [(step, Path(directory) / name_of(step))
+            for step in sorted(steps_in(directory), reverse=True)
+            if is_complete(Path(directory) / name_of(step), with_state)]
+
+
+def remove(directory, keep_steps):
+    """Removes every checkpoint file in ``directory`` whose step is not in ``keep_steps``."""
+    for step, paths in steps_in(directory).items():
+        if step in keep_steps:
+            continue
+        for p in paths:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                try:
+                    p.unlink()
+                except OSError:
+                    pass
+
+
+class Resumer:
+    """What ``trainer.resume`` turned on (see the module's docstring).
+
+    Args:
+        trainer: the :class:`~mpikv.torch.Trainer`.
+        directory: where the checkpoints go (every rank sees it).
+        every: save every this many steps (None: only at a signal).
+        minutes: also save when this many minutes passed since the last save.
+        keep: how many complete checkpoints to keep.
+        state: an object with ``state_dict()`` and ``load_state_dict(d)`` (the
+            data position, RNG states): rank 0's is saved, every rank loads it.
+        requeue: at a signal, rank 0 runs ``scontrol requeue $SLURM_JOB_ID``
+            after the checkpoint is complete.
+        signals: names of the signals that stop the job.
+    """
+
+    def __init__(self, trainer, directory, every=None, minutes=None, keep=2, state=None,
+                 requeue=False, signals=SIGNALS):
+        if every is not None and (not isinstance(every, int) or every < 1):
+            raise InputError(f"every must be a positive number of steps, not {every!r}")
+        if minutes is not None and not minutes > 0:
+            raise InputError(f"minutes must be positive, not {minutes!r}")
+        if not isinstance(keep, int) or keep < 1:
+            raise InputError(f"keep must be at least 1, not {keep!r}")
+        if state is not None and not (hasattr(state, "state_dict")
+                                      and hasattr(state, "load_state_dict")):
+            raise ValueTypeError("state must have state_dict() and load_state_dict()")
+        self._trainer, self.directory = trainer, Path(directory)
+        self.every, self.minutes, self.keep = every, minutes, keep
+        self._state, self._requeue = state, bool(requeue)
+        self._signals = [getattr(signal, s) if isinstance(s, str) else s for s in signals]
+        self.signalled = None     # the signal this rank got, until the job stops
+        self._last_save = time.monotonic()
+        self._previous = {}
+        self._pending = None      # (step, stop, the user's state) of a checkpoint due
+
+    # -- starting --------------------------------------------------------------------
+    def start(self):
+        """Loads the newest complete checkpoint (if any), turns the signals on and
+        returns the step to continue from; collective."""
+        kv = self._trainer.kvstore
+        if kv.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        kv.barrier()
+        step = 0
+        candidates = newest_first(self.directory, self._state is not None)
+        for found, path in candidates:
+            try:
+                self._trainer.load_checkpoint(str(path))
+            except MPIKVError:
+                continue   # (the same on every rank) a corrupt part: the one before it
+            if self._state is not None:
+                import torch
+                self._state.load_state_dict(torch.load(state_path(path), weights_only=False))
+            step = found
+            break
+        if kv.rank == 0:   # partial saves and those that would not load
+            remove(self.directory, {s for s, _ in newest_first(
+                self.directory, self._state is not None)[:self.keep]} | {step})
+        kv.barrier()
+        for sig in self._signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        self._last_save = time.monotonic()
+        return step
+
+    def _on_signal(self, signum, frame):
+        del frame
+        self.signalled = signum   # acted on at the next step boundary, by every rank
+
+    def stop(self):
+        """Gives the signals their previous handlers back."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+    # -- each step ---------------------------------------------------------------------
+    def flags(self, rank):
+        """This rank's part of the step's status: (stop asked, save asked by the clock)."""
+        timed = (rank == 0 and self.minutes is not None
+                 and time.monotonic() - self._last_save >= 60 * self.minutes)
+        return self.signalled is not None, timed
+
+    def after_step(self, stop, timed):
+        """After an update, with what the status sum said (the same on every rank):
+        notes a checkpoint due (and the job's end at a signal), made by :meth:`flush`
+        at the start of the next iteration, once the loop's own work after
+        ``step()`` (the scheduler's step) is done. The user's state is taken now:
+        it describes what comes after this update (the next batch)."""
+        step = self._trainer.num_update
+        if stop or timed or (self.every is not None and step % self.every == 0):
+            user = None
+            if self._state is not None and self._trainer.kvstore.rank == 0:
+                user = copy.deepcopy(self._state.state_dict())
+            self._pending = (step, stop, user)
+
+    def flush(self):
+        """Makes the checkpoint :meth:`after_step` noted, if any (at the next
+        ``zero_grad``, forward, ``step`` or ``close``, whichever comes first: the
+        same on every rank); then ends the job if a rank got a signal."""
+        if self._pending is None:
+            return
+        step, stop, user = self._pending
+        self._pending = None
+        self.save(user)
+        if stop:
+            self.stop()
+            if self._requeue and self._trainer.kvstore.rank == 0:
+                job = os.environ.get("SLURM_JOB_ID")
+                if job:
+                    subprocess.run(["scontrol", "requeue", job], check=False)
+            print(f"mpikv: rank {self._trainer.kvstore.rank}: stopped after step {step} "
+                  f"(a signal), checkpoint {self.directory / name_of(step)} complete",
+                  file=sys.stderr, flush=True)
+            sys.exit(EXIT_STATUS)
+
+    def save(self, user=None):
+        """A complete checkpoint of this step (the user's state ``user``, as taken at
+        the update, first), then the old ones beyond ``keep`` go; collective."""
+        trainer = self._trainer
+        kv = trainer.kvstore
+        path = self.directory / name_of(trainer.num_update)
+        if user is not None and kv.rank == 0:
+            import torch
+            torch.save(user, state_path(path))
+        trainer._save(str(path))
+        self._last_save = time.monotonic()
+        if kv.rank == 0:
+            remove(self.directory, {s for s, _ in newest_first(
+                self.directory, self._state is not None)[:self.keep]})
+
+
+__all__ = ["EXIT_STATUS", "Resumer", "is_complete", "name_of", "newest_first", "remove",
+           "steps_in", "state_path"]
