@@ -107,7 +107,8 @@ def test_ddp_bf16_hook_is_skipped_without_cuda():
 
 @pytest.mark.parametrize("bad", ["trainer-sgd+3bit", "ddp-zero-adam+fp16", "ddp-sgd+2bit",
                                  "local-sgd/comm", "ddp-sgd+fp16/comm", "ddp-sgd/x",
-                                 "horovod-sgd+fp16"])
+                                 "horovod-sgd+fp16", "shardparams-sgd/comm", "fsdp2-adamw/comm",
+                                 "fsdp2-sgd+fp16", "shardparams-adamw+2bit", "fsdp2-adagrad"])
 def test_unknown_variants_are_refused(bad):
     rc, out, _ = run_job(1, "-m", "mpikv", "bench", "train", *TINY, "--time", "--variants",
                          bad, timeout=120)
@@ -161,3 +162,79 @@ def test_a_failed_child_job_ends_the_run_with_its_variant_and_a_nonzero_status(
         assert "1 (pid " in lines[0], out
     assert not any(line.startswith("{") for line in out.splitlines()), out  # no result
     assert seconds < 170   # ended by the failure, not by the timeout's kill
+
+
+#: A BERT whose encoder layers are each at most 1/8 of its bytes (8 layers, a small
+#: vocabulary): the Trainer's shard="parameters" makes each layer one unit, as FSDP2's.
+LAYERED = ["--model", "bert", "--bert-layers", "8", "--bert-hidden", "32", "--bert-heads", "2",
+           "--bert-vocab", "16", "--bert-seq", "8", "--warmup", "1", "--steps", "2",
+           "--memory-steps", "2"]
+SHARDING = ["ddp-sgd", "ddp-adamw", "fsdp2-sgd", "fsdp2-adamw", "trainer-adamw",
+            "shardgrads-adamw", "shardparams-sgd", "shardparams-adamw"]
+
+
+def test_sharding_levels_and_fsdp2_report_step_time_peak_rss_and_ddp_weights():
+    """Issue 22's variants: shardparams-X (Trainer shard="parameters"), fsdp2-X and
+    AdamW: each timed and measured, DDP's weights (the sharded ones read whole), and
+    the goals of issue 22 against the better of DDP and FSDP2."""
+    has_trainer = importlib.util.find_spec("mpikv.torch") is not None
+    rc, out, _ = run_job(2, "-m", "mpikv", "bench", "train", *LAYERED, "--variants",
+                         ",".join(SHARDING), "--json", env={"MPIKV_AUTOTUNE": "0"},
+                         timeout=300)
+    assert rc == 0, out
+    res = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    (bert,) = res["models"]
+    rows = bert["variants"]
+    measured = [v for v in SHARDING if has_trainer or v.startswith(("ddp-", "fsdp2-"))]
+    assert sorted(rows) == sorted(measured)
+    for name, row in rows.items():
+        assert row["step_ms"] >= row["step_ms_min"] > 0, name
+        assert row["peak_MiB"] > row["start_MiB"] > 0, name
+        assert row["max_abs_diff_vs_rank0"] == 0.0, name   # whole weights, equal on every rank
+        ref = rows["ddp-" + name.rpartition("-")[2]]
+        assert row["time_vs_ddp"] == pytest.approx(row["step_ms"] / ref["step_ms"])
+        assert row["rss_vs_ddp"] == pytest.approx(row["peak_MiB"] / ref["peak_MiB"])
+        # The same batches, dropout masks and averaged gradients at 2 ranks: DDP's
+        # weights (AdamW divides by the gradients' size: a rounding shows more).
+        bound = 1e-4 if name.endswith("-sgd") else 1e-3
+        assert row["max_abs_diff_vs_ddp"] < bound, (name, row["max_abs_diff_vs_ddp"])
+    goals = {g["goal"]: g for g in res["goals"] if g["issue"] == 22}
+    if has_trainer:
+        best = min(rows["ddp-adamw"]["peak_MiB"], rows["fsdp2-adamw"]["peak_MiB"])
+        g = goals["bert shardparams-adamw peak RSS / min(ddp-adamw, fsdp2-adamw) peak RSS"]
+        assert g["value"] == pytest.approx(rows["shardparams-adamw"]["peak_MiB"] / best)
+        assert g["bound"] == 1.0 and g["met"] == (g["value"] <= 1.0)
+        g = goals["bert shardparams-adamw peak RSS / ddp-adamw peak RSS"]
+        assert g["bound"] == 0.55 and g["ranks"] == 2   # (0.4: the goal at 4 ranks)
+        assert "bert shardgrads-adamw step time / ddp-adamw step time" in goals
+        assert "bert shardparams-adamw step time / min(ddp-adamw, fsdp2-adamw) step time" in goals
+
+
+def test_fsdp2_and_shardparams_train_resnet18_as_ddp():
+    """ResNet-18 (BatchNorm buffers, FSDP2 on each residual block): DDP's weights."""
+    variants = ["ddp-sgd", "fsdp2-sgd"]
+    if importlib.util.find_spec("mpikv.torch") is not None:
+        variants.append("shardparams-sgd")
+    rc, out, _ = run_job(2, "-m", "mpikv", "bench", "train", "--model", "resnet18",
+                         "--resnet-batch", "2", "--resnet-image", "16", "--warmup", "1",
+                         "--steps", "2", "--time", "--variants", ",".join(variants), "--json",
+                         env={"MPIKV_AUTOTUNE": "0"}, timeout=300)
+    assert rc == 0, out
+    (res,) = json.loads(next(line for line in out.splitlines() if line.startswith("{")))[
+        "models"]
+    for name in variants:
+        row = res["variants"][name]
+        assert row["step_ms"] > 0 and row["max_abs_diff_vs_rank0"] == 0.0, name
+        assert row["max_abs_diff_vs_ddp"] < 1e-4, (name, row["max_abs_diff_vs_ddp"])
+
+
+@pytest.mark.xfail(reason="shard='parameters' with units=None cuts a small TransformerEncoderLayer "
+                          "into its children; MultiheadAttention reads out_proj.weight without "
+                          "calling out_proj, so that unit is never gathered (mpikv.torch)",
+                   strict=False)
+def test_shardparams_on_a_one_layer_bert_trains_as_ddp():
+    """The tiny one-layer BERT: the Trainer's own units split the encoder layer."""
+    if importlib.util.find_spec("mpikv.torch") is None:
+        pytest.skip("needs mpikv.torch")
+    rows = _timed(["ddp-sgd", "shardparams-sgd"])
+    assert rows["shardparams-sgd"]["max_abs_diff_vs_ddp"] < 1e-4
