@@ -325,6 +325,9 @@ class KVStore(ClosesAfterWith):
             value: an array per key (a list of arrays: the first is used).
         """
         call = self._read("init", key, value, new_keys=True, need_values=True)
+        for k in call.keys:
+            if k in self._rows:
+                call.fail(errors.DuplicateInitError, k, f"key {k!r} is a row table already")
         self._protocol.collective(call, lambda: self._engine.init(call.op, call.items))
 
     def push(self, key, value, priority=0):
@@ -407,13 +410,22 @@ class KVStore(ClosesAfterWith):
         call = Call("init_rows")
         shape = tuple(int(d) for d in np.atleast_1d(shape))
         call.settings.update(key=repr(key), shape=str(shape), dtype=str(np.dtype(dtype)))
+        table = None
         if key in self._rows or self._engine.lookup(key) is not None:
             call.fail(errors.DuplicateInitError, key, f"key {key!r} is already initialised")
         elif not shape or min(shape) < 0:
             call.fail(errors.ShapeError, key, f"a row table needs rows: shape {shape}")
-        self._protocol.collective(call, lambda: self._rows.create(key, shape, dtype, init))
+        else:   # this rank's rows first: an initializer that fails fails every rank
+            try:
+                table = self._rows.make(shape, dtype, init)
+            except errors.MPIKVError as exc:
+                call.fail(type(exc), key, f"row table {key!r}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - the user's initializer
+                call.fail(errors.InputError, key, f"the initializer of row table {key!r} "
+                          f"raised {type(exc).__name__}: {exc}")
+        self._protocol.collective(call, lambda: self._rows.install(key, table))
 
-    def row_sparse_pull(self, key, out=None, row_ids=None, priority=0):
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
         """Copies rows ``row_ids`` of ``key`` into ``out``; only they are fetched.
 
         As MXNet's: ids may repeat and come in any order. Collective (every rank

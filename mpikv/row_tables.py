@@ -60,22 +60,29 @@ class RowTables:
     def __contains__(self, key):
         return key in self.tables
 
-    def create(self, key, shape, dtype, init):
-        """Makes ``key``'s block and fills it with ``init(first_row, stop_row)`` (this
-        rank's rows), a number, or zeros (None)."""
+    def make(self, shape, dtype, init):
+        """This rank's block of a new table, filled with ``init(first_row, stop_row)``
+        (this rank's rows), a number, or zeros (None); not installed yet.
+
+        Raises:
+            ShapeError: ``init`` gave another shape than the block's.
+        """
         t = self.transport
         table = RowTable(shape, dtype, t.rank, t.size)
         if callable(init):
             rows = np.asarray(init(table.lo, table.hi))
             if rows.shape != table.block.shape:
-                raise errors.ShapeError(f"the initializer of row table {key!r} gave shape "
-                                        f"{rows.shape} for rows {table.lo}..{table.hi}, not "
+                raise errors.ShapeError(f"the row table's initializer gave shape {rows.shape} "
+                                        f"for rows {table.lo}..{table.hi}, not "
                                         f"{table.block.shape}")
             table.block[...] = rows
         elif init is not None:
             table.block[...] = init
-        self.tables[key] = table
         return table
+
+    def install(self, key, table):
+        """Makes ``table`` (from :meth:`make`) the table of ``key``."""
+        self.tables[key] = table
 
     # -- the exchange --------------------------------------------------------------------
     def _exchange(self, what, send, counts, row_size=1):
@@ -106,7 +113,10 @@ class RowTables:
             owners: the store's :class:`~mpikv.owners.Owners` (its updater or optimizer).
         """
         table = self.tables[key]
-        rows = rows.summed()   # fewer bytes: each rank's repeats added before sending
+        # In the table's dtype (every rank sends the same), each rank's repeats added
+        # before sending (fewer bytes).
+        rows = RowSparse(rows.indices, rows.data.astype(table.dtype, copy=False),
+                         rows.shape).summed()
         order, counts = self._by_owner(table, rows.indices)
         ids, _ = self._exchange(what, rows.indices[order], counts)
         data, _ = self._exchange(what, np.ascontiguousarray(rows.data[order]), counts,

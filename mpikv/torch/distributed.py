@@ -99,7 +99,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, *, module=None, kvsto
     over the ranks (as DDP); ``step()`` lets each owner update its parts with
     the same torch class, so the optimizer state is sharded (ZeRO-1; with
     ``shard="gradients"`` also the gradients). State the optimizer already
-    holds (a resumed run) moves to the owners.
+    holds (a resumed run) moves to the owners (not for a class run on whole
+    parameters, such as Adafactor: an ``OptimizerError`` on every rank).
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` (any class the

@@ -3,17 +3,20 @@
 The table is a row table of the store (:meth:`mpikv.KVStore.init_rows`): each
 rank holds one block of rows, so the table may be larger than any one rank's
 memory. ``forward`` pulls only the rows of the batch (``row_sparse_pull``);
-backward pushes only their gradients (a :class:`~mpikv.RowSparse`), and each
-owner updates its touched rows right there with the store's optimizer (lazy
+backward pushes only their gradients (a :class:`~mpikv.RowSparse`, once per
+backward with every lookup's rows summed), and each owner updates its touched
+rows right there with the store's optimizer (lazy
 updates, as MXNet's for sparse gradients). The rest of the model trains as
 usual (with a :class:`~mpikv.torch.Trainer`, say).
 """
 
 import numpy as np
 import torch
+from torch.autograd import Variable
 
 from .. import errors
 from ..rowsparse import RowSparse
+from . import tensors
 
 
 class ShardedEmbedding(torch.nn.Module):
@@ -50,7 +53,7 @@ class ShardedEmbedding(torch.nn.Module):
         self.key, self.mode, self.average = key, mode, bool(average)
         self.shape = (int(num_embeddings), int(embedding_dim))
         self.dtype = dtype
-        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        np_dtype = tensors.to_native(torch.empty(0, dtype=dtype)).dtype
         if init is None:
             def init(lo, hi):   # per block of 4096 rows: the same numbers on any rank count
                 out = np.empty((hi - lo, self.shape[1]), np_dtype)
@@ -61,13 +64,14 @@ class ShardedEmbedding(torch.nn.Module):
                     out[s - lo:e - lo] = block[s - a:e - a]
                 return out
         self.kvstore.init_rows(key, self.shape, np_dtype, init=init)
+        self._collected = []   # (row ids, gradient rows) of this backward's lookups
 
     def forward(self, ids, offsets=None, per_sample_weights=None):
         """The rows of ``ids`` (pulled from their owners); their gradient goes back in backward."""
         flat = ids.reshape(-1)
         unique, inverse = torch.unique(flat, return_inverse=True)
-        rows = self.kvstore.row_sparse_pull(self.key, row_ids=unique.cpu().numpy())
-        weight = torch.from_numpy(rows.data).to(ids.device)
+        rows = self.kvstore.row_sparse_pull(self.key, row_ids=tensors.host_copy(unique))
+        weight = tensors.from_host(rows.data, ids)
         if torch.is_grad_enabled():
             weight.requires_grad_(True)
             weight.register_hook(self._pusher(rows.indices))
@@ -78,15 +82,23 @@ class ShardedEmbedding(torch.nn.Module):
                                                  per_sample_weights=per_sample_weights)
 
     def _pusher(self, indices):
-        kv, key, shape, scale = self.kvstore, self.key, self.shape, self.average
-
-        def push(grad):
-            data = grad.detach().cpu().numpy()
-            if scale and kv.num_workers > 1:
-                data = data / np.asarray(kv.num_workers, data.dtype)
-            kv.push(key, RowSparse(indices, data, shape))
+        def collect(grad):
+            # Every lookup of this backward (a table used twice, micro-batches):
+            # one push at its end, the rows summed, as nn.Embedding sums them.
+            if not self._collected:
+                Variable._execution_engine.queue_callback(self._push)
+            self._collected.append((indices, tensors.host_copy(grad).copy()))
             return None
-        return push
+        return collect
+
+    def _push(self):
+        collected, self._collected = self._collected, []
+        kv = self.kvstore
+        indices = np.concatenate([i for i, _ in collected])
+        data = np.concatenate([d for _, d in collected])
+        if self.average and kv.num_workers > 1:
+            data = data / np.asarray(kv.num_workers, data.dtype)
+        kv.push(self.key, RowSparse(indices, data, self.shape))
 
     def rows(self, row_ids):
         """The current rows ``row_ids`` (a tensor); collective."""
@@ -94,7 +106,7 @@ class ShardedEmbedding(torch.nn.Module):
         dense = np.zeros((len(np.asarray(row_ids).reshape(-1)), self.shape[1]), got.data.dtype)
         where = np.searchsorted(got.indices, np.asarray(row_ids).reshape(-1))
         dense[:] = got.data[where]
-        return torch.from_numpy(dense)
+        return tensors.from_native(dense)
 
     def extra_repr(self):
         return f"{self.shape[0]}, {self.shape[1]}, key={self.key!r}, mode={self.mode!r}"

@@ -17,6 +17,7 @@ every rank runs the same modules (as FSDP requires).
 import torch
 from torch.autograd import Variable
 
+from .. import errors
 from . import pages, tensors
 
 #: a unit holds at most this share of the model's bytes, unless it is one module
@@ -47,8 +48,11 @@ def plan_units(module, index_of, nbytes, units=None, share=DEFAULT_UNIT_SHARE):
         index_of: ``id(parameter) -> Trainer index`` of the trained parameters.
         nbytes: the bytes of each trained parameter, by index.
         units: the user's modules, or None: the children of at most ``share``
-            of the model's bytes (a larger child is cut into its own children;
-            a module without children is a unit whatever its size).
+            of the model's bytes (a larger child is cut into its own children,
+            unless it has parameters of its own, as ``MultiheadAttention``,
+            whose forward reads its ``out_proj``'s weight without calling it: a
+            module with no smaller child, or with parameters of its own, is a
+            unit whatever its size).
 
     Returns:
         ``(units, root)``: the :class:`Unit` list and the root unit (the
@@ -67,7 +71,8 @@ def plan_units(module, index_of, nbytes, units=None, share=DEFAULT_UNIT_SHARE):
             if not members:
                 return
             children = [c for c in m.children() if owned(c)]
-            if sum(nbytes[i] for i in members) <= limit or not children:
+            own = any(id(p) in index_of for p in m.parameters(recurse=False))
+            if sum(nbytes[i] for i in members) <= limit or not children or own:
                 chosen.append(m)
                 return
             for c in children:
@@ -120,6 +125,7 @@ class ParameterShards:
         self._gathered = set()    # units whose weights are whole now
         self._left = {}           # unit -> its parameters still without a gradient
         self._in_backward = False
+        self._seen = set()        # units gathered since the root's forward began
         self._hooks = []
         for u in self.units:
             self._hooks.append(u.module.register_forward_pre_hook(self._hook(self._before, u)))
@@ -161,6 +167,7 @@ class ParameterShards:
 
     def gather(self, unit):
         """Waits until ``unit``'s weights are whole (starting the gather if needed)."""
+        self._seen.add(unit)
         if unit in self._gathered:
             return
         self._start(unit)
@@ -194,6 +201,8 @@ class ParameterShards:
 
     # -- the hooks --------------------------------------------------------------------------
     def _before_root(self, module, args):
+        # (a backward that raised left these set)
+        self._in_backward, self._left, self._seen = False, {}, set()
         self._recording = []
         self.gather(self.root)
         if self._order:
@@ -232,8 +241,21 @@ class ParameterShards:
         return None
 
     def grad_ready(self, index):
-        """The Trainer's gradient hook: a unit whose gradients are all in gives its weights back."""
+        """The Trainer's gradient hook: a unit whose gradients are all in gives its weights back.
+
+        Raises:
+            InputError: the parameter got a gradient though its unit's module never
+                ran in the forward: its weight was read elsewhere, as this rank's
+                parts only (the same on every rank: the same model and code).
+        """
         unit = self._unit_of.get(index)
+        if unit is not None and unit not in self._seen:
+            name = self._trainer._names[index]
+            raise errors.InputError(
+                f"shard='parameters': {name!r} got a gradient, but its module "
+                f"({type(unit.module).__name__}) did not run in this forward, so it was read "
+                f"outside it while only this rank's parts were there; pass units= without "
+                f"that module (its parent's unit, or the root, then holds it)")
         left = self._left.get(unit)
         if left is None:
             return

@@ -172,8 +172,7 @@ class TorchOptim(_TorchRule):
     def _layout(self, hyper, device="cpu"):
         # What torch keeps depends on flags and on which rates are zero (momentum),
         # not on their values: a scheduler's every new rate needs no new probe.
-        tag = (tuple(sorted((k, v != 0 if isinstance(v, (int, float)) and not isinstance(v, bool)
-                             else repr(v)) for k, v in hyper.items())), str(device))
+        tag = (tuple(sorted((k, _shape_of(v)) for k, v in hyper.items())), str(device))
         if tag not in self._layouts:
             self._layouts[tag] = StateLayout(self.torch_class, hyper, device)
         return self._layouts[tag]
@@ -214,9 +213,10 @@ class TorchOptim(_TorchRule):
         layout = None if self.whole else self._layout(hyper, params[0].device)
         for param, (key, _, _, state) in zip(params, parts):
             count = int(state[COUNT].reshape(-1)[0])
-            if count > 1:   # updated before: torch takes up the kept state
-                opt.state[param] = (dict(self._held[key]) if self.whole
-                                    else _torch_state(layout, state, count))
+            if count > 1 and not self.whole:   # updated before: torch takes up the kept state
+                opt.state[param] = _torch_state(layout, state, count)
+            elif count > 1 and key in self._held:
+                opt.state[param] = dict(self._held[key])
             # else torch's own first step makes it (its constructor may have: Adagrad)
         opt.step()
         with torch.no_grad():
@@ -248,6 +248,18 @@ class TorchOptim(_TorchRule):
     def held_state(self, key):
         """torch's state of a whole parameter this rank owns and has updated, or None."""
         return self._held.get(key)
+
+
+def _shape_of(value):
+    """What of a hyperparameter can change the state torch keeps: flags and strings as
+    they are, numbers (also in tuples: betas) only as zero or not."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return repr(value)
+    if isinstance(value, (int, float)):
+        return value != 0
+    if isinstance(value, (list, tuple)):
+        return tuple(_shape_of(v) for v in value)
+    return repr(value)
 
 
 def _torch_state(layout, state, count):

@@ -678,6 +678,14 @@ class Trainer(ClosesAfterWith):
             step, the highest).
         """
         self._between_steps()
+        if self._shards is not None:
+            # The others gather weights unit by unit in their forwards, which a joined
+            # rank cannot replay: a call of its own fails, on every rank, with this.
+            why = ("trainer.join() is not supported with shard='parameters' (every rank "
+                   "must run every step's forward): give every rank the same number of batches")
+            self.kvstore.fail_next_call(errors.InputError, why)
+            self.kvstore.set_context(f"called trainer.join() after step {self.num_update}", why)
+            self.kvstore.barrier()
         self._joined = self.num_update + 1   # nonzero: its status row says "joined"
         self._tell_store("join")   # what the others' errors say of this rank meanwhile
         try:
@@ -1062,11 +1070,11 @@ class _OwnersOptimizer(torch.optim.Optimizer):
         """The state :meth:`consolidate_state_dict` gathered, in torch's format.
 
         ``{"state": {index: {...}}, "param_groups": [...]}`` as ``state_dict()``
-        of the user's torch class over ``param_groups`` gives it: momentum
-        buffers (SGD), ``step``, ``exp_avg``, ``exp_avg_sq`` (and
-        ``max_exp_avg_sq``) (Adam, AdamW), shaped as the parameters, on their
-        device; float32 for 16-bit parameters with float32 masters
-        (``multi_precision``), as for a float32 model.
+        of the user's torch class over ``param_groups`` gives it (SGD's
+        momentum buffers, Adam's ``step``, ``exp_avg`` and ``exp_avg_sq``, NAdam's
+        ``mu_product``, ...), shaped as the parameters, on their device; float32
+        for 16-bit parameters with float32 masters (``multi_precision``), as for
+        a float32 model. Not for classes run on whole parameters (Adafactor).
 
         Raises:
             OptimizerError: on a rank other than ``to``, before a consolidation,

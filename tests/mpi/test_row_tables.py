@@ -193,6 +193,39 @@ def test_row_table_errors_reach_every_rank_with_nothing_applied(comm):
     kv.close()
 
 
+def test_an_initializer_that_fails_on_one_rank_fails_every_rank(comm):
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+
+    def init(lo, hi):
+        return np.zeros((hi - lo, DIM + (comm.rank == comm.size - 1)), np.float32)
+    raises_everywhere(comm, mpikv.ShapeError, lambda: kv.init_rows("emb", (ROWS, DIM), init=init))
+    kv.init_rows("emb", (ROWS, DIM), init=1.0)   # not made: the key is free
+    kv.close()
+
+
+def test_pushes_of_other_dtypes_than_the_tables_are_cast(comm):
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv.init_rows("emb", (ROWS, DIM), init=0.0)
+    dtype = np.float64 if comm.rank % 2 else np.float32
+    kv.push("emb", mpikv.RowSparse([ROWS - 1 - comm.rank, 0], np.ones((2, DIM), dtype),
+                                   (ROWS, DIM)))
+    got = kv.row_sparse_pull("emb", row_ids=np.arange(ROWS)).data
+    want = np.zeros((ROWS, DIM), np.float32)
+    want[0] = comm.size
+    for r in range(comm.size):
+        want[ROWS - 1 - r] += 1
+    np.testing.assert_array_equal(got, want)
+    kv.close()
+
+
+def test_a_dense_init_of_a_row_table_key_is_refused_everywhere(comm):
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv.init_rows("emb", (ROWS, DIM))
+    raises_everywhere(comm, mpikv.DuplicateInitError,
+                      lambda: kv.init("emb", np.zeros((ROWS, DIM), np.float32)))
+    kv.close()
+
+
 def test_row_sparse_checks_its_parts():
     with pytest.raises(mpikv.ShapeError, match=r"data has shape \(2, 3\); 1 rows"):
         mpikv.RowSparse([0], np.zeros((2, 3)), (5, 3))

@@ -84,3 +84,24 @@ def test_the_default_table_is_the_same_on_any_number_of_ranks(comm):
             for r in rows]
     np.testing.assert_array_equal(got, np.array(want, np.float32))
     kv.close()
+
+
+def test_a_table_looked_up_twice_in_one_forward_takes_one_step(comm):
+    """Two lookups, one backward: one push of the summed rows, one optimizer step (with
+    momentum, two steps would differ), as nn.Embedding's one gradient."""
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv.set_optimizer(mx_optimizer.SGD(learning_rate=0.1, momentum=0.9, lazy_update=True))
+    table = mpikv.torch.ShardedEmbedding(ROWS, DIM, kvstore=kv, seed=1, average=False)
+    ref = torch.nn.Embedding(ROWS, DIM)
+    with torch.no_grad():
+        ref.weight.copy_(table.rows(np.arange(ROWS)))
+    plain = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    a, b = torch.tensor([1, 2, 2]), torch.tensor([2, 5])
+    for _ in range(2):
+        (table(a).sum() + 2 * table(b).sum()).backward()
+        plain.zero_grad()
+        (comm.size * (ref(a).sum() + 2 * ref(b).sum())).backward()
+        plain.step()
+    torch.testing.assert_close(table.rows(np.arange(ROWS)), ref.weight.detach(),
+                               rtol=1e-6, atol=1e-6)
+    kv.close()

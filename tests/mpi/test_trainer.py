@@ -749,3 +749,99 @@ def test_ranks_that_run_different_modules_with_sharded_parameters_get_one_error(
         pytest.skip("one rank runs what it runs")
     with pytest.raises(mpikv.MismatchError, match="was given on rank"):
         cases.train("head-on-some-ranks", "dist_sync", comm.rank, comm.size, shard="parameters")
+
+
+def test_join_with_sharded_parameters_is_one_error_on_every_rank(comm):
+    if comm.size == 1:
+        pytest.skip("a join needs another rank still training")
+    net = cases.Net()
+    store = mpikv.create("dist_sync", timeout=120)
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, store, shard="parameters")
+    steps = 1 if comm.rank == comm.size - 1 else 2
+
+    def run():
+        for step in range(steps):
+            _rank_step(comm, net, trainer, step)
+        trainer.join()
+    try:
+        run()
+        got = None
+    except mpikv.MPIKVError as exc:
+        got = str(exc)
+    everyone = comm.allgather(got)
+    assert all(m is not None and "join() is not supported with shard='parameters'" in m
+               for m in everyone), everyone
+
+
+class _Encoder(torch.nn.Module):
+    """A transformer layer (MultiheadAttention reads its out_proj's weight itself) and
+    a module whose forward reads its child's weight without calling the child."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True,
+                                                      dtype=torch.float64)
+        self.odd = torch.nn.Module()
+        self.odd.proj = torch.nn.Linear(8, 8, dtype=torch.float64)
+        self.head = torch.nn.Linear(8, 2, dtype=torch.float64)
+
+    def forward(self, x):
+        h = self.layer(x)
+        h = torch.nn.functional.linear(h, self.odd.proj.weight)   # odd.proj never called
+        return self.head(h)
+
+
+def _encoder_steps(comm, net, trainer, steps=3):
+    per = cases.GLOBAL_BATCH // comm.size
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(cases.GLOBAL_BATCH, 4, 8, generator=g, dtype=torch.float64),
+                torch.randn(cases.GLOBAL_BATCH, 4, 2, generator=g, dtype=torch.float64))
+               for _ in range(steps)]
+    for x, y in batches:
+        rows = slice(comm.rank * per, (comm.rank + 1) * per) if trainer else slice(None)
+        net.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(net(x[rows]), y[rows]).backward()
+        trainer.step() if trainer else None
+    return batches
+
+
+def test_sharded_parameters_train_a_transformer_layer_as_one_process(comm):
+    """The planner keeps modules with parameters of their own whole (MultiheadAttention)."""
+    net, ref = _Encoder(), _Encoder()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
+                                  mpikv.create("dist_sync", timeout=120, bigarray_bound=16),
+                                  shard="parameters", units=[net.layer.self_attn,
+                                                             net.layer.linear1, net.head])
+    _encoder_steps(comm, net, trainer)
+    plain = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        x = torch.randn(cases.GLOBAL_BATCH, 4, 8, generator=g, dtype=torch.float64)
+        y = torch.randn(cases.GLOBAL_BATCH, 4, 2, generator=g, dtype=torch.float64)
+        plain.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        plain.step()
+    with trainer.gathered():
+        for (n, a), b in zip(net.named_parameters(), ref.parameters()):
+            np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-10,
+                                       atol=1e-12, err_msg=n)
+    auto = mpikv.torch.Trainer(_Encoder(), torch.optim.SGD, {"lr": 0.1}, shard="parameters")
+    assert any(type(u.module).__name__ == "MultiheadAttention" for u in auto._shards.units)
+    auto.close()
+    trainer.close()
+
+
+def test_a_weight_read_outside_its_unit_is_an_error_on_every_rank(comm):
+    net = _Encoder()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
+                                  mpikv.create("dist_sync", timeout=120),
+                                  shard="parameters", units=[net.odd.proj, net.head])
+    try:
+        _encoder_steps(comm, net, trainer, steps=1)
+        got = None
+    except mpikv.InputError as exc:
+        got = str(exc)
+    everyone = comm.allgather(got)
+    assert all(m is not None and "'odd.proj.weight' got a gradient, but its module (Linear) "
+               "did not run" in m for m in everyone), everyone
