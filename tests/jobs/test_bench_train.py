@@ -228,12 +228,9 @@ def test_fsdp2_and_shardparams_train_resnet18_as_ddp():
         assert row["max_abs_diff_vs_ddp"] < 1e-4, (name, row["max_abs_diff_vs_ddp"])
 
 
-@pytest.mark.xfail(reason="shard='parameters' with units=None cuts a small TransformerEncoderLayer "
-                          "into its children; MultiheadAttention reads out_proj.weight without "
-                          "calling out_proj, so that unit is never gathered (mpikv.torch)",
-                   strict=False)
 def test_shardparams_on_a_one_layer_bert_trains_as_ddp():
-    """The tiny one-layer BERT: the Trainer's own units split the encoder layer."""
+    """The tiny one-layer BERT: the Trainer's own units split the encoder layer, and keep
+    MultiheadAttention (which reads its out_proj's weight itself) whole."""
     if importlib.util.find_spec("mpikv.torch") is None:
         pytest.skip("needs mpikv.torch")
     rows = _timed(["ddp-sgd", "shardparams-sgd"])
