@@ -148,12 +148,11 @@ def _plain_groups(s, net):
     return [p for p in net.parameters() if p.requires_grad]
 
 
-#: the cases that run at every level of sharding too (``shard="gradients"`` and
-#: ``"parameters"``; not a head that some ranks skip: every rank must run the same
+#: ``(case, shard)``: every case at the other levels of sharding too (at
+#: ``"parameters"`` not a head that some ranks skip: every rank must run the same
 #: modules when the weights are gathered module by module, as with FSDP)
-LEVEL_CASES = ["sgd", "adam-amsgrad", "mxnet-sgd", "set-to-none", "no-sync", "clip",
-               "scheduler", "split-keys", "param-groups", "batch-size", "nadam-split-keys",
-               "adafactor", "rprop"]
+LEVEL_CASES = [(n, shard) for shard in ("gradients", "parameters") for n in sorted(CASES)
+               if (n, shard) != ("head-on-some-ranks", "parameters")]
 
 
 def train(name, kv_type="dist_sync", rank=0, size=1, extra=0, joined=None, face="trainer",

@@ -29,8 +29,7 @@ def test_distributed_optimizer_equals_one_process_with_the_global_batch(comm, na
     _equals_one_process_everywhere(comm, name, "optimizer")
 
 
-@pytest.mark.parametrize("shard", ["gradients", "parameters"])
-@pytest.mark.parametrize("name", cases.LEVEL_CASES)
+@pytest.mark.parametrize("name,shard", cases.LEVEL_CASES)
 def test_every_level_equals_one_process_with_the_global_batch(comm, name, shard):
     _equals_one_process_everywhere(comm, name, "trainer", shard)
 

@@ -173,8 +173,7 @@ def test_local_trainer_equals_plain_torch(name):
     cases.assert_close(cases.train(name, "local"), cases.reference(name, 1))
 
 
-@pytest.mark.parametrize("shard", ["gradients", "parameters"])
-@pytest.mark.parametrize("name", cases.LEVEL_CASES)
+@pytest.mark.parametrize("name,shard", cases.LEVEL_CASES)
 def test_local_trainer_equals_plain_torch_at_every_level(name, shard):
     cases.assert_close(cases.train(name, "local", shard=shard), cases.reference(name, 1))
 
