@@ -401,17 +401,6 @@ def test_trainer_equals_ddp(comm, gloo, opt, kw):
 
 
 @pytest.mark.skipif(not cuda_torch(), reason="needs a GPU with CUDA torch and cupy")
-def test_whole_parameters_on_a_store_that_splits_them_is_an_error_on_every_rank(comm):
-    store = mpikv.create("dist_sync", timeout=120, bigarray_bound=10)
-    if comm.size == 1:   # one rank splits nothing
-        with mpikv.torch.Trainer(cases.Net(), torch.optim.Adafactor, {"lr": 0.01}, store) as t:
-            assert t.split_parameters is False
-    else:
-        with pytest.raises(mpikv.OptimizerError, match="this store splits arrays of 10"):
-            mpikv.torch.Trainer(cases.Net(), torch.optim.Adafactor, {"lr": 0.01}, store)
-    store.close()
-
-
 @pytest.mark.parametrize("opt,kw", [
     (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3}),
     (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05}),

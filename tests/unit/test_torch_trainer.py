@@ -64,17 +64,17 @@ RULES = [
 ]
 
 
-@pytest.mark.parametrize("torch_class,rule_class,kw", RULES)
-def test_rules_on_parts_equal_torch_on_the_whole_parameter(torch_class, rule_class, kw):
+def _parts_equal_torch_on_the_whole(torch_class, kw, make_rule):
+    """Steps a rule on two flat parts of a parameter (as an owner split cuts it) beside
+    torch's own optimizer on the whole; returns the rule and its part states."""
     rng = np.random.default_rng(0)
     w0 = rng.standard_normal(10).astype(np.float32)
     grads = [rng.standard_normal(10).astype(np.float32) for _ in range(4)]
     ref = torch.nn.Parameter(torch.from_numpy(w0.copy()))
     opt = torch_class([ref], **kw)
-    group = {k: v for k, v in opt.param_groups[0].items() if k in rule_class.hyper}
-    rule = rule_class([group], [["w", 0]])
+    rule = make_rule(opt.param_groups[0])
     weight = w0.copy()
-    parts = [slice(0, 4), slice(4, 10)]  # as an owner split would cut it
+    parts = [slice(0, 4), slice(4, 10)]
     states = [rule.create_state("w", weight[s]) for s in parts]
     for g in grads:
         ref.grad = torch.from_numpy(g.copy())
@@ -85,6 +85,13 @@ def test_rules_on_parts_equal_torch_on_the_whole_parameter(torch_class, rule_cla
         rule.apply(1.0)
         np.testing.assert_array_equal(weight, ref.detach().numpy())
     assert int(states[0][COUNT][0]) == len(grads)
+    return rule
+
+
+@pytest.mark.parametrize("torch_class,rule_class,kw", RULES)
+def test_rules_on_parts_equal_torch_on_the_whole_parameter(torch_class, rule_class, kw):
+    _parts_equal_torch_on_the_whole(torch_class, kw, lambda group: rule_class(
+        [{k: v for k, v in group.items() if k in rule_class.hyper}], [["w", 0]]))
 
 
 GENERIC = [
@@ -101,25 +108,10 @@ GENERIC = [
 
 @pytest.mark.parametrize("torch_class,kw", GENERIC, ids=[c.__name__ for c, _ in GENERIC])
 def test_any_elementwise_optimizer_on_flat_shards_equals_torch_on_the_whole(torch_class, kw):
-    rng = np.random.default_rng(0)
-    w0 = rng.standard_normal(10).astype(np.float32)
-    grads = [rng.standard_normal(10).astype(np.float32) for _ in range(4)]
-    ref = torch.nn.Parameter(torch.from_numpy(w0.copy()))
-    opt = torch_class([ref], **kw)
-    group = {k: v for k, v in opt.param_groups[0].items()
-             if k not in ("params", "differentiable", "capturable", "fused")}
-    rule = mpikv.torch.TorchOptim([group], [["w", 0]], torch_class)
-    weight = w0.copy()
-    parts = [slice(0, 4), slice(4, 10)]  # as an owner split would cut it
-    states = [rule.create_state("w", weight[s]) for s in parts]
-    for g in grads:
-        ref.grad = torch.from_numpy(g.copy())
-        opt.step()
-        grad = g.copy()
-        for s, state in zip(parts, states):
-            rule.begin_update("w", weight[s], grad[s], state)
-        rule.apply(1.0)
-        np.testing.assert_array_equal(weight, ref.detach().numpy())
+    rule = _parts_equal_torch_on_the_whole(torch_class, kw, lambda group: mpikv.torch.TorchOptim(
+        [{k: v for k, v in group.items()
+          if k not in ("params", "differentiable", "capturable", "fused")}], [["w", 0]],
+        torch_class))
     again = mpikv.optimizer.from_config(rule.get_config())
     assert type(again) is mpikv.torch.TorchOptim and again.get_config() == rule.get_config()
 
