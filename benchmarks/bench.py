@@ -682,6 +682,9 @@ def main(argv=None):
     if argv[:1] == ["train"]:  # a training loop with options of its own (needs torch)
         from benchmarks.bench_train import main as train_main
         return train_main(argv[1:])
+    if argv[:1] == ["rows"]:  # row tables (issue 23) against raw mpi4py (options of its own)
+        from benchmarks.bench_rows import main as rows_main
+        return rows_main(argv[1:])
     if argv[:1] == ["compression"]:  # bytes and time of compressed pushes (options of its own)
         from benchmarks.bench_compression import main as compression_main
         return compression_main(argv[1:])
