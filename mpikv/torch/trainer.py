@@ -206,6 +206,9 @@ class Trainer(ClosesAfterWith):
         # torch's SyncBatchNorm sums over torch.distributed: here, over the store.
         self._sync_bn = syncbn.sync_modules(module) if module is not None else []
         syncbn.attach(self._sync_bn, kv)
+        # Once, at close() or when a Trainer dropped without it is collected: an open
+        # Trainer keeps torch's own SyncBatchNorm from training alone.
+        self._detach_sync_bn = weakref.finalize(self, syncbn.detach, self._sync_bn)
         self._forward_hooks = ([module.register_forward_pre_hook(_Hook(self, "_before_forward")),
                                 module.register_forward_hook(_Hook(self, "_after_forward"))]
                                if broadcast_buffers and self._buffers else [])
@@ -651,7 +654,7 @@ class Trainer(ClosesAfterWith):
         self._launcher.close()
         for hook in self._forward_hooks:
             hook.remove()
-        syncbn.detach(self._sync_bn)
+        self._detach_sync_bn()
         with torch.no_grad():
             for p, grad in zip(self._params, self._grads):
                 p.data = p.data.clone()

@@ -44,4 +44,6 @@ def test_signals_stop_every_rank_after_one_checkpoint(comm, tmp_path_factory, wh
     assert comm.allgather(trainer.num_update) == [3] * comm.size
     comm.barrier()
     assert [s for s, _ in resume.newest_first(directory)] == [3]
-    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    trainer.close()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL   # given back at the stop
+    trainer.kvstore.close()

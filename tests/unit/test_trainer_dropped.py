@@ -115,3 +115,20 @@ def test_a_trainer_in_use_keeps_its_hooks_through_a_collection(threaded_launcher
     while thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not thread.is_alive()
+
+
+def test_a_dropped_trainer_no_longer_counts_as_open_for_sync_batchnorm():
+    """torch's SyncBatchNorm is refused only while a Trainer is open: one dropped
+    without close() must not keep that refusal on for the rest of the process."""
+    from mpikv.torch import syncbn
+    before = syncbn._OPEN[0]
+    trainer = mpikv.torch.Trainer(torch.nn.Linear(2, 2), torch.optim.SGD, {"lr": 0.1}, "local")
+    assert syncbn._OPEN[0] == before + 1
+    del trainer
+    gc.collect()
+    assert syncbn._OPEN[0] == before
+    closed = mpikv.torch.Trainer(torch.nn.Linear(2, 2), torch.optim.SGD, {"lr": 0.1}, "local")
+    closed.close()
+    del closed
+    gc.collect()
+    assert syncbn._OPEN[0] == before   # close() and the collection count once
