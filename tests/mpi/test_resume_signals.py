@@ -19,7 +19,7 @@ from .conftest import TEST_TIMEOUT  # noqa: E402
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize("who", ["every-rank-at-its-own-step", "the-last-rank-only"])
+@pytest.mark.parametrize("who", ["every-rank-at-its-own-step"])
 def test_signals_stop_every_rank_after_one_checkpoint(comm, tmp_path_factory, who):
     directory = comm.bcast(str(tmp_path_factory.mktemp("chain")) if comm.rank == 0 else None)
     net = cases.Net()

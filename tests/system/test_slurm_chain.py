@@ -13,7 +13,7 @@ from .conftest import ROOT, job_env, run
 JOB = ROOT / "slurm" / "job-train-chain.sbatch"
 MPIRUN = ROOT / "scripts" / "mpirun.sh"
 EXAMPLE = ROOT / "examples" / "chain_train.py"
-ARGS = "--steps 60 --every 10 --step-seconds 0.3"
+ARGS = "--steps 40 --every 5 --step-seconds 0.3"
 
 pytest.importorskip("torch")
 
@@ -40,7 +40,7 @@ def test_a_signalled_job_checkpoints_requeues_and_ends_with_the_straight_weights
     rc, out, _ = run([MPIRUN, "-n", "2", sys.executable, EXAMPLE, "--dir", tmp_path / "straight",
                       *ARGS.replace("0.3", "0").split()], timeout=300)
     assert rc == 0, out
-    straight = re.search(r"done at step 60, .* weights (\w+)", out).group(1)
+    straight = re.search(r"done at step 40, .* weights (\w+)", out).group(1)
 
     log = tmp_path / "chain.out"
     env = job_env(MPIKV_CHAIN_DIR=str(tmp_path / "chain"), MPIKV_CHAIN_ARGS=ARGS,
@@ -50,8 +50,8 @@ def test_a_signalled_job_checkpoints_requeues_and_ends_with_the_straight_weights
     assert sub.returncode == 0, sub.stdout + sub.stderr
     job = sub.stdout.strip().split(";")[0]
     try:
-        # Under way: a checkpoint after step 10 is in place.
-        assert _wait_for(lambda: (tmp_path / "chain" / "step-000000010.trainer.json").exists(),
+        # Under way: a checkpoint after step 5 is in place.
+        assert _wait_for(lambda: (tmp_path / "chain" / "step-000000005.trainer.json").exists(),
                          240), log.read_text() if log.exists() else "(no output)"
         subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=30)
         assert _wait_for(lambda: _state(job) == "COMPLETED", 300), (
@@ -61,6 +61,6 @@ def test_a_signalled_job_checkpoints_requeues_and_ends_with_the_straight_weights
     text = log.read_text().replace("\x00", "")
     stopped = re.search(r"stopped after step (\d+) \(a signal\)", text)
     assert stopped, text
-    resumed = re.search(rf"from step {stopped.group(1)} of 60", text)
+    resumed = re.search(rf"from step {stopped.group(1)} of 40", text)
     assert resumed and "run 1: 2 task(s)" in text, text
-    assert f"done at step 60, " in text and f"weights {straight}" in text, text
+    assert "done at step 40, " in text and f"weights {straight}" in text, text
