@@ -1,7 +1,7 @@
 """PyTorch's DDP tutorial (its basic example, run by torchrun), on CPUs with gloo.
 
 The starting point of the port in docs/torch.md: ported.py is this file with
-four lines changed. Run: torchrun --nproc-per-node 2 ddp.py [weights.pt]
+three lines changed. Run: torchrun --nproc-per-node 2 ddp.py [weights.pt]
 """
 
 import sys

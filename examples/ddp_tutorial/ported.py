@@ -1,4 +1,4 @@
-"""PyTorch's DDP tutorial (ddp.py) ported to mpikv: four lines differ.
+"""PyTorch's DDP tutorial (ddp.py) ported to mpikv: three lines differ.
 
 Run: scripts/mpirun.sh -n 2 .venv/bin/python examples/ddp_tutorial/ported.py [weights.pt]
 """
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.optim as optim
-import mpikv.torch
+from mpikv.torch import DistributedDataParallel as DDP, DistributedOptimizer, init_process_group
 
 
 class ToyModel(nn.Module):
@@ -24,16 +24,16 @@ class ToyModel(nn.Module):
 
 
 def demo_basic():
-    mpikv.torch.init_process_group("gloo")
+    init_process_group("gloo")
     rank = dist.get_rank()
     print(f"Start running basic DDP example on rank {rank}.")
     torch.manual_seed(0)
     model = ToyModel()
-    ddp_model = model
+    ddp_model = DDP(model)
 
     loss_fn = nn.MSELoss()
     optimizer = optim.SGD(ddp_model.parameters(), lr=0.001)
-    optimizer = mpikv.torch.DistributedOptimizer(optimizer, model.named_parameters())
+    optimizer = DistributedOptimizer(optimizer, model.named_parameters())
     data = torch.Generator().manual_seed(rank)
 
     for step in range(5):

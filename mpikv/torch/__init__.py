@@ -9,13 +9,13 @@ Needs torch (``pip install mpikv[torch]``)::
         trainer.step()                    # owners update their parts; weights come back
 """
 
-from .distributed import (DistributedOptimizer, DistributedSampler, init_process_group,
-                          local_rank, rank, size)
+from .distributed import (DistributedDataParallel, DistributedOptimizer, DistributedSampler,
+                          init_process_group, local_rank, rank, size)
 from .embedding import ShardedEmbedding
 from .optimizers import MXNetRule, TorchAdam, TorchSGD
 from .torch_rules import TorchOptim
 from .trainer import Trainer
 
-__all__ = ["Trainer", "DistributedOptimizer", "DistributedSampler", "init_process_group", "rank",
-           "size", "local_rank", "ShardedEmbedding",
+__all__ = ["Trainer", "DistributedDataParallel", "DistributedOptimizer", "DistributedSampler",
+           "init_process_group", "rank", "size", "local_rank", "ShardedEmbedding",
            "TorchSGD", "TorchAdam", "TorchOptim", "MXNetRule"]

@@ -109,7 +109,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, *, module=None, kvsto
             parameters (Horovod's argument). Default: ``"param.<i>"`` in the
             optimizer's order, which every rank must share.
         module: the model, for DDP's buffer broadcast and SyncBatchNorm
-            (``broadcast_buffers`` then defaults to on, as in DDP).
+            (``broadcast_buffers`` then defaults to on, as in DDP); default: the
+            model :func:`DistributedDataParallel` was given, if it holds the
+            optimizer's parameters.
         kvstore: as the Trainer's.
         **options: the :class:`~mpikv.torch.Trainer`'s keyword arguments
             (``shard``, ``compression``, ``bucket_bytes``, ...).
@@ -130,6 +132,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, *, module=None, kvsto
     groups = _named_groups(optimizer, named_parameters)
     held = optimizer.state_dict() if any(optimizer.state.values()) else None
     cls = type(optimizer)
+    if module is None:   # a model the script wrapped with DistributedDataParallel
+        module, wrapped = _wrapped_model(optimizer)
+        options = {**wrapped, **options}
     trainer = Trainer(groups, cls, {}, kvstore, module=module, **options)
     if held is not None:
         trainer.optimizer.load_state_dict(held)
@@ -145,6 +150,53 @@ def DistributedOptimizer(optimizer, named_parameters=None, *, module=None, kvsto
     optimizer.__class__ = _subclass(cls)
     _repatch_scheduler_step(optimizer)
     return optimizer
+
+
+#: id(parameter) -> (the model DistributedDataParallel was given, its options)
+_MODELS = {}
+#: DDP's arguments that mean nothing here: the gradients are averaged by the optimizer
+_DDP_IGNORED = ("device_ids", "output_device", "dim", "process_group", "bucket_cap_mb",
+                "find_unused_parameters", "gradient_as_bucket_view", "static_graph",
+                "init_sync")
+
+
+def DistributedDataParallel(module, *args, broadcast_buffers=True, **kwargs):
+    """DDP's wrapper, as a DDP script calls it: the model itself, marked for the
+    :func:`DistributedOptimizer` made later over its parameters.
+
+    The optimizer does the averaging (after backward, as DDP) and, as DDP,
+    takes rank 0's buffers before each training forward unless
+    ``broadcast_buffers=False``. DDP's other arguments (``device_ids``,
+    ``find_unused_parameters``, ``bucket_cap_mb``, ...) are accepted and change
+    nothing: unused parameters add zeros, the buckets are the Trainer's.
+
+    Raises:
+        InputError: an argument DDP does not take.
+    """
+    unknown = sorted(set(kwargs) - set(_DDP_IGNORED))
+    if unknown or len(args) > 3:   # (device_ids, output_device, dim: DDP's positional ones)
+        what = ", ".join(unknown) or "more positional arguments"
+        raise errors.InputError(f"DistributedDataParallel takes no {what}")
+    if not isinstance(module, torch.nn.Module):
+        raise errors.ValueTypeError(f"DistributedDataParallel wraps a torch.nn.Module, not "
+                                    f"{type(module).__name__}")
+    ref = weakref.ref(module)
+    for p in module.parameters():
+        _MODELS[id(p)] = (ref, {"broadcast_buffers": bool(broadcast_buffers)})
+    return module
+
+
+def _wrapped_model(optimizer):
+    """The model DistributedDataParallel marked whose parameters the optimizer holds,
+    and its options; or ``(None, {})``."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            found = _MODELS.get(id(p))
+            if found is not None and found[0]() is not None:
+                model = found[0]()
+                if any(q is p for q in model.parameters()):
+                    return model, found[1]
+    return None, {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -255,5 +307,5 @@ def DistributedSampler(dataset, **kwargs):
     return torch.utils.data.distributed.DistributedSampler(dataset, **kwargs)
 
 
-__all__ = ["DistributedOptimizer", "DistributedSampler", "init_process_group", "rank", "size",
-           "local_rank"]
+__all__ = ["DistributedDataParallel", "DistributedOptimizer", "DistributedSampler",
+           "init_process_group", "rank", "size", "local_rank"]

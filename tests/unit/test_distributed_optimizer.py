@@ -103,3 +103,24 @@ def test_rank_size_and_sampler_without_a_process_group():
     assert (mpikv.torch.rank(), mpikv.torch.size(), mpikv.torch.local_rank()) == (0, 1, 0)
     sampler = mpikv.torch.DistributedSampler(list(range(10)), shuffle=False)
     assert list(sampler) == list(range(10))
+
+
+def test_ddps_wrapper_gives_the_model_back_for_the_optimizer_to_find():
+    net = cases.Net()
+    assert mpikv.torch.DistributedDataParallel(net, device_ids=None, broadcast_buffers=False,
+                                               find_unused_parameters=True) is net
+    opt = mpikv.torch.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                           net.named_parameters(), kvstore="local")
+    assert opt.trainer._module is net and opt.trainer._buffers is not None
+    assert opt.trainer._forward_hooks == []   # broadcast_buffers=False, as given to DDP
+    opt.close()
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"mixed_precision": True}, mpikv.InputError, "takes no mixed_precision"),
+])
+def test_ddps_wrapper_refuses_what_ddp_does_not_take(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        mpikv.torch.DistributedDataParallel(cases.Net(), **kwargs)
+    with pytest.raises(mpikv.ValueTypeError, match="wraps a torch.nn.Module"):
+        mpikv.torch.DistributedDataParallel(object())
