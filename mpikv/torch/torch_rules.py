@@ -245,10 +245,6 @@ class TorchOptim(_TorchRule):
             return {k: v.clone() for k, v in build(self.torch_class, [like], group).state[like].items()}
         return initial
 
-    def held_state(self, key):
-        """torch's state of a whole parameter this rank owns and has updated, or None."""
-        return self._held.get(key)
-
 
 def _shape_of(value):
     """What of a hyperparameter can change the state torch keeps: flags and strings as
