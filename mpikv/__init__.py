@@ -10,6 +10,21 @@ __all__ = ["create", "Handle", "RowSparse", "__version__", *_errors_all]
 
 
 def create(name="local", comm=None, timeout=None, **options):  # noqa: D401
-    """Creates a key-value store (see :func:`mpikv.kvstore.create`)."""
+    """Creates a key-value store (see :func:`mpikv.kvstore.create`).
+
+    ``fault_tolerant=True`` (or ``MPIKV_FAULT_TOLERANT=1``): a rank lost during a
+    call of a distributed store is one :class:`mpikv.RankLostError` on every
+    survivor; refused with :class:`mpikv.FaultToleranceUnavailableError` on every
+    rank without a ULFM launch (docs/fault-tolerance.md).
+    """
     from .kvstore import create as _create
+    if "fault_tolerant" in options and not _takes(_create, "fault_tolerant"):
+        from .config import requested
+        with requested(options.pop("fault_tolerant")):
+            return _create(name, comm=comm, timeout=timeout, **options)
     return _create(name, comm=comm, timeout=timeout, **options)
+
+
+def _takes(function, keyword):
+    import inspect
+    return keyword in inspect.signature(function).parameters

@@ -11,10 +11,13 @@
 | probe the strategies at creation when no tuning cache exists | ``autotune`` | ``MPIKV_AUTOTUNE`` | 1 |
 | keys of at least this many bytes are not fused | ``direct_bytes`` | ``MPIKV_DIRECT_BYTES`` | 262144 |
 | pieces of a staged device buffer, bytes (0: whole) | ``staging_piece`` | ``MPIKV_STAGING_PIECE`` | 4194304 |
+| a lost rank is a `RankLostError` on every survivor (needs a ULFM launch) | ``fault_tolerant`` | ``MPIKV_FAULT_TOLERANT`` | 0 |
 """
 
+import contextlib
 import math
 import os
+import threading
 from dataclasses import dataclass
 
 from .fusion import DEFAULT_BUCKET_BYTES
@@ -40,6 +43,7 @@ class Options:
     autotune: bool = True
     direct_bytes: int = DEFAULT_DIRECT_BYTES
     staging_piece: int = DEFAULT_STAGING_PIECE
+    fault_tolerant: bool = False
 
 
 def _number(name, raw, cast, minimum):
@@ -63,7 +67,7 @@ def _flag(name, raw):
 
 def resolve(timeout=None, bigarray_bound=None, abort_on_exception=None, bucket_bytes=None,
             shared_memory=None, reducer=None, autotune=None, direct_bytes=None,
-            staging_piece=None, environ=None):
+            staging_piece=None, environ=None, fault_tolerant=None):
     """Returns :class:`Options`; a keyword wins over the environment.
 
     Raises:
@@ -104,5 +108,28 @@ def resolve(timeout=None, bigarray_bound=None, abort_on_exception=None, bucket_b
     if staging_piece is None:
         staging_piece = env.get("MPIKV_STAGING_PIECE", DEFAULT_STAGING_PIECE)
     staging_piece = _number("staging_piece (MPIKV_STAGING_PIECE)", staging_piece, int, 0)
+    if fault_tolerant is None:
+        fault_tolerant = getattr(_requested, "fault_tolerant", None)
+    if fault_tolerant is None:
+        fault_tolerant = env.get("MPIKV_FAULT_TOLERANT", "0")
+    fault_tolerant = _flag("fault_tolerant (MPIKV_FAULT_TOLERANT)", fault_tolerant)
     return Options(timeout or math.inf, bigarray_bound, abort_on_exception, bucket_bytes,
-                   shared_memory, reducer, autotune, direct_bytes, staging_piece)
+                   shared_memory, reducer, autotune, direct_bytes, staging_piece, fault_tolerant)
+
+
+#: ``fault_tolerant`` asked of :func:`mpikv.create` while the store's own ``create``
+#: has no such keyword (this thread only); see :func:`requested`.
+_requested = threading.local()
+
+
+@contextlib.contextmanager
+def requested(fault_tolerant):
+    """:func:`resolve` calls in this block (this thread) take ``fault_tolerant`` when
+    not given one: how :func:`mpikv.create` hands the keyword to a store ``create``
+    that does not take it."""
+    before = getattr(_requested, "fault_tolerant", None)
+    _requested.fault_tolerant = fault_tolerant
+    try:
+        yield
+    finally:
+        _requested.fault_tolerant = before

@@ -63,8 +63,35 @@ class GradientError(MPIKVError):
     """A Trainer's gradients cannot be summed as they are (missing, or written late)."""
 
 
+class FaultToleranceUnavailableError(MPIKVError):
+    """``fault_tolerant=True`` was asked for where the MPI library or the launch has
+    no ULFM (``scripts/mpirun.sh --ft``; see docs/fault-tolerance.md)."""
+
+
+class RankLostError(MPIKVError):
+    """A rank of a fault-tolerant store died; raised on every survivor alike.
+
+    Attributes:
+        lost: the lost ranks, in the store's numbering (sorted).
+        lost_world: the same ranks in ``MPI.COMM_WORLD``'s numbering.
+        survivors: the store ranks still alive (sorted).
+        comm: the survivors' communicator (an mpi4py communicator made by
+            ``MPI_Comm_shrink``, the survivors ranked in their old order), on
+            which a new store can be created; every call of the old store
+            raises this error again.
+    """
+
+    def __init__(self, message, lost=(), lost_world=(), survivors=(), comm=None):
+        super().__init__(message)
+        self.lost = list(lost)
+        self.lost_world = list(lost_world)
+        self.survivors = list(survivors)
+        self.comm = comm
+
+
 __all__ = [
     "MPIKVError", "InputError", "UnknownKeyError", "DuplicateInitError",
     "KeyTypeError", "ValueTypeError", "ShapeError", "DTypeError",
     "MismatchError", "StateFileError", "OptimizerError", "GradientError",
+    "FaultToleranceUnavailableError", "RankLostError",
 ]

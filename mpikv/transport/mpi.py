@@ -14,7 +14,7 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
-from . import cuda
+from . import cuda, ulfm
 from .pipeline import wants_pieces
 from .staging import Staging
 from .base import AGREED, DIFFER, JOINED, Transport
@@ -50,6 +50,19 @@ class MPITransport(Transport):
         # Agreement runs in the caller's thread while the store's worker thread
         # may be inside a data collective: separate communicators keep them apart.
         self.agree_comm = comm.Dup()
+        # ULFM: the same answer (or error) on every rank, before any other collective.
+        try:
+            self.fault_tolerant = ulfm.agree_on_support(
+                self.agree_comm, getattr(options, "fault_tolerant", False))
+        except Exception:
+            self.comm.Free()
+            self.agree_comm.Free()
+            raise
+        self._recovery = None
+        if self.fault_tolerant:
+            ulfm.set_errors_return(self.comm, self.agree_comm)
+            self._recovery = ulfm.Recovery(self._ft_comms, self.agree_comm, self.world_rank,
+                                           options.timeout, format_what)
         self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         # Whether MPI takes GPU buffers: probed once per process, the same on every
         # rank (one small Allreduce; staged where any rank stages), per kind of call.
@@ -72,6 +85,8 @@ class MPITransport(Transport):
         self.piece_bytes = options.bucket_bytes
         self.library = MPI.Get_library_version().replace("\x00", "").strip()
         self._watchdog = Watchdog(options.timeout, self.rank)
+        if self._recovery is not None:
+            self._watchdog.on_failure = self._recovery.check
         self._vecs = {}    # (digest, error) -> the agreement's input words
         self._out = np.zeros(_WORDS, np.uint64)
         self._seq = 0      # agreements so far: the same count on every rank
@@ -93,7 +108,22 @@ class MPITransport(Transport):
             # Made now, on every rank: a first use decided by one rank's own state
             # (which route a call takes) must never be the collective that makes it.
             self.nodes  # noqa: B018
+        if self._nodes is not None and self.fault_tolerant:
+            ulfm.set_errors_return(self._nodes.node, self._nodes.across)
         start_listener()   # answers the flight-recorder requests of a rank ending the job
+
+    def _ft_comms(self):
+        """Every communicator of the store (a lost rank revokes them all)."""
+        comms = [self.comm, self.agree_comm]
+        if self._nodes is not None:
+            comms += [self._nodes.node, self._nodes.across]
+        return comms
+
+    @property
+    def lost(self):
+        """A fault-tolerant store's agreed loss, ``(message, lost, lost_world, survivors,
+        comm)``, or None (no rank lost, or not fault tolerant)."""
+        return None if self._recovery is None else self._recovery.lost
 
     def _min_over_ranks(self, vec):
         out = np.empty_like(vec)
@@ -158,6 +188,14 @@ class MPITransport(Transport):
         return bool(out[_ACTIVE]), int(out[_TICKET])
 
     def _allreduce_max(self, vec, what):
+        try:
+            return self._allreduce_max_once(vec, what)
+        except MPI.Exception as exc:
+            if self._recovery is not None:
+                self._recovery.check(exc, what)   # a lost rank: RankLostError
+            raise
+
+    def _allreduce_max_once(self, vec, what):
         out = self._out
         self._seq += 1
         if not self._seq & 255:
@@ -174,8 +212,10 @@ class MPITransport(Transport):
             if not unlimited:
                 dog.start()
                 dog.agreement = [time.monotonic(), what, self._late]
-            self.agree_comm.Allreduce(vec, out, op=MPI.MAX)
-            dog.agreement = None
+            try:
+                self.agree_comm.Allreduce(vec, out, op=MPI.MAX)
+            finally:
+                dog.agreement = None
         else:
             request = self.agree_comm.Iallreduce(vec, out, op=MPI.MAX)
             if not request.Test():
@@ -214,6 +254,13 @@ class MPITransport(Transport):
     def _drain_announcements(self):
         """Receives and drops announcements of agreements that completed after all
         (they would pile up in MPI's queue of unexpected messages)."""
+        try:
+            self._drain_announcements_once()
+        except MPI.Exception as exc:
+            if not (self.fault_tolerant and ulfm.is_failure(exc)):
+                raise   # a lost rank: the call's own collective reports it
+
+    def _drain_announcements_once(self):
         status, buf = MPI.Status(), np.zeros(1, np.int64)
         if self._arrived[0] != self._seq:
             self._arrived = (self._seq, set())
@@ -229,7 +276,12 @@ class MPITransport(Transport):
         for rank in range(self.size):
             if rank != self.rank:
                 buf = np.array([self._seq], np.int64)
-                self._sent.append((self.agree_comm.Isend(buf, dest=rank, tag=_AGREE_TAG), buf))
+                try:
+                    self._sent.append((self.agree_comm.Isend(buf, dest=rank, tag=_AGREE_TAG),
+                                       buf))
+                except MPI.Exception as exc:
+                    if not (self.fault_tolerant and ulfm.is_failure(exc)):
+                        raise   # a lost rank: the agreement itself reports it
 
     def _missing(self):
         """The ranks that have not announced the current agreement (a short grace first)."""
@@ -347,6 +399,8 @@ class MPITransport(Transport):
         windows stay until exit (:func:`mpikv.transport.shm.free_all`): buffers
         handed out from them may still be in use."""
         self._watchdog.stop()
+        if self.lost is not None:
+            return   # revoked: nothing to free collectively (the process ends with os._exit)
         self._drain_announcements()
         # MPI_Comm_free lets operations still pending (announcements) complete.
         self.comm.Free()
@@ -368,4 +422,5 @@ class MPITransport(Transport):
         facts["cuda"] = self.staging.describe()
         facts["cuda_paths"] = self.cuda.paths
         facts["timeout_s"] = self.timeout
+        facts["fault_tolerant"] = self.fault_tolerant
         return facts

@@ -56,6 +56,8 @@ def abort(message, code, linger=0.0):
     """
     from mpi4py import MPI
     world = MPI.COMM_WORLD
+    if _lost_a_rank():   # ULFM: MPI_Abort would end mpiexec with status 0; end with the survivors
+        _end_as_survivor(message, code)
     if not _aborting.acquire(blocking=False):
         time.sleep(ANSWER_WAIT + 5)   # another thread of this rank is ending the job
         world.Abort(code)
@@ -69,6 +71,19 @@ def abort(message, code, linger=0.0):
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
     world.Abort(code)
+
+
+def _lost_a_rank():
+    """Whether a fault-tolerant store of this process lost a rank (:mod:`.ulfm`)."""
+    ulfm = sys.modules.get(__package__ + ".ulfm")
+    return ulfm is not None and ulfm.lost_a_rank()
+
+
+def _end_as_survivor(message, code):
+    """After a lost rank: the message, then this process ends with the other survivors."""
+    from .ulfm import end_survivor
+    sys.stderr.write(message.rstrip("\n") + "\n")
+    end_survivor(code)
 
 
 def _show_ring(rank, reason):
@@ -142,7 +157,13 @@ def start_listener():
     def listen():
         while not stop.wait(0.25):
             if not MPI.Is_finalized():
-                _answer(world, rank)
+                try:
+                    _answer(world, rank)
+                except MPI.Exception as exc:
+                    if exc.Get_error_class() in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING,
+                                                 MPI.ERR_REVOKED):
+                        return   # ULFM: a rank of COMM_WORLD died; nobody asks any more
+                    raise
 
     _listener = threading.Thread(target=listen, name="mpikv-flight-recorder", daemon=True)
     _listener.start()
@@ -214,6 +235,10 @@ def install_exception_hook():
         rank, size = world.Get_rank(), world.Get_size()
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         lines = "".join(f"[rank {rank}] {line}\n" for line in text.splitlines())
+        if _lost_a_rank():
+            _end_as_survivor(f"mpikv: uncaught {exc_type.__name__} on rank {rank} of {size}, "
+                             f"after a lost rank; ending with the survivors\n{lines}",
+                             EXCEPTION_EXIT_CODE)
         uncaught = (f"mpikv: uncaught {exc_type.__name__} on rank {rank} of {size}; "
                     f"aborting the job so no rank waits forever\n")
         if getattr(exc, "first_rank", None) is None:
@@ -252,6 +277,9 @@ class Watchdog:
         self.agreement = None
         self._thread = None
         self._stopped = threading.Event()
+        #: ``(exception, what)`` -> raises a better error, or returns (fault-tolerant
+        #: stores: :meth:`mpikv.transport.ulfm.Recovery.check`); None: nothing
+        self.on_failure = None
 
     def stop(self):
         """Ends the watchdog thread (the store is closed: nothing is armed any more)."""
@@ -318,5 +346,7 @@ class _Watch:
             dog.start()
             dog._armed[threading.get_ident()] = [time.monotonic(), self.what, self.late]
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
         self.dog._armed.pop(threading.get_ident(), None)
+        if exc is not None and self.dog.on_failure is not None:
+            self.dog.on_failure(exc, self.what)   # a lost rank: RankLostError instead

@@ -1,0 +1,273 @@
+"""A lost rank as one agreed error: ULFM (MPI's User-Level Failure Mitigation).
+
+Under a ULFM launch (``scripts/mpirun.sh --ft``, i.e. ``mpiexec --with-ft ulfm``)
+the launcher no longer ends the job when a rank dies, and an MPI call that
+involves the dead rank returns ``MPI_ERR_PROC_FAILED`` (or ``MPI_ERR_REVOKED``
+once a peer revoked the communicator) instead of aborting. A fault-tolerant
+store turns the first such error into :class:`mpikv.RankLostError` on every
+survivor: it revokes the store's communicators (every survivor still inside,
+or later entering, a call of the store gets ``MPI_ERR_REVOKED`` at once), then
+``MPI_Comm_shrink`` agrees on the survivors (the failed set is the ranks the
+shrunk communicator lacks: the same on every survivor, whoever saw what), and
+the survivors exchange which call each was in, so the message is the same
+everywhere. See docs/fault-tolerance.md.
+
+After a loss ``MPI_Finalize`` would wait for the dead rank forever, and a
+survivor whose process ends makes the launcher end the others: the survivors
+end together (:func:`end_survivor`: a barrier on the survivors' communicator,
+then ``os._exit``), at the interpreter's exit or from the exception hook.
+"""
+
+import atexit
+import os
+import sys
+import threading
+import time
+
+from mpi4py import MPI
+
+from ..errors import FaultToleranceUnavailableError, MismatchError, RankLostError
+
+#: MPI error classes that mean "a process of this communicator failed".
+FAILURE_CLASSES = frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED})
+#: the mpi4py 4 methods a fault-tolerant store uses
+NEEDED = ("Revoke", "Shrink", "Agree", "Get_failed", "Ack_failed", "Is_revoked")
+#: launcher programs whose command line says whether the launch is ULFM's
+LAUNCHERS = ("prterun", "prte", "mpiexec", "mpirun", "orterun")
+
+_TRUE = ("1", "true", "yes", "on", "enabled", "t", "y")
+
+
+def is_failure(exc):
+    """Whether ``exc`` is an MPI error that reports a failed process or a revoked communicator."""
+    return isinstance(exc, MPI.Exception) and exc.Get_error_class() in FAILURE_CLASSES
+
+
+# -- is ULFM there? ---------------------------------------------------------------
+def library_support():
+    """Why mpi4py or the MPI library cannot do ULFM, or None when they can."""
+    missing = [name for name in NEEDED if not hasattr(MPI.Comm, name)]
+    if missing:
+        import mpi4py
+        return (f"mpi4py {mpi4py.__version__} has no Comm.{', Comm.'.join(missing)} "
+                f"(ULFM needs mpi4py 4)")
+    library = MPI.Get_library_version().replace("\x00", "").strip()
+    if "Open MPI" not in library:
+        return (f"the MPI library is {library.splitlines()[0][:60]!r}; mpikv's fault "
+                f"tolerance is built and tested on Open MPI 5 with ULFM")
+    try:
+        MPI.COMM_SELF.Is_revoked()
+    except (NotImplementedError, MPI.Exception) as exc:
+        return f"the MPI library has no ULFM (MPI_Comm_is_revoked: {exc})"
+    return None
+
+
+def _parent_argv():
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return None
+
+
+def launch_support(environ=None, parent_argv=None):
+    """Why this process's launch is not a ULFM launch, or None when it is.
+
+    Two signals, both needed:
+
+    - ``OMPI_MCA_mpi_ft_enable`` is true: Open MPI's ULFM is on in this
+      process. ``mpiexec --with-ft ulfm`` sets it in every rank's environment
+      (a plain launch does not: checked with the pip Open MPI 5.0.11).
+    - the launcher keeps the job alive when a rank dies: where this rank's
+      parent is the launcher itself (``prterun``/``mpiexec``: always rank 0's
+      node), its command line has ``--with-ft`` or ``--enable-recovery``. A
+      plain ``mpiexec`` with ``OMPI_MCA_mpi_ft_enable=1`` in the environment
+      ends the whole job at a rank's death (measured), so it is refused.
+      A rank started by a ``prted`` on another host cannot see the command
+      line; there the first signal alone decides (rank 0's decides the job).
+
+    Args:
+        environ: the environment (default ``os.environ``).
+        parent_argv: the parent process's command line (default: read from /proc).
+    """
+    env = os.environ if environ is None else environ
+    flag = env.get("OMPI_MCA_mpi_ft_enable")
+    if flag is None or str(flag).strip().lower() not in _TRUE:
+        return ("the launch has no ULFM (OMPI_MCA_mpi_ft_enable is not set): launch with "
+                "scripts/mpirun.sh --ft (mpiexec --with-ft ulfm)")
+    argv = _parent_argv() if parent_argv is None else parent_argv
+    if argv and os.path.basename(argv[0]) in LAUNCHERS and not any(
+            a.startswith("--with-ft") or "recovery" in a for a in argv[1:]):
+        return (f"the launcher ({os.path.basename(argv[0])}) was started without "
+                f"--with-ft ulfm: it would end the whole job when a rank dies; launch with "
+                f"scripts/mpirun.sh --ft")
+    return None
+
+
+def _ranks(ranks):
+    ranks = list(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def agree_on_support(comm, requested):
+    """Whether the store on ``comm`` is fault tolerant: the same answer, or the
+    same error, on every rank. Collective (one small ``allgather``), made at every
+    store's creation so that a rank that alone asked for it cannot hang the others.
+
+    Raises:
+        mpikv.FaultToleranceUnavailableError: fault tolerance was asked for and
+            some rank has no ULFM (library or launch).
+        mpikv.MismatchError: some ranks asked for it and others did not.
+    """
+    reason = (library_support() or launch_support()) if requested else None
+    records = comm.allgather((bool(requested), reason))
+    asked = [r for r, (q, _) in enumerate(records) if q]
+    if not asked:
+        return False
+    if len(asked) < len(records):
+        others = [r for r in range(len(records)) if r not in asked]
+        raise MismatchError(f"create: fault_tolerant=True on {_ranks(asked)} but not on "
+                            f"{_ranks(others)}; no store was created")
+    reasons = {}
+    for r, (_, why) in enumerate(records):
+        if why:
+            reasons.setdefault(why, []).append(r)
+    if reasons:
+        raise FaultToleranceUnavailableError(
+            "create(fault_tolerant=True): " + "; ".join(
+                f"{_ranks(rs)}: {why}" for why, rs in reasons.items())
+            + "; no store was created")
+    return True
+
+
+def set_errors_return(*comms):
+    """Failures come back as exceptions (``MPI_ERRORS_RETURN``), never ``MPI_Abort``."""
+    for comm in comms:
+        if comm is not None and comm != MPI.COMM_NULL:
+            comm.Set_errhandler(MPI.ERRORS_RETURN)
+
+
+# -- after a failure ----------------------------------------------------------------
+class Recovery:
+    """Turns a store's first MPI failure into one agreed :class:`RankLostError`.
+
+    Args:
+        comms: returns the store's communicators (all are revoked).
+        agree_comm: the communicator the survivors shrink (every rank of the
+            store reaches it: each of its calls begins with an agreement there).
+        world_rank: store rank -> ``COMM_WORLD`` rank (or None).
+        timeout: seconds the survivors wait for each other at their end.
+        describe: ``what`` (``(operation, keys)``) -> text, for the message.
+    """
+
+    def __init__(self, comms, agree_comm, world_rank, timeout, describe=str):
+        self._comms = comms
+        self._agree_comm = agree_comm
+        self._world_rank = world_rank
+        self._timeout = timeout
+        self._describe = describe
+        self._lock = threading.Lock()
+        self.lost = None   # (message, lost, lost_world, survivors, comm) once recovered
+        self.seconds = None  # from the first failure seen here to the agreed error
+
+    def check(self, exc, what):
+        """Raises :class:`RankLostError` if ``exc`` reports a failure; else returns."""
+        if not is_failure(exc):
+            return
+        with self._lock:
+            if self.lost is None:
+                start = time.monotonic()
+                self.lost = self._recover(what)
+                self.seconds = time.monotonic() - start
+        message, lost, lost_world, survivors, comm = self.lost
+        raise RankLostError(message, lost, lost_world, survivors, comm) from exc
+
+    def _recover(self, what):
+        for comm in self._comms():
+            try:
+                comm.Revoke()
+            except MPI.Exception:
+                pass   # already revoked, or freed
+        old = self._agree_comm
+        size = old.Get_size()
+        shrunk = old.Shrink()   # collective over the survivors: the agreed failed set
+        set_errors_return(shrunk)
+        group, new = old.Get_group(), shrunk.Get_group()
+        where = group.Translate_ranks(list(range(size)), new)
+        group.Free()
+        new.Free()
+        lost = [r for r, w in enumerate(where) if w == MPI.UNDEFINED]
+        survivors = [r for r, w in enumerate(where) if w != MPI.UNDEFINED]
+        lost_world = [self._world_rank(r) for r in lost]
+        mine = self._describe(what)
+        try:
+            calls = shrunk.allgather(mine)
+        except MPI.Exception:   # another rank died meanwhile: say what this rank knows
+            calls = [mine]
+        if len(set(calls)) == 1:
+            during = f"during {calls[0]}"
+        else:
+            during = "during " + "; ".join(f"{c} on rank {r}"
+                                           for r, c in zip(survivors, calls))
+        world = ("" if lost_world == lost else
+                 f" (COMM_WORLD {_ranks(w for w in lost_world if w is not None)})")
+        message = (f"{_ranks(lost)} of {size} lost{world} {during}: the process died; "
+                   f"{len(survivors)} survive ({', '.join(map(str, survivors))}). This store "
+                   f"is unusable now; a store made on the survivors' communicator (this "
+                   f"error's .comm) goes on")
+        _SURVIVORS.update(comm=shrunk, timeout=self._timeout)
+        _register_end()
+        return message, lost, lost_world, survivors, shrunk
+
+
+# -- the survivors' end -----------------------------------------------------------------
+#: the latest survivors' communicator of this process, once a rank was lost
+_SURVIVORS = {}
+_registered = False
+_ending = threading.Lock()
+#: survivor exit status at the interpreter's normal end
+NORMAL_EXIT_CODE = 0
+
+
+def lost_a_rank():
+    """Whether a fault-tolerant store of this process has lost a rank."""
+    return bool(_SURVIVORS)
+
+
+def _register_end():
+    global _registered
+    if not _registered:
+        # Registered at the loss, after every hook of mpikv and mpi4py: runs first.
+        atexit.register(end_survivor, NORMAL_EXIT_CODE)
+        _registered = True
+
+
+def end_survivor(code):
+    """Ends this survivor together with the others: output flushed, a barrier on the
+    survivors' communicator (bounded by the store's timeout), then ``os._exit(code)``.
+
+    MPI_Finalize would wait for the dead rank forever; and the launcher ends every
+    rank still running as soon as one survivor's process ends, so no survivor
+    leaves before all have reached their end.
+    """
+    if not _ending.acquire(blocking=False):   # another thread is ending this process
+        time.sleep(3600)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - ending regardless
+            pass
+    comm = _SURVIVORS.get("comm")
+    if comm is not None:
+        limit = time.monotonic() + min(_SURVIVORS.get("timeout", 600.0), 600.0)
+        try:
+            request = comm.Ibarrier()
+            while not request.Test() and time.monotonic() < limit:
+                time.sleep(0.005)
+        except MPI.Exception:
+            pass   # another loss: end anyway
+    os._exit(code)
+
+
+__all__ = ["FAILURE_CLASSES", "Recovery", "agree_on_support", "end_survivor", "is_failure",
+           "launch_support", "library_support", "lost_a_rank", "set_errors_return"]

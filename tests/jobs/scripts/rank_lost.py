@@ -1,0 +1,84 @@
+"""A fault-tolerant store whose rank 1 dies (``os._exit(9)``) mid-run; run by
+tests/jobs/test_rank_lost.py under ``scripts/mpirun.sh --ft``.
+
+Usage: rank_lost.py CASE [TOKEN]
+
+CASE says where rank 1 dies while the others go on calling the store:
+  agreement  between two pushpulls: the others wait in the next call's agreement
+  data       inside a pushpull's data phase (its updater, on the owner of a key)
+  barrier    between barriers
+  refuse     nobody dies: the store's creation must be refused (no ULFM launch)
+TOKEN is ignored: it marks the processes, for the test's look for leftovers.
+
+Each survivor prints ``rank R: RankLostError: <message>``, then ``lost=[..]
+survivors=[..]`` and the seconds from the death to the error.
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+
+import mpikv
+
+STEPS, DIE_AT = 400, 20
+KEYS = ["a", "b", "c", "w"]
+
+
+def main(case):
+    if case == "refuse":
+        try:
+            mpikv.create("dist_sync", fault_tolerant=True, timeout=60, autotune=False)
+        except mpikv.FaultToleranceUnavailableError as exc:
+            print(f"refused: {type(exc).__name__}: {exc}", flush=True)
+            return
+        print("created: not refused", flush=True)
+        return
+    kv = mpikv.create("dist_sync", fault_tolerant=True, timeout=60, autotune=False)
+    rank = kv.rank
+    values = [np.zeros(1000) for _ in KEYS]
+    kv.init(KEYS, values)
+    step = [0]
+    if case == "data":
+        def update(key, pushed, stored):
+            if rank == 1 and step[0] == DIE_AT:
+                die()
+            stored[...] = pushed
+        kv.set_updater(update)
+    try:
+        for i in range(STEPS):
+            step[0] = i
+            if case == "barrier":
+                if i == DIE_AT and rank == 1:
+                    die()
+                kv.barrier()
+                continue
+            if case == "agreement" and i == DIE_AT and rank == 1:
+                die()
+            grads = [np.full(1000, rank + 1.0) for _ in KEYS]
+            kv.pushpull(KEYS, grads)
+            expected = kv.num_workers * (kv.num_workers + 1) / 2
+            assert all((g == expected).all() for g in grads), (i, grads[0][:3])
+    except mpikv.RankLostError as exc:
+        seen = time.time()
+        print(f"rank {rank}: RankLostError: {exc}", flush=True)
+        print(f"rank {rank}: lost={exc.lost} lost_world={exc.lost_world} "
+              f"survivors={exc.survivors} shrunk_size={exc.comm.Get_size()} "
+              f"step={step[0]} seen_at={seen:.6f}", flush=True)
+        # The store is unusable now, every call the same error again.
+        try:
+            kv.barrier()
+        except mpikv.RankLostError as again:
+            print(f"rank {rank}: again: {again == exc or str(again) == str(exc)}", flush=True)
+        return
+    print(f"rank {rank}: finished without a loss", flush=True)
+
+
+def die():
+    print(f"rank 1: dying at {time.time():.6f}", flush=True)
+    os._exit(9)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
