@@ -104,10 +104,11 @@ class Protocol:
         context = self.context
         return None if context is None else context[:2]
 
-    def exit(self):
+    def exit(self, action=None):
         """The end of this rank's process: one agreed "exit" call (unless closed).
 
-        Ranks that all end their processes agree and nothing happens; a rank still
+        Ranks that all end their processes agree and ``action()`` runs (the
+        store's background saves commit); a rank still
         waiting in a call of the others gets a MismatchError at once, which names
         this rank's exit (the context's exit words, else "ended its process").
         Raises that error here too.
@@ -120,7 +121,7 @@ class Protocol:
         exit = None if context is None else context[2]
         self.context = (*(exit or ("ended its process", None)), None)
         try:
-            self.collective(Call("exit"), lambda: None)
+            self.collective(Call("exit"), action or (lambda: None))
         finally:
             self.context = context
         self._exited = True

@@ -64,6 +64,13 @@ def _on_host(array):
         return array.get()
 
 
+def _copy_on_host(array):
+    """A host copy of ``array`` that nothing else writes."""
+    if isinstance(array, np.ndarray):
+        return array.copy()
+    return _on_host(array)   # (a GPU array's host copy is new already)
+
+
 def _new_keys_on_gpu(store, meta):
     """Where keys a load creates go: with the store's values, or, in an empty
     device store, on the current GPU if the save came from GPUs and one is here."""
@@ -90,57 +97,113 @@ def save(store, fname, kind, with_values, dump_optimizer, rows=None):
         rows: the store's :class:`~mpikv.row_tables.RowTables` (each owner writes
             its block), or None.
     """
-    t = store.transport
-    what = (kind, [])
-    generation = t.allgather_records(statefile.new_generation() if t.rank == 0 else None,
-                                     what)[0]
+    snap = Snapshot(store, fname, kind, with_values, dump_optimizer, rows, copy=False)
+    snap.write()
+    snap.finish()
 
-    def write():
+
+class Snapshot:
+    """One save in three steps: what this rank owns, taken (copied if asked) now;
+    its part written (:meth:`write`, local: on any thread); the parts committed
+    under one manifest (:meth:`finish`, collective). Between the first and the
+    last the store may go on changing: a copied snapshot saves what it held at
+    :meth:`__init__`.
+
+    Args: as :func:`save`, and ``copy``: copy every array now (a background
+        write), else write the store's own arrays (the caller waits).
+    """
+
+    def __init__(self, store, fname, kind, with_values, dump_optimizer, rows=None,
+                 copy=True):
+        t = self._transport = store.transport
+        self.fname, self.kind = fname, kind
+        self._what = (kind, [])
+        self._generation = t.allgather_records(
+            statefile.new_generation() if t.rank == 0 else None, self._what)[0]
+        self._record, self._error, self._written = None, None, False
+        take = _copy_on_host if copy else _on_host
         entries = []
         for key, shard in store.plan.owned_by(t.rank):
             entry = store.entries[key]
             shape = entry.array.shape
             if with_values:
                 entries.append((key, VALUE, shard.start, shard.stop, shape,
-                                _on_host(entry.flat[shard.start:shard.stop])))
+                                take(entry.flat[shard.start:shard.stop])))
             state = store.states.get((key, shard.start))
             if state is None:
                 continue
             for name, arr in state.items():
                 if name == COUNT:
                     if shard.start == 0:  # one copy of the key's count
-                        entries.append((key, _STATE + COUNT, 0, 1, (1,), arr.reshape(-1)))
+                        entries.append((key, _STATE + COUNT, 0, 1, (1,),
+                                        take(arr.reshape(-1))))
                 else:
                     entries.append((key, _STATE + name, shard.start, shard.stop, shape,
-                                    _on_host(arr.reshape(-1))))
+                                    take(arr.reshape(-1))))
         if rows is not None:
-            entries += row_tables.part_entries(rows, t.rank, with_values)
-        return statefile.write_part(fname, generation, t.rank, entries) if entries else None
+            entries += [e[:5] + (take(e[5]),)
+                        for e in row_tables.part_entries(rows, t.rank, with_values)]
+        self._entries = entries
+        self.nbytes = sum(e[5].nbytes for e in entries)
+        opt = store.optimizer
+        self._meta = {
+            "kind": kind,
+            "mpikv_version": __version__,
+            "num_workers": t.size,
+            "keys": _key_list(store.entries),
+            "counts": [[k, c] for k, c in sorted(store.counts.items(),
+                                                 key=lambda kv: sort_key(kv[0]))],
+            "optimizer_name": None if opt is None else opt.name,
+            "optimizer": opt.get_config() if (opt is not None and dump_optimizer) else None,
+            "on_gpu": bool(store.on_gpu),
+            "row_tables": row_tables.describe(rows) if rows is not None else [],
+        }
 
-    try:
-        records = _exchange(t, what, write)
-    except MPIKVError:  # some rank could not write: no manifest will name this save's parts
-        statefile.discard_part(fname, generation, t.rank)
-        raise
-    opt = store.optimizer
-    meta = {
-        "kind": kind,
-        "mpikv_version": __version__,
-        "num_workers": t.size,
-        "keys": _key_list(store.entries),
-        "counts": [[k, c] for k, c in sorted(store.counts.items(),
-                                             key=lambda kv: sort_key(kv[0]))],
-        "optimizer_name": None if opt is None else opt.name,
-        "optimizer": opt.get_config() if (opt is not None and dump_optimizer) else None,
-        "on_gpu": bool(store.on_gpu),
-        "row_tables": row_tables.describe(rows) if rows is not None else [],
-    }
+    @property
+    def written(self):
+        """Whether this rank's part is written (or failed to be): :meth:`finish`
+        will not wait for the disk."""
+        return self._written
 
-    def commit():
-        if t.rank == 0:
-            statefile.commit(fname, generation, [r for r in records if r], meta)
+    def write(self):
+        """Writes this rank's part; local, on any thread. A failure is kept for
+        :meth:`finish`, which raises it on every rank."""
+        try:
+            if self._entries:
+                self._record = statefile.write_part(self.fname, self._generation,
+                                                    self._transport.rank, self._entries)
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank by finish
+            self._error = exc
+        finally:
+            self._entries = None   # the copies go as soon as they are on disk
+            self._written = True
 
-    _exchange(t, what, commit)
+    def finish(self, then=None):
+        """The ranks share how their writes went; rank 0 commits the manifest,
+        then calls ``then()`` if given; collective. Raises the same error on
+        every rank if any write (or ``then``) failed (after a failed write the
+        save is not visible: no manifest names its parts)."""
+        t = self._transport
+
+        def outcome():
+            if self._error is not None:
+                raise self._error
+            return self._record
+
+        try:
+            records = _exchange(t, self._what, outcome)
+        except MPIKVError:  # some rank could not write: no manifest will name this save's parts
+            statefile.discard_part(self.fname, self._generation, t.rank)
+            raise
+
+        def commit():
+            if t.rank == 0:
+                statefile.commit(self.fname, self._generation, [r for r in records if r],
+                                 self._meta)
+                if then is not None:
+                    then()
+
+        _exchange(t, self._what, commit)
 
 
 def load(store, fname, kind, with_values, rows=None):

@@ -24,6 +24,7 @@ from .calls import Call, CallReader
 from .engine import Engine
 from .row_tables import RowTables
 from .rowsparse import RowSparse
+from .saving import SaveHandle
 from .transport import make_transport
 
 #: store type -> transport kind
@@ -153,7 +154,7 @@ def _end_of_process():
     # the store they made last (the order is the same on every rank).
     for store in list(reversed(_OPEN)):
         try:
-            store._protocol.exit()
+            store._protocol.exit(store._finish_saves)
         except Exception as exc:  # noqa: BLE001 - the process must end, not hang
             from .transport.watchdog import exit_failed
             exit_failed(exc, store._options.abort_on_exception)
@@ -198,6 +199,7 @@ class KVStore(ClosesAfterWith):
         self._protocol = Protocol(transport, self._engine)
         self._reader = CallReader(self._engine.lookup, lambda: self._engine.key_type)
         self._rows = RowTables(transport)
+        self._saves = []   # background saves not yet committed, oldest first
 
     # -- properties ------------------------------------------------------
     @property
@@ -568,6 +570,8 @@ class KVStore(ClosesAfterWith):
         block normally (after an exception the store is left open: the other
         ranks may still be in a call).
         """
+        if self._saves and not self._protocol.closed:   # the same list on every rank
+            self._commit_save(self._saves[-1])
         self._protocol.close(self._release)
 
     def _release(self):
@@ -761,8 +765,58 @@ class KVStore(ClosesAfterWith):
         (a job killed while saving leaves the previous save whole).
         """
         call = Call("save_checkpoint", settings={"fname": str(fname)})
-        self._protocol.collective(call, lambda: checkpoint.save(
-            self._engine, str(fname), "checkpoint", True, True, self._rows))
+
+        def save():
+            self._finish_saves()
+            checkpoint.save(self._engine, str(fname), "checkpoint", True, True, self._rows)
+        self._protocol.collective(call, save)
+
+    def save_checkpoint_async(self, fname, on_commit=None):
+        """:meth:`save_checkpoint` written while training goes on; collective.
+
+        Each rank copies what it owns now (the values, optimizer states and row
+        tables: the call costs that copy) and writes the copy on a thread of
+        its own. ``handle.wait()``, collective, commits the checkpoint once
+        every rank's part is written; until then it is not visible, and a job
+        that ends before leaves the previous checkpoints whole. A later
+        :meth:`save_checkpoint`, :meth:`save_checkpoint_async`,
+        :meth:`load_checkpoint` or :meth:`close` commits it first, and so does
+        the end of the process when every rank ends it.
+
+        Args:
+            fname: the checkpoint's path.
+            on_commit: called on rank 0 right after the checkpoint's manifest is
+                in place (to put a file of the caller's beside it); an exception
+                it raises is raised by ``wait()`` on every rank.
+
+        Returns:
+            A :class:`~mpikv.saving.SaveHandle`: ``done()`` says (locally)
+            whether this rank's part is written, ``wait()`` commits.
+        """
+        call = Call("save_checkpoint_async", settings={"fname": str(fname)})
+
+        def start():
+            self._finish_saves()
+            handle = SaveHandle(checkpoint.Snapshot(self._engine, str(fname), "checkpoint",
+                                                    True, True, self._rows),
+                                self._commit_save, on_commit)
+            self._saves.append(handle)
+            return handle
+        return self._protocol.collective(call, start)
+
+    def _commit_save(self, handle):
+        """``handle.wait()``: the ranks agree, then the saves up to it commit."""
+        call = Call("save_checkpoint_wait", settings={"fname": str(handle.fname)})
+        self._protocol.collective(call, lambda: self._finish_saves(handle))
+
+    def _finish_saves(self, upto=None):
+        """Commits the background saves in the order they were made (up to and
+        including ``upto``; every one if None); inside an agreed call."""
+        while self._saves:
+            handle = self._saves.pop(0)
+            handle.finish()
+            if handle is upto:
+                return
 
     def load_checkpoint(self, fname):
         """Restores a :meth:`save_checkpoint` save, on any number of ranks; collective.
@@ -772,8 +826,11 @@ class KVStore(ClosesAfterWith):
         the one set on the store, else the file's.
         """
         call = Call("load_checkpoint", settings={"fname": str(fname)})
-        self._protocol.collective(call, lambda: checkpoint.load(
-            self._engine, str(fname), "checkpoint", True, self._rows))
+
+        def load():
+            self._finish_saves()
+            checkpoint.load(self._engine, str(fname), "checkpoint", True, self._rows)
+        self._protocol.collective(call, load)
 
     def optimizer_state_nbytes(self):
         """Bytes of optimizer state this rank holds (only for what it owns)."""

@@ -20,17 +20,21 @@ def meta_path(path):
     return str(path) + ".trainer.json"
 
 
-def save(kv, path, meta):
+def save(kv, path, meta, background=False):
     """Saves the store's checkpoint and ``meta`` as the Trainer file; collective.
 
     Rank 0 writes the file (fsynced) before the store's save and renames it
     into place after it, so a failure anywhere leaves the previous checkpoint
-    whole. Returns on every rank once both are in place.
+    whole. Returns on every rank once both are in place; in the background,
+    at once, with the store's :class:`~mpikv.saving.SaveHandle`, whose
+    ``wait()`` (or the store's next save, load or close, or the end of the
+    process) puts both in place.
 
     Args:
         kv: the store.
         path: the checkpoint's path.
         meta: the JSON-able dict of the Trainer file (its ``format`` is set here).
+        background: copy the store's parts and write them while training goes on.
 
     Raises:
         StateFileError: on every rank, when rank 0 could not write or rename
@@ -42,6 +46,16 @@ def save(kv, path, meta):
             staged = statefile.stage_bytes(final, json.dumps({"format": FORMAT, **meta}).encode())
         except (StateFileError, TypeError, ValueError) as e:
             kv.fail_next_call(StateFileError, f"{final} could not be written: {e}")
+    if background:
+        def publish():   # rank 0, right after the store's manifest: a failure reaches all
+            staged.commit()
+            statefile.remove_dead_temps(final)
+        try:
+            return kv.save_checkpoint_async(str(path), publish if staged is not None else None)
+        except BaseException:
+            if staged is not None:
+                staged.discard()
+            raise
     try:
         kv.save_checkpoint(str(path))
     except BaseException:

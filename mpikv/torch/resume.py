@@ -10,6 +10,14 @@ with :data:`EXIT_STATUS`, after asking SLURM to requeue the job if asked. The
 next job's ``resume`` loads the newest complete checkpoint on however many
 ranks it has, and returns its step.
 
+Periodic checkpoints are written in the background (``background=True``, the
+default): at the step boundary each rank copies what it owns and a thread
+writes the copy while training goes on; the step's status sum carries each
+rank's "written" bit, and at the first boundary where every rank's part is on
+disk the checkpoint is committed (one more collective call, then). A save
+therefore costs the copy, not the disk. The checkpoint at a signal is written
+before the job ends.
+
 A checkpoint is complete once its Trainer file (``.trainer.json``) is in
 place: the Trainer writes it last, after the store's parts and the user's
 state. Partial ones (a job killed while saving) are skipped and removed; one
@@ -107,10 +115,11 @@ class Resumer:
         requeue: at a signal, rank 0 runs ``scontrol requeue $SLURM_JOB_ID``
             after the checkpoint is complete.
         signals: names of the signals that stop the job.
+        background: write periodic checkpoints while training goes on.
     """
 
     def __init__(self, trainer, directory, every=None, minutes=None, keep=2, state=None,
-                 requeue=False, signals=SIGNALS):
+                 requeue=False, signals=SIGNALS, background=True):
         if every is not None and (not isinstance(every, int) or every < 1):
             raise InputError(f"every must be a positive number of steps, not {every!r}")
         if minutes is not None and not minutes > 0:
@@ -128,6 +137,9 @@ class Resumer:
         self._last_save = time.monotonic()
         self._previous = {}
         self._pending = None      # (step, stop, the user's state) of a checkpoint due
+        self.background = bool(background)
+        self._writing = None      # the store's SaveHandle of a checkpoint being written
+        self._commit_due = False  # every rank's part of it is on disk (the status said)
 
     # -- starting --------------------------------------------------------------------
     def start(self):
@@ -170,33 +182,45 @@ class Resumer:
 
     # -- each step ---------------------------------------------------------------------
     def flags(self, rank):
-        """This rank's part of the step's status: (stop asked, save asked by the clock)."""
+        """This rank's part of the step's status: (stop asked, save asked by the
+        clock, this rank's part of the checkpoint being written is on disk)."""
         timed = (rank == 0 and self.minutes is not None
                  and time.monotonic() - self._last_save >= 60 * self.minutes)
-        return self.signalled is not None, timed
+        written = self._writing is not None and self._writing.done()
+        return self.signalled is not None, timed, written
 
-    def after_step(self, stop, timed):
+    def after_step(self, stop, timed, written=False):
         """After an update, with what the status sum said (the same on every rank):
         notes a checkpoint due (and the job's end at a signal), made by :meth:`flush`
         at the start of the next iteration, once the loop's own work after
         ``step()`` (the scheduler's step) is done. The user's state is taken now:
         it describes what comes after this update (the next batch)."""
         step = self._trainer.num_update
+        self._commit_due = written and self._writing is not None
         if stop or timed or (self.every is not None and step % self.every == 0):
             user = None
             if self._state is not None and self._trainer.kvstore.rank == 0:
                 user = copy.deepcopy(self._state.state_dict())
             self._pending = (step, stop, user)
 
-    def flush(self):
+    def flush(self, final=False):
         """Makes the checkpoint :meth:`after_step` noted, if any (at the next
         ``zero_grad``, forward, ``step`` or ``close``, whichever comes first: the
-        same on every rank); then ends the job if a rank got a signal."""
+        same on every rank), and commits the one being written once every rank
+        wrote its part (``final``: at once); then ends the job if a rank got a
+        signal."""
+        if self._writing is not None and (self._commit_due or final):
+            self.commit()
         if self._pending is None:
             return
         step, stop, user = self._pending
         self._pending = None
-        self.save(user)
+        if self._writing is not None:   # (the same on every rank) the previous one first
+            self.commit()
+        if self.background and not stop and not final:
+            self._start(user)
+        else:
+            self.save(user)
         if stop:
             self.stop()
             if self._requeue and self._trainer.kvstore.rank == 0:
@@ -211,15 +235,35 @@ class Resumer:
     def save(self, user=None):
         """A complete checkpoint of this step (the user's state ``user``, as taken at
         the update, first), then the old ones beyond ``keep`` go; collective."""
+        self._trainer._save(self._begin(user))
+        self._last_save = time.monotonic()
+        self._prune()
+
+    def _start(self, user=None):
+        """:meth:`save` in the background: the parts copied now, written on a
+        thread, committed by :meth:`commit`; collective."""
+        self._writing = self._trainer._save(self._begin(user), background=True)
+        self._last_save = time.monotonic()
+
+    def commit(self):
+        """Waits for every rank's part of the checkpoint being written, puts it in
+        place, then the old ones beyond ``keep`` go; collective."""
+        writing, self._writing, self._commit_due = self._writing, None, False
+        self._trainer._settled()
+        writing.wait()
+        self._prune()
+
+    def _begin(self, user):
+        """The path of this step's checkpoint, the user's state written beside it."""
         trainer = self._trainer
-        kv = trainer.kvstore
         path = self.directory / name_of(trainer.num_update)
-        if user is not None and kv.rank == 0:
+        if user is not None and trainer.kvstore.rank == 0:
             import torch
             torch.save(user, state_path(path))
-        trainer._save(str(path))
-        self._last_save = time.monotonic()
-        if kv.rank == 0:
+        return str(path)
+
+    def _prune(self):
+        if self._trainer.kvstore.rank == 0:
             remove(self.directory, {s for s, _ in newest_first(
                 self.directory, self._state is not None)[:self.keep]})
 

@@ -13,10 +13,11 @@ from .. import errors
 #: per rank: unused count, late count, the indices (+1) of the first few unused
 #: parameters (so every rank can name them), the join ticket (0: still
 #: training), whether the step gathers the gradients, and whether this rank asks
-#: the job to stop after a checkpoint (a signal) or to save now (rank 0's clock)
+#: the job to stop after a checkpoint (a signal) or to save now (rank 0's clock),
+#: and whether its part of a checkpoint written in the background is on disk
 NAMED = 3
-_JOIN, _GATHER, _STOP, _SAVE = 2 + NAMED, 3 + NAMED, 4 + NAMED, 5 + NAMED
-_ROW = 6 + NAMED
+_JOIN, _GATHER, _STOP, _SAVE, _WRITTEN = 2 + NAMED, 3 + NAMED, 4 + NAMED, 5 + NAMED, 6 + NAMED
+_ROW = 7 + NAMED
 #: the tag of the status sum
 TAG = "status"
 
@@ -39,7 +40,8 @@ class StepStatus:
     def _rows(self):
         return self._vector[:self._n * _ROW].reshape(-1, _ROW)
 
-    def row(self, touched, cleared, late, gather, ticket=0, stop=False, save=False):
+    def row(self, touched, cleared, late, gather, ticket=0, stop=False, save=False,
+            written=False):
         """This rank's part of the sum (the whole vector, its row filled).
 
         Args:
@@ -51,6 +53,7 @@ class StepStatus:
                 nothing else).
             stop, save: this rank asks for a checkpoint and the job's end (it
                 got a signal), or for a checkpoint now (see :mod:`.resume`).
+            written: this rank's part of a background checkpoint is on disk.
         """
         vector = self._vector
         vector[:] = 0
@@ -63,7 +66,7 @@ class StepStatus:
         row[0], row[1] = len(unused), len(late)
         row[2:2 + len(unused[:NAMED])] = [i + 1 for i in unused[:NAMED]]
         row[_GATHER] = gather
-        row[_STOP], row[_SAVE] = stop, save
+        row[_STOP], row[_SAVE], row[_WRITTEN] = stop, save, written
         vector[self._n * _ROW:] = (np.asarray(touched, np.float64)
                                    + (self._n + 1) * np.asarray(cleared, np.float64))
         return vector
@@ -90,7 +93,9 @@ class StepStatus:
             joined_round=bool(rows[:, _JOIN].any()),
             gathering=bool(rows[:, _GATHER].any()),
             sender=self.first_training_rank(),
-            stop=bool(rows[:, _STOP].any()), save=bool(rows[:, _SAVE].any()))
+            stop=bool(rows[:, _STOP].any()), save=bool(rows[:, _SAVE].any()),
+            # (a joined rank's row says nothing: its write is committed later)
+            written=bool(rows[:, _WRITTEN].all()))
         late = [r for r in range(len(rows)) if rows[r, 1]]
         if late:
             return verdict, errors.GradientError(
@@ -127,15 +132,17 @@ class Verdict:
         sender: the first rank still training.
         stop: some rank asks for a checkpoint and the job's end after this step.
         save: rank 0 asks for a checkpoint after this step.
+        written: every rank's part of a background checkpoint is on disk.
     """
 
-    __slots__ = ("unused_everywhere", "joined_round", "gathering", "sender", "stop", "save")
+    __slots__ = ("unused_everywhere", "joined_round", "gathering", "sender", "stop", "save",
+                 "written")
 
     def __init__(self, unused_everywhere, joined_round, gathering, sender, stop=False,
-                 save=False):
+                 save=False, written=False):
         self.unused_everywhere, self.joined_round = unused_everywhere, joined_round
         self.gathering, self.sender = gathering, sender
-        self.stop, self.save = stop, save
+        self.stop, self.save, self.written = stop, save, written
 
 
 def few(items, limit=NAMED, more=None):

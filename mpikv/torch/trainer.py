@@ -187,7 +187,7 @@ class Trainer(ClosesAfterWith):
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.num_update = 0
         self._resumer = None     # trainer.resume's periodic and signalled checkpoints
-        self._asked = (False, False)
+        self._asked = (False, False, False)
         self._scale = None
         self._joined = 0        # this rank's join ticket, while in join()
         # The hyperparameters as made: the same fields on every rank.
@@ -455,10 +455,10 @@ class Trainer(ClosesAfterWith):
 
     def _status_row(self, gather):
         """This rank's part of the status sum (see :class:`.status.StepStatus`)."""
-        stop, save = (self._resumer.flags(self.kvstore.rank) if self._resumer is not None
-                      else (False, False))
+        stop, save, written = (self._resumer.flags(self.kvstore.rank)
+                               if self._resumer is not None else (False, False, False))
         return self._status.row(self._touched, self._cleared, self._late, gather, self._joined,
-                                stop, save)
+                                stop, save, written)
 
     def _read_status(self):
         """Reads the summed status (the same on every rank, joined or not).
@@ -475,7 +475,7 @@ class Trainer(ClosesAfterWith):
         # The same on every rank: from now on until a step with no rank joined.
         self._rule.hyper_agreed = not self._joined_round
         self._gathering = verdict.gathering
-        self._asked = (verdict.stop, verdict.save)   # for the resumer, after the update
+        self._asked = (verdict.stop, verdict.save, verdict.written)   # for the resumer
         if error is not None:
             self._rule.discard()
             self._start_step()
@@ -632,8 +632,8 @@ class Trainer(ClosesAfterWith):
         """
         if self._hooks is None:
             return
-        if self._resumer is not None:
-            self._resumer.flush()
+        if self._resumer is not None:   # a checkpoint due, and those being written
+            self._resumer.flush(final=True)
         self._between_steps()
         self._tell_store("close")
         try:
@@ -772,12 +772,13 @@ class Trainer(ClosesAfterWith):
         self._between_steps()
         self._save(path)
 
-    def _save(self, path):
-        """The checkpoint, the current step's reductions (if any) kept going on."""
+    def _save(self, path, background=False):
+        """The checkpoint, the current step's reductions (if any) kept going on;
+        in the background: returns the store's :class:`~mpikv.saving.SaveHandle`."""
         self._settled()
         self._tell_store("save_checkpoint")
         try:
-            checkpoint.save(self.kvstore, path, self._meta())
+            return checkpoint.save(self.kvstore, path, self._meta(), background)
         finally:
             self._tell_store()
 
@@ -844,7 +845,7 @@ class Trainer(ClosesAfterWith):
             self._shards.release_all()
 
     def resume(self, directory, every=None, *, minutes=None, keep=2, state=None,
-               requeue=False, signals=("SIGUSR1", "SIGTERM")):
+               requeue=False, signals=("SIGUSR1", "SIGTERM"), background=True):
         """Continues a run from its newest complete checkpoint, and keeps it going
         through time limits and preemptions; collective, once, before the loop.
 
@@ -868,6 +869,12 @@ class Trainer(ClosesAfterWith):
             requeue: ``scontrol requeue $SLURM_JOB_ID`` from rank 0 after the
                 checkpoint, at a signal.
             signals: the signals that end the job after a checkpoint.
+            background: periodic checkpoints are copied, then written while
+                training goes on, and committed at a later step boundary once
+                every rank's part is on disk (or at the next checkpoint, at
+                ``close()``, or at the end of the process). False: each is
+                written before the loop goes on. The one at a signal is always
+                written before the job ends.
 
         Returns:
             int: the step to continue from (``num_update`` of the checkpoint
@@ -876,7 +883,8 @@ class Trainer(ClosesAfterWith):
         from .resume import Resumer
         if self._resumer is not None:
             raise errors.InputError("trainer.resume was called already")
-        resumer = Resumer(self, directory, every, minutes, keep, state, requeue, signals)
+        resumer = Resumer(self, directory, every, minutes, keep, state, requeue, signals,
+                          background)
         step = resumer.start()
         self._resumer = resumer
         if self._module is not None:   # the next forward starts the next iteration
