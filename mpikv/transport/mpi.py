@@ -60,6 +60,7 @@ class MPITransport(Transport):
             raise
         self._recovery = None
         if self.fault_tolerant:
+            ulfm.start_heartbeat()
             ulfm.set_errors_return(self.comm, self.agree_comm)
             self._recovery = ulfm.Recovery(self._ft_comms, self.agree_comm, self.world_rank,
                                            options.timeout, format_what)
@@ -110,6 +111,10 @@ class MPITransport(Transport):
             self.nodes  # noqa: B018
         if self._nodes is not None and self.fault_tolerant:
             ulfm.set_errors_return(self._nodes.node, self._nodes.across)
+            # No shared windows (the shared and window reducers, zero-copy buffers in
+            # them): Open MPI warns that its 'osc' module 'sm' "is not tested for
+            # post-failure operation" and may abort, crash or deadlock the survivors.
+            self._nodes.usable = False
         start_listener()   # answers the flight-recorder requests of a rank ending the job
 
     def _ft_comms(self):

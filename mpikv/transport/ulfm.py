@@ -147,6 +147,48 @@ def set_errors_return(*comms):
             comm.Set_errhandler(MPI.ERRORS_RETURN)
 
 
+# -- heartbeats while the program computes ----------------------------------------------
+#: seconds between the heartbeat thread's calls into MPI
+HEARTBEAT_PERIOD = 0.1
+_heartbeat = None
+
+
+def start_heartbeat(period=HEARTBEAT_PERIOD):
+    """Keeps MPI's progress engine turning while no thread is in MPI (once per process).
+
+    Open MPI's failure detector sends its heartbeats from the progress engine.
+    A rank that computes for longer than the detector's timeout without an MPI
+    call sends none and is declared dead by its peers (measured: a rank asleep
+    5 s between two ``Allreduce`` calls, detector timeout 2 s: ``MPI_ERR_PROC_FAILED``
+    on the others). Open MPI's own detector thread (``mpi_ft_detector_thread``)
+    made even a trivial job hang in ``MPI_Finalize`` here; a daemon thread that
+    calls ``Iprobe`` on ``COMM_SELF`` every ``period`` seconds keeps the heartbeats
+    going (the same sleeping rank: no error). Needs ``MPI_THREAD_MULTIPLE``; stops
+    before MPI finalizes.
+    """
+    global _heartbeat
+    if _heartbeat is not None or MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        return
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(period):
+            if MPI.Is_finalized():
+                return
+            try:
+                MPI.COMM_SELF.Iprobe(MPI.ANY_SOURCE, 32013)
+            except MPI.Exception:
+                return
+
+    _heartbeat = threading.Thread(target=beat, name="mpikv-heartbeat", daemon=True)
+    _heartbeat.start()
+
+    @atexit.register   # registered after mpi4py's finalizer: runs before it
+    def _stop():
+        stop.set()
+        _heartbeat.join()
+
+
 # -- after a failure ----------------------------------------------------------------
 class Recovery:
     """Turns a store's first MPI failure into one agreed :class:`RankLostError`.

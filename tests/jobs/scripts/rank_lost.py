@@ -7,6 +7,9 @@ CASE says where rank 1 dies while the others go on calling the store:
   agreement  between two pushpulls: the others wait in the next call's agreement
   data       inside a pushpull's data phase (its updater, on the owner of a key)
   barrier    between barriers
+  none       nobody dies: every rank finishes (and MPI_Finalize ends the job)
+  slow       nobody dies; rank 2 computes (sleeps) 6 s, 3 x the detector's timeout,
+             between two calls: it must not be taken for dead
   refuse     nobody dies: the store's creation must be refused (no ULFM launch)
 TOKEN is ignored: it marks the processes, for the test's look for leftovers.
 
@@ -22,7 +25,7 @@ import numpy as np
 
 import mpikv
 
-STEPS, DIE_AT = 400, 20
+STEPS, DIE_AT = 200, 20
 KEYS = ["a", "b", "c", "w"]
 
 
@@ -56,6 +59,8 @@ def main(case):
                 continue
             if case == "agreement" and i == DIE_AT and rank == 1:
                 die()
+            if case == "slow" and i == DIE_AT and rank == 2:
+                time.sleep(6.0)
             grads = [np.full(1000, rank + 1.0) for _ in KEYS]
             kv.pushpull(KEYS, grads)
             expected = kv.num_workers * (kv.num_workers + 1) / 2

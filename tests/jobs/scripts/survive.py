@@ -1,0 +1,71 @@
+"""Survivors go on: after each RankLostError, a new store on the survivors'
+communicator (the error's ``.comm``), its keys planned over them anew and
+initialised with the last values every survivor holds; run by
+tests/jobs/test_rank_lost.py under ``scripts/mpirun.sh --ft -n 4``.
+
+Usage: survive.py DEATHS [TOKEN]
+
+DEATHS: ``STEP:RANK,STEP:RANK``: at the start of step STEP the rank that was
+COMM_WORLD rank RANK dies (``os._exit(9)``). Every rank pushes ``rank + 1``
+(its COMM_WORLD rank) each step: the sum must be that of the ranks alive.
+TOKEN is ignored: it marks the processes, for the test's look for leftovers.
+SLOW=STEP:RANK in the environment: that rank computes (sleeps) 6 s before that
+step, 3 x the failure detector's timeout: it must not be taken for dead.
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+
+import mpikv
+
+STEPS = 60
+SIZES = {"a": 10, "b": 300, "big": 5000}   # "big" is split over every rank (bigarray_bound)
+OPTIONS = dict(fault_tolerant=True, timeout=60, autotune=False, bigarray_bound=1000)
+
+
+def main(deaths):
+    deaths = {int(s): int(r) for s, r in (d.split(":") for d in deaths.split(","))}
+    slow = tuple(int(x) for x in os.environ.get("SLOW", "-1:-1").split(":"))
+    kv = mpikv.create("dist_sync", **OPTIONS)
+    me = kv.rank                              # COMM_WORLD rank, for the whole run
+    alive = list(range(kv.num_workers))
+    keys = list(SIZES)
+    weights = [np.zeros(n) for n in SIZES.values()]
+    kv.init(keys, weights)
+    step = 0
+    while step < STEPS:
+        if deaths.get(step) == me:
+            print(f"rank {me}: dying at step {step}", flush=True)
+            os._exit(9)
+        if (step, me) == slow:
+            time.sleep(6.0)
+        grads = [np.full(n, me + 1.0) for n in SIZES.values()]
+        try:
+            kv.pushpull(keys, grads)
+        except mpikv.RankLostError as exc:
+            alive = [alive[r] for r in exc.survivors]
+            print(f"rank {me}: step {step}: lost store ranks {exc.lost}; "
+                  f"survivors now {alive}", flush=True)
+            start = time.monotonic()
+            kv = mpikv.create("dist_sync", comm=exc.comm, **OPTIONS)
+            kv.init(keys, weights)            # the last values, rank 0 of the survivors'
+            back = [np.empty(n) for n in SIZES.values()]
+            kv.pull(keys, out=back)
+            assert all((b == w).all() for b, w in zip(back, weights))
+            print(f"rank {me}: new store: rank {kv.rank} of {kv.num_workers}, "
+                  f"{time.monotonic() - start:.3f} s to make and fill", flush=True)
+            continue                          # the step again, on the survivors
+        expected = sum(r + 1.0 for r in alive)
+        bad = [k for k, g in zip(keys, grads) if not (g == expected).all()]
+        assert not bad, (me, step, bad, expected, [g[:3] for g in grads])
+        weights = grads
+        step += 1
+    print(f"rank {me}: finished {STEPS} steps on {kv.num_workers} ranks {alive}; "
+          f"last sum {weights[2][0]:g}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,185 @@
+"""A lost rank under a ULFM launch: one agreed RankLostError on every survivor, no hang.
+
+Each job runs ``scripts/mpirun.sh --ft -n 3`` (ULFM, failure detector) on
+tests/jobs/scripts/rank_lost.py, whose rank 1 calls ``os._exit(9)`` at step 20
+while the others go on calling the store; and the refusals of
+``fault_tolerant=True`` where the launch has no ULFM.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from .conftest import MPIRUN, launch
+
+SCRIPT = "tests/jobs/scripts/rank_lost.py"
+#: the failure detector's timeout the jobs run with (scripts/mpirun.sh --ft)
+DETECTOR = 2.0
+TIMEOUT = 90
+TCP = ["--mca", "btl", "tcp,self"]
+
+
+def leftovers(token, wait=10.0):
+    """The command lines of processes still running with ``token`` in them (after
+    up to ``wait`` seconds for them to go)."""
+    deadline = time.monotonic() + wait
+    while True:
+        found = subprocess.run(["pgrep", "-af", token], capture_output=True, text=True).stdout
+        found = [line for line in found.splitlines() if "pgrep" not in line]
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def run_ft(n, case, launcher_args=(), ft=True, env=None):
+    """Runs the script on ``n`` ranks; returns (returncode, output, seconds), after
+    checking that none of the job's processes is left."""
+    token = f"mpikv-ft-{uuid.uuid4().hex[:12]}"
+    cmd = ["timeout", "-k", "5", str(TIMEOUT), str(MPIRUN), *(["--ft"] if ft else []),
+           *launcher_args, "-n", str(n), sys.executable, SCRIPT, case, token]
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", MPIKV_FT_DETECTOR_TIMEOUT=str(DETECTOR),
+                    **(env or {}))
+    start = time.monotonic()
+    rc, output = launch(cmd, full_env)
+    seconds = time.monotonic() - start
+    assert rc != 124, f"the job hung:\n{output}"
+    assert leftovers(token) == [], output
+    return rc, output, seconds
+
+
+def survivors_saw(output, what):
+    """Asserts each survivor's report; returns {rank: seconds from the death to its error}."""
+    died = re.findall(r"rank 1: dying at ([\d.]+)", output)
+    assert len(died) == 1, output
+    message = (f"RankLostError: rank 1 of 3 lost during {what}: the process died; 2 survive "
+               f"(0, 2). This store is unusable now; a store made on the survivors' "
+               f"communicator (this error's .comm) goes on")
+    delays = {}
+    for rank in (0, 2):
+        assert output.count(f"rank {rank}: {message}\n") == 1, output
+        facts = re.search(rf"rank {rank}: lost=\[1\] lost_world=\[1\] survivors=\[0, 2\] "
+                          rf"shrunk_size=2 step=20 seen_at=([\d.]+)", output)
+        assert facts, output
+        assert f"rank {rank}: again: True" in output, output   # the store stays lost
+        delays[rank] = float(facts.group(1)) - float(died[0])
+    assert "RankLostError" not in output.replace(f"rank 0: {message}", "").replace(
+        f"rank 2: {message}", ""), output   # nothing else said it: no traceback
+    assert "finished without a loss" not in output, output
+    return delays
+
+
+PUSHPULL = "pushpull (keys 'a', 'b', 'c', 'w')"
+
+
+@pytest.mark.parametrize("case, what", [
+    ("agreement", PUSHPULL),
+    ("data", re.compile(r"pushpull \(keys '\w', '\w', '\w', '\w'\)")),
+    ("barrier", "barrier"),
+])
+def test_lost_rank_over_shared_memory_is_one_error_on_every_survivor(case, what):
+    rc, out, seconds = run_ft(3, case)
+    if not isinstance(what, str):   # the store's own key order
+        what = what.search(out.split("RankLostError: rank 1 of 3 lost during ", 1)[-1]).group(0)
+    delays = survivors_saw(out, what)
+    assert rc == 9, out    # mpiexec's status: the dead rank's
+    # Shared memory sees the death through the detector's heartbeats only.
+    assert all(DETECTOR * 0.5 < d < DETECTOR + 4 for d in delays.values()), (delays, out)
+    assert seconds < 45, out
+
+
+def test_lost_rank_over_tcp_is_seen_at_once():
+    rc, out, _ = run_ft(3, "agreement", TCP)
+    delays = survivors_saw(out, PUSHPULL)
+    assert rc == 9, out
+    assert all(d < DETECTOR for d in delays.values()), (delays, out)   # a closed socket
+
+
+def test_fault_tolerant_job_without_a_loss_finishes():
+    rc, out, _ = run_ft(3, "none")
+    assert rc == 0, out
+    assert sorted(re.findall(r"rank (\d): finished without a loss", out)) == ["0", "1", "2"], out
+
+
+NO_ULFM = ("refused: FaultToleranceUnavailableError: create(fault_tolerant=True): ranks 0, 1: "
+           "the launch has no ULFM (OMPI_MCA_mpi_ft_enable is not set): launch with "
+           "scripts/mpirun.sh --ft (mpiexec --with-ft ulfm); no store was created")
+NO_RECOVERY = ("refused: FaultToleranceUnavailableError: create(fault_tolerant=True): ranks 0, "
+               "1: the launcher (prterun) was started without --with-ft ulfm: it would end the "
+               "whole job when a rank dies; launch with scripts/mpirun.sh --ft; no store was "
+               "created")
+
+
+def test_plain_launch_is_refused_on_every_rank():
+    rc, out, _ = run_ft(2, "refuse", ft=False)
+    assert rc == 0, out
+    assert out.count(NO_ULFM + "\n") == 2, out
+    assert "created: not refused" not in out
+
+
+def test_plain_launch_with_ulfm_library_switch_is_refused_for_its_launcher():
+    # The library's switch alone: the launcher would still end the job at a death.
+    rc, out, _ = run_ft(2, "refuse", ft=False, env={"OMPI_MCA_mpi_ft_enable": "1"})
+    assert rc == 0, out
+    assert out.count(NO_RECOVERY + "\n") == 2, out
+
+
+def test_ft_launch_is_not_refused():
+    rc, out, _ = run_ft(2, "refuse")
+    assert rc == 0, out
+    assert out.count("created: not refused\n") == 2, out
+
+
+def test_a_rank_computing_longer_than_the_detector_timeout_is_not_lost():
+    rc, out, seconds = run_ft(3, "slow")
+    assert rc == 0, out
+    assert sorted(re.findall(r"rank (\d): finished without a loss", out)) == ["0", "1", "2"], out
+    assert seconds > 6, out
+
+
+# -- survivors go on: a new store on the error's .comm ---------------------------------
+SURVIVE = "tests/jobs/scripts/survive.py"
+
+
+def run_survive(n, deaths, launcher_args=(), env=None):
+    token = f"mpikv-ft-{uuid.uuid4().hex[:12]}"
+    cmd = ["timeout", "-k", "5", str(TIMEOUT), str(MPIRUN), "--ft", *launcher_args,
+           "-n", str(n), sys.executable, SURVIVE, deaths, token]
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", MPIKV_FT_DETECTOR_TIMEOUT=str(DETECTOR),
+                    **(env or {}))
+    rc, output = launch(cmd, full_env)
+    assert rc != 124, f"the job hung:\n{output}"
+    assert leftovers(token) == [], output
+    return rc, output
+
+
+@pytest.mark.parametrize("n, dead, launcher_args", [
+    (4, 1, ()),          # shared memory: 3 survivors
+    (3, 0, TCP),         # rank 0 (the coordinator, rank 0's values) over TCP: 2 survivors
+])
+def test_survivors_go_on_with_the_right_sums_on_a_new_store(n, dead, launcher_args):
+    rc, out = run_survive(n, f"20:{dead}", launcher_args)
+    assert rc == 9, out
+    alive = [r for r in range(n) if r != dead]
+    assert out.count(f"rank {dead}: dying at step 20\n") == 1, out
+    for new_rank, r in enumerate(alive):
+        assert f"rank {r}: step 20: lost store ranks [{dead}]; survivors now {alive}\n" in out, out
+        assert f"rank {r}: new store: rank {new_rank} of {n - 1}, " in out, out
+        # Every step's sums were checked in the script; the last: the survivors' ranks + 1.
+        assert (f"rank {r}: finished 60 steps on {n - 1} ranks {alive}; "
+                f"last sum {sum(a + 1 for a in alive)}\n") in out, out
+    assert "Traceback" not in out, out
+
+
+def test_a_survivor_computing_long_after_a_loss_is_not_lost():
+    # After a loss only mpikv's heartbeat thread turns MPI's progress engine while a
+    # rank computes (without it, this rank 2 was taken for dead at step 40).
+    rc, out = run_survive(3, "20:1", env={"SLOW": "40:2"})
+    assert rc == 9, out
+    for r in (0, 2):
+        assert f"rank {r}: finished 60 steps on 2 ranks [0, 2]; last sum 4\n" in out, out
+    assert "step 40: lost" not in out, out
