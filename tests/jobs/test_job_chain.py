@@ -32,6 +32,10 @@ def test_a_chain_of_jobs_ends_with_the_uninterrupted_weights(tmp_path):
     # The rest on one rank.
     rc, log, _ = run_job(1, SCRIPT, chain, str(LAST), "--out", str(tmp_path / "chain.npz"))
     assert rc == 0 and "from step 8" in log, log
+    # Step 9's checkpoint, written in the background, was committed as the job's
+    # processes ended (no trainer.close() in the script).
+    from mpikv.torch import resume
+    assert [s for s, _ in resume.newest_first(chain)] == [9, 8, 6]
     want, got = _weights(tmp_path / "straight.npz"), _weights(tmp_path / "chain.npz")
     assert sorted(got) == sorted(want)
     for key in want:

@@ -55,3 +55,21 @@ def test_a_joined_rank_gives_only_its_ticket_and_the_sender_is_the_first_trainin
     verdict, error = status.read(averaging=True, error_unused=True)
     assert error is None and verdict.joined_round and verdict.gathering
     assert verdict.sender == 1 and status.first_training_rank() == 1
+
+
+@pytest.mark.parametrize("flags, want", [
+    (((0, 0, 0), (0, 0, 0)), (False, False, False)),
+    (((1, 0, 1), (0, 0, 0)), (True, False, False)),   # one rank's signal stops every rank
+    (((0, 1, 1), (0, 0, 1)), (False, True, True)),    # rank 0's clock; both parts written
+    (((0, 0, 1), (0, 0, 0)), (False, False, False)),  # one part still being written
+])
+def test_signals_clock_and_written_parts_are_read_alike(flags, want):
+    rows = [dict(_row(), stop=bool(s), save=bool(c), written=bool(w)) for s, c, w in flags]
+    verdict, error = _summed(rows).read(averaging=True, error_unused=True)
+    assert error is None and (verdict.stop, verdict.save, verdict.written) == want
+
+
+def test_a_joined_rank_never_counts_as_written():
+    rows = [dict(_row(ticket=3), written=True), dict(_row(), written=True)]
+    verdict, _ = _summed(rows).read(averaging=True, error_unused=True)
+    assert verdict.joined_round and not verdict.written
