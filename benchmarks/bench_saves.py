@@ -71,6 +71,15 @@ def _variant(name, args, directory, comm):
     return net, trainer, step
 
 
+def _checkpoint_bytes(directory):
+    """Bytes of the newest complete checkpoint in ``directory`` (all its files)."""
+    from mpikv.torch import resume
+    _, path = resume.newest_first(directory)[0]
+    files = [p for p in path.parent.glob(path.name + "*") if p.is_file()]
+    files += [p for p in Path(str(path) + ".parts").iterdir() if p.is_file()]
+    return sum(p.stat().st_size for p in files)
+
+
 def bench_saves(args, comm):
     """Times the variants; returns the results (the same on every rank)."""
     import torch
@@ -99,9 +108,8 @@ def bench_saves(args, comm):
                    for name, (net, _, _) in variants.items()}
         same = all(torch.equal(weights["none"], w) for w in weights.values())
         same = bool(comm.allreduce(int(same), op=MPI.MIN))
-        written = [p.stat().st_size for p in Path(directory, "background").rglob("*")
-                   if p.is_file()] if comm.rank == 0 else []
-        nbytes = comm.bcast(sum(written))
+        nbytes = comm.bcast(_checkpoint_bytes(Path(directory, "background"))
+                            if comm.rank == 0 else None)
     finally:
         comm.Barrier()
         if comm.rank == 0:
