@@ -183,3 +183,19 @@ def test_a_survivor_computing_long_after_a_loss_is_not_lost():
     for r in (0, 2):
         assert f"rank {r}: finished 60 steps on 2 ranks [0, 2]; last sum 4\n" in out, out
     assert "step 40: lost" not in out, out
+
+
+def test_lost_rank_in_a_background_call_ends_the_survivors_with_the_error():
+    # The failure reaches the store's worker thread (pushpull_async's data phase).
+    # Today that thread cannot hand an exception to handle.wait() (mpikv/_executor.py
+    # ends the job on any background error): each survivor prints the agreed error
+    # and the survivors end together, status 1; nothing hangs, nothing is left.
+    rc, out, seconds = run_ft(3, "async")
+    assert rc in (1, 9), out
+    line = re.compile(r"mpikv\.errors\.RankLostError: rank 1 of 3 lost during pushpull "
+                      r"\(keys '\w', '\w', '\w', '\w'\): the process died; 2 survive \(0, 2\)")
+    assert len(line.findall(out)) == 2, out
+    for rank in (0, 2):
+        assert f"mpikv: rank {rank}: pushpull failed in the background\n" in out, out
+    assert "finished without a loss" not in out, out
+    assert seconds < 45, out

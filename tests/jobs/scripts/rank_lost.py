@@ -7,6 +7,7 @@ CASE says where rank 1 dies while the others go on calling the store:
   agreement  between two pushpulls: the others wait in the next call's agreement
   data       inside a pushpull's data phase (its updater, on the owner of a key)
   barrier    between barriers
+  async      as data, in pushpull_async calls: the error comes on the store's worker thread
   none       nobody dies: every rank finishes (and MPI_Finalize ends the job)
   slow       nobody dies; rank 2 computes (sleeps) 6 s, 3 x the detector's timeout,
              between two calls: it must not be taken for dead
@@ -43,7 +44,7 @@ def main(case):
     values = [np.zeros(1000) for _ in KEYS]
     kv.init(KEYS, values)
     step = [0]
-    if case == "data":
+    if case in ("data", "async"):
         def update(key, pushed, stored):
             if rank == 1 and step[0] == DIE_AT:
                 die()
@@ -62,7 +63,10 @@ def main(case):
             if case == "slow" and i == DIE_AT and rank == 2:
                 time.sleep(6.0)
             grads = [np.full(1000, rank + 1.0) for _ in KEYS]
-            kv.pushpull(KEYS, grads)
+            if case == "async":
+                kv.pushpull_async(KEYS, grads).wait()
+            else:
+                kv.pushpull(KEYS, grads)
             expected = kv.num_workers * (kv.num_workers + 1) / 2
             assert all((g == expected).all() for g in grads), (i, grads[0][:3])
     except mpikv.RankLostError as exc:
