@@ -7,27 +7,7 @@ when every rank's part is on disk. A save therefore costs the copy, not the
 write; the checkpoint is visible (its manifest in place) only once committed.
 """
 
-import os
 import threading
-
-
-def _idle_write(snapshot):
-    """Writes at the lowest CPU priority: the ranks' compute keeps its cores (a
-    core left idle, or a wait for the commit, lets the write run)."""
-    _lowest_priority()
-    snapshot.write()
-
-
-def _lowest_priority():
-    """This thread runs only when nothing else wants its core (Linux: SCHED_IDLE,
-    else nice 19); where neither is allowed, at the process's priority."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))   # 0: this thread
-    except (AttributeError, OSError):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
 
 
 class SaveHandle:
@@ -42,8 +22,9 @@ class SaveHandle:
         self._snapshot, self._commit, self._on_commit = snapshot, commit, on_commit
         self.fname, self.nbytes = snapshot.fname, snapshot.nbytes
         self.committed = False
-        self._thread = threading.Thread(target=_idle_write, args=(snapshot,),
-                                        name="mpikv-save")
+        # (at the process's priority: a thread that can only run on an idle core
+        # starves while holding the GIL, and the training thread waits for it)
+        self._thread = threading.Thread(target=snapshot.write, name="mpikv-save")
         self._thread.start()
 
     def done(self):
