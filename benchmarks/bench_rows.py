@@ -12,16 +12,18 @@ ranks scattered over the table by a multiplicative hash, so every owner gets
 hot rows), then:
 
 - pull: ``kv.row_sparse_pull(key, row_ids=ids)`` against raw mpi4py: each rank
-  sorts and dedups its ids (``np.sort`` and a compare: faster than ``np.unique``), ``Alltoall`` of the counts, ``Alltoallv`` of the ids
-  to their owners (the table's row blocks, ``mpikv.plan.split_bounds``), the
-  owners gather the rows, ``Alltoallv`` of the rows back;
+  sorts and dedups its ids (``np.sort`` and a compare: faster than ``np.unique``),
+  ``Alltoall`` of the counts, ``Alltoallv`` of the ids to their owners (the
+  table's row blocks, ``mpikv.plan.split_bounds``), the owners gather the rows,
+  ``Alltoallv`` of the rows back;
 - push: ``kv.push(key, RowSparse(ids, grads, shape))`` (no optimizer: the
   touched rows take the sum of every rank's rows) against raw mpi4py: each
-  rank sums its repeats (a scipy sparse product, else sort + ``np.add.reduceat``), sends ids and rows to the
-  owners, which sum what they got and assign. Three raw ways are timed: ids and
-  rows in two ``Alltoallv`` calls, or both packed into one ``Alltoallv`` of
-  bytes, and the first with numpy's sums only (what a numpy-only install can
-  do); the fastest is the reference.
+  rank sums its repeats (a sort of ``id << bits | position`` keys, then a scipy
+  sparse product, else ``np.add.reduceat``), sends ids and rows to the owners,
+  which sum what they got and assign. Three raw ways are timed: ids and rows in
+  two ``Alltoallv`` calls, or both packed into one ``Alltoallv`` of bytes, and
+  the first with numpy's sums only (what a numpy-only install can do); the
+  fastest is the reference.
 
 Every case is interleaved with the others in each iteration; times are the
 median over iterations of the slowest rank. "raw/mpikv" is the reference's
@@ -89,12 +91,24 @@ def _dedup(ids):
     return s[np.concatenate([[True], s[1:] != s[:-1]])] if s.size else s
 
 
+def _argsort_stable(ids):
+    """``(ids sorted, order)``, repeats in the order they come: one ``np.sort`` of
+    ``id << bits | position`` (about 5x faster than a stable ``np.argsort`` of int64 ids,
+    faster than its quicksort too); ids are non-negative and small enough here."""
+    shift = max(int(ids.size - 1).bit_length(), 1)
+    keys = np.left_shift(ids, shift, dtype=np.int64)
+    keys |= np.arange(ids.size, dtype=np.int64)
+    keys.sort()
+    order = keys & ((1 << shift) - 1)
+    keys >>= shift
+    return keys, order
+
+
 def _summed_numpy(ids, rows):
     """Each id once, increasing, its rows added: numpy only (sort + ``np.add.reduceat``)."""
-    order = np.argsort(ids, kind="stable")
-    s = ids[order]
-    if s.size == 0:
-        return s, rows[:0]
+    if ids.size == 0:
+        return ids, rows[:0]
+    s, order = _argsort_stable(ids)
     starts = np.flatnonzero(np.concatenate([[True], s[1:] != s[:-1]]))
     return s[starts], np.add.reduceat(rows[order], starts, axis=0)
 
@@ -108,8 +122,7 @@ def _summed(ids, rows):
     except ImportError:
         sp = None
     if sp is not None and ids.size:
-        order = np.argsort(ids)
-        s = ids[order]
+        s, order = _argsort_stable(ids)
         first = np.concatenate([[True], s[1:] != s[:-1]])
         unique = s[first]
         if unique.size == ids.size:

@@ -218,6 +218,39 @@ def test_pushes_of_other_dtypes_than_the_tables_are_cast(comm):
     kv.close()
 
 
+@pytest.mark.parametrize("sums", ["scipy", "numpy"])
+@pytest.mark.parametrize("dtype,row_shape", [(np.float32, (16,)), (np.float16, (16,)),
+                                             (np.float32, ()), (np.float64, (2, 3))])
+def test_many_repeats_add_up_as_one_dense_table(comm, monkeypatch, sums, dtype, row_shape):
+    """Thousands of Zipf-like ids with long runs of repeats on every rank (the sums of
+    :func:`mpikv.rowsparse.sum_rows`: scipy's CSR product and numpy's reduceat)."""
+    from mpikv import rowsparse
+    if sums == "scipy":
+        pytest.importorskip("scipy.sparse")
+        monkeypatch.setattr(rowsparse, "_SPARSE", [])
+    else:
+        monkeypatch.setattr(rowsparse, "_SPARSE", [None])
+    rows = 1000
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv.init_rows("emb", (rows, *row_shape), dtype, init=0.5)
+    pushed = []
+    for r in range(comm.size):
+        g = np.random.default_rng(50 + r)
+        ids = (g.zipf(1.2, 3000) * 7919 + r) % rows
+        pushed.append((ids, g.standard_normal((ids.size, *row_shape)).astype(dtype)))
+    kv.push("emb", mpikv.RowSparse(*pushed[comm.rank], (rows, *row_shape)))
+    want = np.full((rows, *row_shape), 0.5)
+    touched = np.unique(np.concatenate([i for i, _ in pushed]))
+    want[touched] = 0
+    for i, d in pushed:
+        np.add.at(want, i, d.astype(np.float64))
+    got = kv.row_sparse_pull("emb", row_ids=np.arange(rows)[::-1])
+    assert got.data.dtype == dtype and got.data.shape == (rows, *row_shape)
+    tol = {"rtol": 1e-2, "atol": 2e-2} if dtype == np.float16 else {"rtol": 1e-5, "atol": 1e-5}
+    np.testing.assert_allclose(got.data.astype(np.float64), want, **tol)
+    kv.close()
+
+
 def test_a_dense_init_of_a_row_table_key_is_refused_everywhere(comm):
     kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
     kv.init_rows("emb", (ROWS, DIM))
