@@ -82,7 +82,10 @@ def main(argv=None):
     hosts = comm.gather(host)
     if rank == 0:
         if all_ok:
-            print(f"mpikv-check PASSED n={size} hosts={','.join(sorted(set(hosts)))}", flush=True)
+            # MPIKV_FAULT_TOLERANT=1 made the store fault tolerant (created: a ULFM launch)
+            ft = " fault_tolerant" if os.environ.get("MPIKV_FAULT_TOLERANT") == "1" else ""
+            print(f"mpikv-check PASSED n={size} hosts={','.join(sorted(set(hosts)))}{ft}",
+                  flush=True)
         else:
             print(f"mpikv-check FAILED n={size}: wrong sums", flush=True)
     return 0 if all_ok else 4
