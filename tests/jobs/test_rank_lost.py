@@ -199,3 +199,15 @@ def test_lost_rank_in_a_background_call_ends_the_survivors_with_the_error():
         assert f"mpikv: rank {rank}: pushpull failed in the background\n" in out, out
     assert "finished without a loss" not in out, out
     assert seconds < 45, out
+
+
+def test_lost_rank_while_the_others_end_their_processes():
+    # The survivors are in the store's agreed "exit" call (the interpreter's end):
+    # the error is printed once per survivor and they end together, status 1.
+    rc, out, seconds = run_ft(3, "at_exit")
+    assert rc in (1, 9), out
+    message = ("mpikv: RankLostError: rank 1 of 3 lost during exit: the process died; 2 "
+               "survive (0, 2).")
+    assert out.count(message) == 2, out
+    assert sorted(re.findall(r"rank (\d): finished without a loss", out)) == ["0", "1", "2"], out
+    assert seconds < 45, out

@@ -9,6 +9,8 @@ CASE says where rank 1 dies while the others go on calling the store:
   barrier    between barriers
   async      as data, in pushpull_async calls: the error comes on the store's worker thread
   none       nobody dies: every rank finishes (and MPI_Finalize ends the job)
+  at_exit    rank 1 dies after the last call; the others end their processes
+             (the store's agreed "exit" call at the interpreter's end)
   slow       nobody dies; rank 2 computes (sleeps) 6 s, 3 x the detector's timeout,
              between two calls: it must not be taken for dead
   refuse     nobody dies: the store's creation must be refused (no ULFM launch)
@@ -53,6 +55,8 @@ def main(case):
     try:
         for i in range(STEPS):
             step[0] = i
+            if case == "at_exit" and i == 30:
+                break
             if case == "barrier":
                 if i == DIE_AT and rank == 1:
                     die()
@@ -82,6 +86,9 @@ def main(case):
             print(f"rank {rank}: again: {again == exc or str(again) == str(exc)}", flush=True)
         return
     print(f"rank {rank}: finished without a loss", flush=True)
+    if case == "at_exit" and rank == 1:
+        time.sleep(0.5)
+        die()
 
 
 def die():
