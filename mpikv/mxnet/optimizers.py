@@ -9,14 +9,25 @@ reads it again before each push and copies what changed into the mpikv
 object; the store's own check that every rank's hyperparameters agree then
 covers those changes too.
 
-Only exact MXNet classes are taken: a subclass may override the update rule,
-which mpikv would silently not run.
+Five exact MXNet classes (SGD, NAG, Adam, RMSProp, LAMB, and ccSGD) map to
+mpikv's native optimizers. Every other ``mx.optimizer.Optimizer`` (Signum,
+AdaGrad, FTML, Nadam, the contrib GroupAdaGrad, MXNet's ``Test``, a subclass
+of any of them) becomes :class:`MXNetRule`: a copy of the object, as MXNet's
+``dist_sync`` pickles it to its servers, whose own ``update`` (MXNet's update
+operators) runs on the owners, over NDArrays that share the store's memory.
 """
+
+import copy
+import importlib
+import pickle
+
+import numpy as np
 
 from .. import errors
 from .. import optimizer as mpikv_optimizer
 from ..optimizer import _checks
 from ..optimizer import schedulers as mpikv_schedulers
+from ..optimizer.base import COUNT, PendingUpdate
 
 
 
@@ -71,11 +82,16 @@ COMMON = [("wd", "wd"), ("rescale_grad", "rescale_grad"), ("clip_gradient", "cli
 MXNET_CLASS = {"sgd": "SGD", "nag_mxnet": "NAG", "nag": "NAG", "adam": "Adam",
                "rmsprop": "RMSProp", "lamb": "LAMB"}
 SCHEDULERS = ("FactorScheduler", "MultiFactorScheduler", "PolyScheduler", "CosineScheduler")
-SUPPORTED = "SGD, NAG, Adam, RMSProp, LAMB"
+SUPPORTED = "SGD, NAG, Adam, RMSProp, LAMB"   # mapped to mpikv's own (the others: MXNetRule)
 
 
 def _kind(mx_opt):
-    """``(MXNet class name, mpikv name, argument pairs)``; OptimizerError if not supported."""
+    """``(MXNet class name, mpikv name, argument pairs)``: a native mapping for the exact
+    classes of :data:`KINDS`, else ``"mxnet"`` (:class:`MXNetRule`, no pairs).
+
+    Raises:
+        OptimizerError: ``mx_opt`` is not an ``mx.optimizer.Optimizer``.
+    """
     import mxnet as mx
     if not isinstance(mx_opt, mx.optimizer.Optimizer):
         raise errors.OptimizerError(
@@ -83,17 +99,254 @@ def _kind(mx_opt):
             f"not {type(mx_opt).__name__}")
     cls = type(mx_opt)
     name = cls.__name__
-    if name not in KINDS or getattr(mx.optimizer, name, None) is not cls:
-        raise errors.OptimizerError(
-            f"the MXNet optimizer {cls.__module__}.{cls.__qualname__} is not supported; "
-            f"mpikv.mxnet runs these on the owners: {SUPPORTED} (MXNet 1.9's own classes, "
-            f"not subclasses, whose update rule may differ)")
-    return name, *KINDS[name]
+    if name in KINDS and getattr(mx.optimizer, name, None) is cls:
+        return name, *KINDS[name]
+    return class_path(cls), MXNetRule.name, None
 
 
 def _arguments(mx_opt, pairs):
     """The mpikv constructor arguments read from ``mx_opt`` (scheduler and rate apart)."""
+    if pairs is None:   # MXNetRule: its class and its own attributes
+        return {**{mine: getattr(mx_opt, theirs) for theirs, mine in COMMON},
+                "kind": class_path(type(mx_opt)), "attributes": own_attributes(mx_opt)}
     return {mine: getattr(mx_opt, theirs) for theirs, mine in (*COMMON, *pairs)}
+
+
+# -- MXNet's other optimizers, run by MXNet on the owners ---------------------------------
+#: attributes every MXNet 1.9 optimizer has (read by name, or per process: not "its own")
+BASE_ATTRIBUTES = frozenset((
+    "_all_index_update_counts", "_index_update_count", "aggregate_num", "allow_np_array",
+    "begin_num_update", "clip_gradient", "idx2name", "lr", "lr_mult", "lr_scheduler",
+    "multi_precision", "num_update", "param_dict", "rescale_grad", "sym_info", "wd", "wd_mult"))
+
+
+def class_path(cls):
+    """``"module:qualname"`` of a class."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def class_of(path):
+    """The class of a :func:`class_path`; OptimizerError if it cannot be imported."""
+    module, _, qualname = str(path).partition(":")
+    try:
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except Exception:  # noqa: BLE001 - a class defined in a function, a missing module
+        raise errors.OptimizerError(
+            f"the MXNet optimizer class {path} cannot be imported here (a class must be "
+            f"importable to be rebuilt from its name)") from None
+    return obj
+
+
+def _plain(value):
+    """Whether ``value`` is JSON-ready data (what a config holds)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return not isinstance(value, float) or np.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return False
+
+
+def own_attributes(mx_opt):
+    """The optimizer's own hyperparameters (beyond :data:`BASE_ATTRIBUTES`) that are
+    plain data, sorted by name: ``{"momentum": 0.9, "wd_lh": 0.0}``. Containers of
+    per-key arrays (LBSGD's ``cumgrads``) are the runner's own, never compared."""
+    out = {}
+    for name, value in sorted(vars(mx_opt).items()):
+        if name in BASE_ATTRIBUTES or name.startswith("_") or not _plain(value):
+            continue
+        out[name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def server_copy(mx_opt):
+    """The copy MXNet's ``dist_sync`` gives its servers (a pickle round trip: no
+    ``param_dict``); a class pickle cannot find (defined in a function) is deep-copied."""
+    try:
+        return pickle.loads(pickle.dumps(mx_opt))
+    except Exception:  # noqa: BLE001
+        params, mx_opt.param_dict = mx_opt.param_dict, {}
+        try:
+            return copy.deepcopy(mx_opt)
+        finally:
+            mx_opt.param_dict = params
+
+
+def _flatten(state, arrays):
+    """An MXNet state (None, an NDArray, or tuples/lists of them) as a template whose
+    arrays are their positions in ``arrays`` (appended)."""
+    import mxnet as mx
+    if state is None:
+        return None
+    if isinstance(state, mx.nd.NDArray):
+        arrays.append(state)
+        return len(arrays) - 1
+    if isinstance(state, (tuple, list)):
+        return (type(state) is list, [_flatten(s, arrays) for s in state])
+    raise errors.OptimizerError(f"an MXNet optimizer state of type {type(state).__name__} "
+                                f"cannot be kept by the store (NDArrays, tuples, lists, None)")
+
+
+def _unflatten(template, arrays):
+    if template is None:
+        return None
+    if isinstance(template, int):
+        return arrays[template]
+    is_list, parts = template
+    parts = [_unflatten(p, arrays) for p in parts]
+    return parts if is_list else tuple(parts)
+
+
+def _over(array):
+    """An NDArray sharing a contiguous, writeable numpy array's memory."""
+    import mxnet as mx
+    return mx.nd.from_dlpack(array.__dlpack__())
+
+
+@mpikv_optimizer.register
+class MXNetRule(mpikv_optimizer.Optimizer):
+    """Any MXNet optimizer, run by MXNet itself on the owners.
+
+    The owner keeps a copy of the MXNet object (:func:`server_copy`, as
+    ``dist_sync``'s servers do) and calls its ``update_multi_precision(key,
+    weight, grad, state)``, MXNet's own update operators, with NDArrays over
+    the store's memory: the weight (a key, its shard, or a row table's
+    touched rows), the summed gradient, and the state arrays, which the store
+    keeps, saves and loads as ``"mx0"``, ``"mx1"`` ... (the state's NDArrays in
+    order) beside the count ``"t"``. Before each update the copy gets the
+    store's rate (its schedule at ``num_update``), ``wd``, ``rescale_grad``,
+    ``clip_gradient``, per-key multipliers and the key's update count, so
+    MXNet's ``_get_lr``/``_update_count`` see what MXNet's own updater would;
+    its other attributes (``m_schedule``, ``cumgrads`` ...) evolve on the owner,
+    as on a server.
+
+    Args:
+        kind: the MXNet class, ``"module:qualname"``.
+        attributes: its own plain hyperparameters (:func:`own_attributes`).
+        **kwargs: :class:`mpikv.optimizer.Optimizer`'s.
+    """
+
+    name = "mxnet"
+
+    def __init__(self, kind, attributes=None, **kwargs):
+        super().__init__(**kwargs)
+        if not isinstance(kind, str) or ":" not in kind:
+            raise ValueError(f"kind must be 'module:qualname', not {kind!r}")
+        attributes = dict(attributes or {})
+        if not _plain(list(attributes.values())):
+            raise ValueError("attributes must be plain data")
+        self.kind = kind
+        self.attributes = attributes
+        self._runner = None      # the MXNet object the owner runs (made on first use)
+        self._applied = {}       # attributes as last given to the runner
+        self._templates = {}     # dtype -> state template
+
+    @property
+    def lazy_update(self):
+        """MXNet's ``lazy_update`` (SGD, Adam, LARS): a row table's row-sparse push
+        updates only the rows it carries; otherwise every row steps, as MXNet's
+        storage fallback does."""
+        return bool(self.attributes.get("lazy_update", False))
+
+    def _hyperparams(self):
+        return {"kind": self.kind, "attributes": dict(self.attributes)}
+
+    def use_object(self, mx_opt):
+        """Runs a copy of ``mx_opt`` (as ``dist_sync``'s servers do) rather than one
+        made from :attr:`kind`."""
+        self._runner, self._applied, self._templates = server_copy(mx_opt), {}, {}
+        self._applied = dict(own_attributes(self._runner))
+
+    def _get_runner(self):
+        if self._runner is None:
+            cls = class_of(self.kind)
+            try:
+                self._runner = cls()
+            except Exception as exc:  # noqa: BLE001
+                raise errors.OptimizerError(f"{self.kind}() cannot be made: "
+                                            f"{type(exc).__name__}: {exc}") from None
+            self._applied = {}
+        runner = self._runner
+        for name, value in self.attributes.items():
+            if name not in self._applied or self._applied[name] != value:
+                setattr(runner, name, value)
+                self._applied[name] = value
+        runner.lr = self.learning_rate
+        runner.lr_scheduler = None
+        runner.wd, runner.rescale_grad = self.wd, self.rescale_grad
+        runner.clip_gradient = self.clip_gradient
+        runner.multi_precision = self.multi_precision
+        runner.lr_mult, runner.wd_mult = dict(self.lr_mult), dict(self.wd_mult)
+        runner.param_dict, runner.idx2name = {}, {}
+        runner.num_update = self.num_update
+        return runner
+
+    def _template(self, dtype):
+        dtype = np.dtype(dtype)
+        if dtype not in self._templates:
+            import mxnet as mx
+            arrays = []
+            state = self._get_runner().create_state_multi_precision(
+                0, mx.nd.zeros((1, 1), dtype=dtype))
+            self._templates[dtype] = (_flatten(state, arrays), len(arrays))
+        return self._templates[dtype]
+
+    def state_names_for(self, dtype):
+        return tuple(f"mx{i}" for i in range(self._template(dtype)[1])) + (COUNT,)
+
+    @property
+    def state_names(self):
+        return self.state_names_for(np.float32)
+
+    def create_state(self, key, weight):
+        import mxnet as mx
+        weight = np.asarray(weight)
+        if weight.size == 0:
+            state = {name: np.zeros(weight.shape, weight.dtype)
+                     for name in self.state_names_for(weight.dtype)[:-1]}
+        else:
+            arrays = []
+            nd = mx.nd.array(weight, dtype=weight.dtype)
+            _flatten(self._get_runner().create_state_multi_precision(key, nd), arrays)
+            state = {f"mx{i}": a.asnumpy() for i, a in enumerate(arrays)}
+        state[COUNT] = np.full(1, self.begin_num_update, dtype=np.int64)
+        return state
+
+    def begin_update(self, key, weight, grad, state):
+        if not isinstance(weight, np.ndarray):
+            raise TypeError(f"MXNet's optimizers run on host arrays here, not "
+                            f"{type(weight).__name__}")
+        if not weight.flags.writeable:
+            raise ValueError("weight is read-only; it is updated in place")
+        grad = np.asarray(grad)
+        if grad.shape != weight.shape:
+            raise ValueError(f"grad has shape {grad.shape}, weight {weight.shape}")
+        count = state[COUNT].reshape(-1)
+        done = int(count[0])
+        count[0] = done + 1
+        self.num_update = max(self.num_update, done + 1)
+        if weight.size:
+            self._run(key, weight, grad, state, done)
+        return PendingUpdate(None, key, None, None)
+
+    def _run(self, key, weight, grad, state, done):
+        import mxnet as mx
+        runner = self._get_runner()
+        runner._index_update_count[key] = done   # MXNet's _update_count makes it done + 1
+        template, n = self._template(weight.dtype)
+        # MXNet works on contiguous memory: others go through a copy, written back.
+        arrays = [weight] + [state[f"mx{i}"] for i in range(n)]
+        work = [a if a.flags.c_contiguous and a.flags.writeable else np.ascontiguousarray(a)
+                for a in arrays]
+        nds = [_over(a) for a in work]
+        g = mx.nd.array(grad, dtype=weight.dtype)
+        runner.update_multi_precision(key, nds[0], g, _unflatten(template, nds[1:]))
+        for nd in nds:
+            nd.wait_to_read()
+        for a, w in zip(arrays, work):
+            if a is not w:
+                a[...] = w
 
 
 def _build(name, kwargs, label):
@@ -195,7 +448,10 @@ def to_mpikv(mx_opt):
         kwargs["learning_rate"] = mx_opt.lr
     else:
         kwargs["lr_scheduler"] = sched
-    return _build(name, kwargs, f"set_optimizer: {cls}")
+    mp = _build(name, kwargs, f"set_optimizer: {cls}")
+    if pairs is None:
+        mp.use_object(mx_opt)
+    return mp
 
 
 def to_mxnet(config, like=None):
@@ -211,6 +467,8 @@ def to_mxnet(config, like=None):
     """
     import mxnet as mx
     name = config.get("name")
+    if name == MXNetRule.name:
+        return _rule_to_mxnet(config, like)
     if name not in MXNET_CLASS:
         raise errors.OptimizerError(f"the file's optimizer {name!r} has no MXNet 1.9 class; "
                                     f"mpikv.mxnet maps {SUPPORTED}")
@@ -229,6 +487,29 @@ def to_mxnet(config, like=None):
     mx_opt = getattr(mx.optimizer, cls_name)(**kwargs)
     # The file's multipliers, per key, as MXNet's own lr_mult/wd_mult (a Trainer's
     # param_dict, set after a load, still takes precedence).
+    mx_opt.lr_mult = {k: m for k, m in config.get("lr_mult", [])}
+    mx_opt.wd_mult = {k: m for k, m in config.get("wd_mult", [])}
+    if like is not None:
+        mx_opt.sym_info = like.sym_info
+    return mx_opt
+
+
+def _rule_to_mxnet(config, like):
+    """The MXNet object of an :class:`MXNetRule` config: its class with the config's
+    hyperparameters and attributes."""
+    kind = config["kind"]
+    cls = type(like) if like is not None and class_path(type(like)) == kind else class_of(kind)
+    mx_opt = cls()
+    for theirs, mine in COMMON:
+        if mine in config:
+            setattr(mx_opt, theirs, config[mine])
+    mx_opt.num_update = mx_opt.begin_num_update
+    mx_opt.lr = config["learning_rate"]
+    mx_opt.lr_scheduler = scheduler_to_mxnet(config.get("lr_scheduler"))
+    for attr, value in config.get("attributes", {}).items():
+        setattr(mx_opt, attr, value)
+    if like is not None and like.idx2name:
+        mx_opt.idx2name = dict(like.idx2name)
     mx_opt.lr_mult = {k: m for k, m in config.get("lr_mult", [])}
     mx_opt.wd_mult = {k: m for k, m in config.get("wd_mult", [])}
     if like is not None:
@@ -255,7 +536,8 @@ def copy_hyperparameters(source, target):
     """Gives ``target`` (the store's live mpikv optimizer) ``source``'s
     hyperparameters, keeping its update count; same class."""
     for attr, value in vars(source).items():
-        if attr != "num_update":
+        # (an MXNetRule's "_" attributes are its running MXNet copy: kept)
+        if attr != "num_update" and not attr.startswith("_"):
             setattr(target, attr, value)
 
 
@@ -271,6 +553,7 @@ class Follower:
         self.mx = mx_opt
         self.mp = mp_opt
         self._cls, self._name, self._pairs = _kind(mx_opt)
+        self._type = type(mx_opt)
         self._sched = mx_opt.lr_scheduler
         self._seen = self._read()
 
@@ -289,7 +572,7 @@ class Follower:
         """
         seen = self._read()
         if seen[0] != self._seen[0] or seen[1] != self._seen[1] or seen[2] is not self._seen[2]:
-            if type(self.mx) is not self._cls_type():
+            if type(self.mx) is not self._type:
                 raise errors.OptimizerError("the optimizer object changed class; call "
                                             "set_optimizer with the new one")
             kwargs = dict(seen[0])
@@ -306,10 +589,6 @@ class Follower:
         for key in keys:
             for attr in ("lr_mult", "wd_mult"):
                 self._set_multiplier(key, attr, multiplier(self.mx, key, attr))
-
-    def _cls_type(self):
-        import mxnet as mx
-        return getattr(mx.optimizer, self._cls)
 
     def _set_multiplier(self, key, attr, value):
         table = getattr(self.mp, attr)

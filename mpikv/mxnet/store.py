@@ -7,9 +7,19 @@ call becomes the mpikv store's call on numpy views of the same memory
 (:mod:`mpikv.mxnet.ndarrays`), and the MXNet optimizer becomes mpikv's on the
 owners (:mod:`mpikv.mxnet.optimizers`). Every check that fails on one rank
 is raised on every rank, through the mpikv call's agreement.
+
+Row-sparse keys: a key whose initial value is a ``RowSparseNDArray`` (a Gluon
+``Parameter(stype="row_sparse")``), or a dense value whose attached gradient
+is row_sparse (``gluon.nn.Embedding(..., sparse_grad=True)``), becomes an
+mpikv row table (:meth:`mpikv.kvstore.KVStore.init_rows`): its rows live on
+their owners only, pushes carry rows (:class:`mpikv.RowSparse`) and
+``row_sparse_pull`` fetches only the rows asked for.
 """
 
+import functools
+
 import mxnet as mx
+import numpy as np
 
 import mpikv
 
@@ -17,6 +27,7 @@ from .._closing import ClosesAfterWith
 from .. import errors
 from .. import optimizer as mpikv_optimizer
 from ..kvstore import STORE_TYPES
+from ..rowsparse import RowSparse
 from ..statefile import read_manifest
 from . import ndarrays, optimizers
 
@@ -41,8 +52,48 @@ def store_type(name):
     return low[len(PREFIX):] if low.startswith(PREFIX) else low
 
 
-class KVStore(ClosesAfterWith, mx.kv.KVStoreBase):
+_MX_ERRORS = {}
+
+
+def mxnet_error(cls):
+    """``cls`` (an mpikv InputError class) that is also MXNet's ``MXNetError``, with the
+    same name: what MXNet's own store raises for a bad key, shape or value, and what
+    its clients catch."""
+    if not issubclass(cls, errors.InputError) or issubclass(cls, mx.base.MXNetError):
+        return cls
+    if cls not in _MX_ERRORS:
+        _MX_ERRORS[cls] = type(cls.__name__, (cls, mx.base.MXNetError), {
+            "__module__": __name__, "__qualname__": cls.__qualname__,
+            "__doc__": f"{cls.__doc__} (also MXNet's MXNetError)"})
+    return _MX_ERRORS[cls]
+
+
+class RowIdsError(errors.InputError, AssertionError):
+    """``row_sparse_pull`` without ``row_ids`` or ``out`` (MXNet's store asserts both)."""
+
+
+def _as_mxnet_errors(fn):
+    """Raises the store's input errors as :func:`mxnet_error` classes."""
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except errors.InputError as exc:
+            cls = mxnet_error(type(exc))
+            if cls is type(exc):
+                raise
+            new = cls(*exc.args)
+            new.first_rank = exc.first_rank
+            raise new.with_traceback(exc.__traceback__) from None
+    return call
+
+
+class KVStore(ClosesAfterWith, mx.kv.KVStore):
     """An MXNet KVStore whose every rank is a worker and an owner (MPI, no servers).
+
+    It is an ``mx.kv.KVStore`` (MXNet's own store class, whose C handle it does
+    not use), because Gluon's ``Trainer`` takes only those for sparse
+    parameters and gradients; every method is mpikv's.
 
     Create it with :func:`mpikv.mxnet.create`, or let MXNet create it by
     name: ``gluon.Trainer(..., kvstore="mpikv_dist_sync")``.
@@ -60,10 +111,16 @@ class KVStore(ClosesAfterWith, mx.kv.KVStoreBase):
 
     def __init__(self, name=None, comm=None, **options):
         kind = store_type(self.default_type if name is None else name)
+        self.handle = None       # (MXNet's C store: none)
+        self._is_p3 = False
         self._kv = mpikv.create(kind, comm=comm, **options)
         self._type = PREFIX + kind
         self._updater = None     # _Updater of the MXNet optimizer, once one is set
         self._follower = None    # keeps the mpikv optimizer in step with it
+        self._row_keys = {}      # key -> (shape, dtype) of the row tables made here
+
+    def __del__(self):
+        pass    # MXNet's KVStore.__del__ frees a C handle; there is none
 
     # -- what MXNet asks -------------------------------------------------
     @property
@@ -95,51 +152,268 @@ class KVStore(ClosesAfterWith, mx.kv.KVStoreBase):
         return None if self._updater is None else self._updater.optimizer
 
     def is_capable(self, capability):
-        """True for ``KVStoreBase.OPTIMIZER``: optimizers run on the owners."""
-        if str(capability).lower() == mx.kv.KVStoreBase.OPTIMIZER:
+        """As MXNet's ``dist_sync``: True for ``KVStoreBase.OPTIMIZER`` (optimizers run
+        on the owners; the only capability MXNet 1.9 asks, case-insensitive), else
+        ``ValueError("Unknown capability: ...")``."""
+        if capability.lower() == mx.kv.KVStoreBase.OPTIMIZER:
             return True
         raise ValueError(f"Unknown capability: {capability}")
 
     # -- data ------------------------------------------------------------
+    @_as_mxnet_errors
     def init(self, key, value):
-        """Creates keys with rank 0's values (NDArrays, or lists of them per device)."""
-        conv = ndarrays.convert(key, values=value)
-        self._run(conv, self._kv.init, key, conv.values)
+        """Creates keys with rank 0's values (NDArrays, or lists of them per device).
 
+        A row_sparse value, or a dense one whose gradient is row_sparse, makes a row
+        table (see the module's doc)."""
+        groups = self._groups(key, value, new=True)
+        if groups is None:
+            conv = ndarrays.convert(key, values=value)
+            self._run(conv, self._kv.init, key, conv.values)
+            return
+        for rows, keys, entries in groups:
+            if rows:
+                self._init_rows(keys[0], entries[0])
+            else:
+                self.init(_one(key, keys), _one(key, entries))
+
+    @_as_mxnet_errors
     def push(self, key, value, priority=0):
-        """Sums the values over devices and ranks; the owners run the optimizer."""
-        failure = self._follow(key)
-        conv = ndarrays.convert(key, values=value)
-        self._run(conv, self._kv.push, key, conv.values, priority, failure=failure)
+        """Sums the values over devices and ranks; the owners run the optimizer.
+        A row table's values go as rows (row_sparse ones carry only theirs)."""
+        groups = self._groups(key, value)
+        if groups is None:
+            failure = self._follow(key)
+            conv = ndarrays.convert(key, values=value)
+            self._run(conv, self._kv.push, key, conv.values, priority, failure=failure)
+            return
+        for rows, keys, entries in groups:
+            if rows:
+                self._push_rows(keys[0], entries[0])
+            else:
+                self.push(_one(key, keys), _one(key, entries), priority)
 
+    @_as_mxnet_errors
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         """Copies the stored values into ``out``; sparse outputs are skipped unless
-        ``ignore_sparse`` is False (then they get every row)."""
-        conv = ndarrays.convert(key, outs=out, ignore_sparse=ignore_sparse)
-        self._run(conv, self._kv.pull, key, conv.outs, priority)
+        ``ignore_sparse`` is False (then they get every row). A row table's whole
+        value is fetched only for the outputs that take it."""
+        groups = self._groups(key, out)
+        if groups is None:
+            conv = ndarrays.convert(key, outs=out, ignore_sparse=ignore_sparse)
+            self._run(conv, self._kv.pull, key, conv.outs, priority)
+            return
+        for rows, keys, entries in groups:
+            if rows:
+                self._pull_all_rows(keys[0], entries[0], ignore_sparse)
+            else:
+                self.pull(_one(key, keys), _one(key, entries), priority, ignore_sparse)
 
+    @_as_mxnet_errors
     def pushpull(self, key, value, out=None, priority=0):
         """:meth:`push` then :meth:`pull` in one call; ``out=None`` writes into ``value``."""
+        if self._groups(key, value) is not None:
+            self.push(key, value, priority)
+            self.pull(key, value if out is None else out, priority, ignore_sparse=False)
+            return
         failure = self._follow(key)
         conv = ndarrays.convert(key, values=value, outs=out, write_values=out is None)
         self._run(conv, self._kv.pushpull, key, conv.values, conv.outs, priority,
                   failure=failure)
 
+    @_as_mxnet_errors
     def broadcast(self, key, value, out, priority=0):
         """Creates keys with rank 0's ``value``, then pulls them into ``out``."""
-        conv = ndarrays.convert(key, values=value, outs=out)
-        self._run(conv, self._kv.broadcast, key, conv.values, conv.outs, priority)
+        groups = self._groups(key, value, new=True)
+        if groups is None:
+            conv = ndarrays.convert(key, values=value, outs=out)
+            self._run(conv, self._kv.broadcast, key, conv.values, conv.outs, priority)
+            return
+        self.init(key, value)
+        self.pull(key, out, priority, ignore_sparse=False)
 
+    @_as_mxnet_errors
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
-        """Pulls the rows ``row_ids`` into row_sparse outputs.
+        """Pulls the rows ``row_ids`` into ``out`` (row_sparse, or dense: the other rows
+        zero).
 
-        mpikv stores values dense: the whole value is pulled and the rows are
-        kept from it (a dense ``out`` gets every row).
+        As MXNet's: ``row_ids`` is an NDArray (any integer-valued dtype and shape,
+        repeats and any order) or a list of them, one per output; one NDArray serves
+        every output. For a row table only the rows asked for (the union over this
+        rank's outputs) are fetched from their owners. A dense key's whole value is
+        pulled and the rows are kept.
         """
-        failure = None if row_ids is not None else (
-            errors.InputError, "row_sparse_pull needs row_ids (the rows to pull)")
-        conv = ndarrays.convert(key, outs=out, ignore_sparse=False, row_ids=row_ids)
-        self._run(conv, self._kv.pull, key, conv.outs, priority, failure=failure)
+        failure = None
+        if row_ids is None or out is None:
+            failure = (RowIdsError, "row_sparse_pull needs row_ids (the rows to pull) "
+                                    "and out")
+        groups = self._groups(key, out)
+        if groups is None or failure is not None:
+            conv = ndarrays.convert(key, outs=out, ignore_sparse=False, row_ids=row_ids)
+            self._run(conv, self._kv.pull, key, conv.outs, priority, failure=failure)
+            return
+        per_key = (list(row_ids) if isinstance(key, (list, tuple)) and
+                   isinstance(row_ids, (list, tuple)) and len(row_ids) == len(key)
+                   else [row_ids] * (len(key) if isinstance(key, (list, tuple)) else 1))
+        ids_of = dict(zip(key if isinstance(key, (list, tuple)) else [key], per_key))
+        for rows, keys, entries in groups:
+            if rows:
+                self._pull_rows(keys[0], entries[0], ids_of[keys[0]])
+            else:
+                self.row_sparse_pull(_one(key, keys), _one(key, entries), priority,
+                                     _one(key, [ids_of[k] for k in keys]))
+
+    # -- row tables ------------------------------------------------------
+    def _groups(self, key, entries, new=False):
+        """None when no row table is involved, else ``[(is_rows, keys, entries)]``:
+        runs of dense keys, and each row table's key alone, in the call's order.
+        ``new``: the keys are being created (row values make row tables)."""
+        if entries is None:
+            return None
+        pairs, _ = ndarrays._keys_and_entries(key, entries)
+        if pairs is None:
+            return None
+        flags = []
+        for k, entry in pairs:
+            try:
+                known = k in self._row_keys
+            except TypeError:   # an unhashable key: the store names it
+                return None
+            flags.append(_row_value(entry) if new else known)
+        if not any(flags):
+            return None
+        groups = []
+        for (k, entry), rows in zip(pairs, flags):
+            if rows or not groups or groups[-1][0]:
+                groups.append((rows, [k], [entry]))
+            else:
+                groups[-1][1].append(k)
+                groups[-1][2].append(entry)
+        return groups
+
+    def _init_rows(self, key, entry):
+        """A row table with rank 0's value (every rank holds it whole, as Gluon does):
+        each owner keeps its block."""
+        nd = entry[0] if isinstance(entry, (list, tuple)) else entry
+        shape, dtype = tuple(nd.shape), np.dtype(nd.dtype)
+        reason = ndarrays.problem(nd)
+        if reason is not None:
+            self._kv.fail_next_call(errors.ValueTypeError, f"value for key {key!r} is {reason}")
+            self._kv.init_rows(key, shape, dtype)
+            return
+        dense = nd.tostype("default") if ndarrays.is_sparse(nd) else nd
+        value = np.array(ndarrays.view(dense, False))
+        if self._kv.num_workers > 1 and value.size and len(shape):
+            # Rank 0's bits: an integer sum of its bits and the others' zeros is exact.
+            bits = value.reshape(-1).view(_bits_dtype(dtype))
+            if self._kv.rank != 0:
+                bits[...] = 0
+            self._kv.allreduce_(bits, tag=f"mpikv.mxnet: the value of row table {key!r}")
+        self._kv.init_rows(key, shape, dtype,
+                           init=None if value.ndim == 0 else (lambda lo, hi: value[lo:hi]))
+        self._row_keys[key] = (shape, dtype)
+
+    def _push_rows(self, key, entry):
+        """A push to a row table: each device's rows (a dense value: all its rows),
+        summed over the devices and ranks by the store."""
+        shape, dtype = self._row_keys[key]
+        nds = list(entry) if isinstance(entry, (list, tuple)) else [entry]
+        failure = self._follow(key)
+        indices, data = [], []
+        value_shape = shape
+        for nd in nds:
+            if not isinstance(nd, mx.nd.NDArray):
+                failure = failure or (errors.ValueTypeError, f"row table {key!r} takes "
+                                      f"NDArrays, not {type(nd).__name__}")
+                continue
+            reason = ndarrays.problem(nd)
+            if reason is not None:
+                failure = failure or (errors.ValueTypeError, f"value for key {key!r} is {reason}")
+                continue
+            if tuple(nd.shape) != shape:
+                value_shape = tuple(nd.shape)
+                continue
+            if nd.stype == "row_sparse":
+                indices.append(nd.indices.asnumpy().astype(np.int64, copy=False))
+                data.append(nd.data.asnumpy())
+            else:
+                dense = nd.tostype("default") if ndarrays.is_sparse(nd) else nd
+                indices.append(np.arange(shape[0], dtype=np.int64))
+                data.append(np.array(ndarrays.view(dense, False)))
+        if indices:
+            rows = RowSparse(np.concatenate(indices),
+                             np.concatenate([d.astype(dtype, copy=False) for d in data]), shape)
+        else:
+            rows = RowSparse(np.zeros(0, np.int64), np.zeros((0, *shape[1:]), dtype), shape)
+        if value_shape != shape:
+            rows = RowSparse(np.zeros(0, np.int64), np.zeros((0, *value_shape[1:]), dtype),
+                             value_shape)
+        if failure is not None:
+            self._kv.fail_next_call(*failure)
+        self._kv.push(key, rows)
+        if self._follower is not None:
+            self._follower.written_back()
+
+    def _pull_all_rows(self, key, entry, ignore_sparse):
+        """A row table's every row into ``entry``'s dense outputs (and its row_sparse
+        ones unless ``ignore_sparse``)."""
+        shape, _ = self._row_keys[key]
+        outs = list(entry) if isinstance(entry, (list, tuple)) else [entry]
+        takers = [o for o in outs if not (isinstance(o, mx.nd.NDArray) and
+                                          ndarrays.is_sparse(o) and ignore_sparse)]
+        if not takers:
+            return
+        self._fetch_rows(key, [(o, None) for o in takers], np.arange(shape[0], dtype=np.int64))
+
+    def _pull_rows(self, key, entry, row_ids):
+        """``row_sparse_pull`` of a row table: the union of the outputs' ids, fetched once."""
+        outs = list(entry) if isinstance(entry, (list, tuple)) else [entry]
+        if isinstance(row_ids, (list, tuple)) and len(row_ids) == len(outs):
+            per_out = list(row_ids)
+        elif isinstance(row_ids, (list, tuple)) and len(row_ids) == 1:
+            per_out = [row_ids[0]] * len(outs)
+        else:
+            per_out = [row_ids] * len(outs)
+        failure, wanted = None, []
+        for i, ids in enumerate(per_out):
+            try:
+                per_out[i] = _row_ids(ids)
+            except (TypeError, ValueError) as exc:
+                failure = failure or (errors.ValueTypeError, f"row_ids for key {key!r}: {exc}")
+                per_out[i] = np.zeros(0, np.int64)
+            wanted.append(per_out[i])
+        self._fetch_rows(key, list(zip(outs, per_out)), np.concatenate(wanted), failure)
+
+    def _fetch_rows(self, key, targets, ids, failure=None):
+        """Fetches rows ``ids`` of row table ``key`` and fills each ``(out, its ids or
+        None for all)`` of ``targets``."""
+        shape, dtype = self._row_keys[key]
+        for out, _ in targets:
+            if failure is not None:
+                break
+            if not isinstance(out, mx.nd.NDArray):
+                failure = (errors.ValueTypeError, f"out for key {key!r} is not an NDArray "
+                                                  f"but {type(out).__name__}")
+            elif ndarrays.problem(out) is not None:
+                failure = (errors.ValueTypeError,
+                           f"out for key {key!r} is {ndarrays.problem(out)}")
+            elif tuple(out.shape) != shape:
+                failure = (errors.ShapeError, f"out for key {key!r} has shape "
+                                              f"{tuple(out.shape)}; row table {key!r} has {shape}")
+            elif out.stype not in ("default", "row_sparse"):
+                failure = (errors.ValueTypeError, f"out for key {key!r} is {out.stype}; a row "
+                                                  f"table fills dense or row_sparse outputs")
+        if failure is not None:
+            self._kv.fail_next_call(*failure)
+        got = self._kv.row_sparse_pull(key, row_ids=ids)
+        for out, mine in targets:
+            if mine is None:
+                indices, data = got.indices, got.data
+            else:
+                keep = np.unique(mine)
+                at = np.searchsorted(got.indices, keep)
+                indices, data = keep, got.data[at]
+            _fill(out, indices, data, shape, dtype)
 
     def _run(self, conv, fn, *args, failure=None):
         """Runs the mpikv call ``fn(*args)``; a local failure (``failure``, else the
@@ -309,6 +583,66 @@ class KVStore(ClosesAfterWith, mx.kv.KVStoreBase):
     def __repr__(self):
         return (f"<mpikv.mxnet.KVStore type={self._type!r} rank={self.rank} "
                 f"num_workers={self.num_workers}>")
+
+
+def _one(key, items):
+    """``items`` as the call had its entries: a list for a key list, else the one item."""
+    return items if isinstance(key, (list, tuple)) else items[0]
+
+
+def _row_value(entry):
+    """Whether a new key's value makes a row table: a row_sparse NDArray, or a dense one
+    whose attached gradient is row_sparse (a Gluon Parameter with
+    ``grad_stype="row_sparse"``)."""
+    nd = entry[0] if isinstance(entry, (list, tuple)) and entry else entry
+    if not isinstance(nd, mx.nd.NDArray):
+        return False
+    if nd.stype == "row_sparse":
+        return True
+    if nd.stype != "default":
+        return False
+    try:
+        grad = nd.grad
+    except Exception:  # noqa: BLE001 - no gradient attached
+        return False
+    return grad is not None and grad.stype == "row_sparse"
+
+
+def _bits_dtype(dtype):
+    """The unsigned integer dtype of ``dtype``'s size (its bits, summed exactly)."""
+    return np.dtype(f"u{np.dtype(dtype).itemsize}")
+
+
+def _row_ids(ids):
+    """MXNet's row_ids (an NDArray of any dtype and shape, or array-like) as int64."""
+    if isinstance(ids, mx.nd.NDArray):
+        ids = ids.asnumpy()
+    ids = np.asarray(ids).reshape(-1)
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        if not np.issubdtype(ids.dtype, np.floating) or not np.all(ids == np.round(ids)):
+            raise ValueError("row ids must be whole numbers")
+    return ids.astype(np.int64)
+
+
+def _fill(out, indices, data, shape, dtype):
+    """Writes rows into an output NDArray: row_sparse (only these rows) or dense (the
+    other rows zero)."""
+    if out.stype == "row_sparse":
+        with mx.autograd.pause():   # (Gluon pulls rows inside its record scope)
+            _fill_row_sparse(out, indices, data, shape, dtype)
+        return
+    dense = ndarrays.view(out, True)
+    dense[...] = 0
+    if len(indices):
+        dense[indices] = data
+
+
+def _fill_row_sparse(out, indices, data, shape, dtype):
+    rows = mx.nd.sparse.row_sparse_array(
+        (mx.nd.array(data.reshape(len(indices), *shape[1:]), ctx=out.context, dtype=dtype),
+         mx.nd.array(indices, ctx=out.context, dtype="int64")),
+        shape=shape, ctx=out.context, dtype=dtype)
+    rows.copyto(out)
 
 
 def _same_states(a, b):
