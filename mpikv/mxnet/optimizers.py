@@ -204,6 +204,40 @@ def _over(array):
     return mx.nd.from_dlpack(array.__dlpack__())
 
 
+#: MXNet classes whose update draws random numbers: no trial update (it would move
+#: MXNet's global random state)
+RANDOM_RULES = ("SGLD",)
+
+
+def trial_updates(mx_opt):
+    """``{dtype: message}`` of the dtypes (float16, float64) whose update MXNet itself
+    refuses for ``mx_opt`` (AdaGrad, AdaDelta, Ftrl, ... keep float32 states of a
+    float16 weight without ``multi_precision``): one update of a 2x2 array of each,
+    on a copy. Such a push is then an OptimizerError on every rank rather than an
+    owner's failure (which would end the job)."""
+    import mxnet as mx
+    refused = {}
+    if type(mx_opt).__name__ in RANDOM_RULES:
+        return refused
+    for dtype in (np.float16, np.float64):
+        try:
+            runner = server_copy(mx_opt)
+            runner.lr_scheduler, runner.lr = None, 0.0
+            runner.param_dict = {}
+            w = mx.nd.ones((2, 2), dtype=dtype)
+            state = runner.create_state_multi_precision(0, w)
+            runner.update_multi_precision(0, w, mx.nd.ones((2, 2), dtype=dtype), state)
+            w.wait_to_read()
+            mx.nd.waitall()
+        except Exception as exc:  # noqa: BLE001 - MXNet's own refusal, reported as such
+            text = str(exc).strip().splitlines()
+            last = next((line for line in reversed(text) if line.strip()), type(exc).__name__)
+            refused[np.dtype(dtype)] = (
+                f"MXNet's {type(mx_opt).__name__} cannot update {np.dtype(dtype)} weights"
+                f"{'' if mx_opt.multi_precision else ' without multi_precision'} ({last})")
+    return refused
+
+
 @mpikv_optimizer.register
 class MXNetRule(mpikv_optimizer.Optimizer):
     """Any MXNet optimizer, run by MXNet itself on the owners.

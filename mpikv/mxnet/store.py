@@ -68,6 +68,9 @@ def mxnet_error(cls):
     return _MX_ERRORS[cls]
 
 
+_NO_ROW_IDS = "row_sparse_pull needs row_ids (the rows to pull) and out"
+
+
 class RowIdsError(errors.InputError, AssertionError):
     """``row_sparse_pull`` without ``row_ids`` or ``out`` (MXNet's store asserts both)."""
 
@@ -118,6 +121,7 @@ class KVStore(ClosesAfterWith, mx.kv.KVStore):
         self._updater = None     # _Updater of the MXNet optimizer, once one is set
         self._follower = None    # keeps the mpikv optimizer in step with it
         self._row_keys = {}      # key -> (shape, dtype) of the row tables made here
+        self._refused = {}       # dtype -> why the MXNet optimizer set cannot update it
 
     def __del__(self):
         pass    # MXNet's KVStore.__del__ frees a C handle; there is none
@@ -183,7 +187,7 @@ class KVStore(ClosesAfterWith, mx.kv.KVStore):
         A row table's values go as rows (row_sparse ones carry only theirs)."""
         groups = self._groups(key, value)
         if groups is None:
-            failure = self._follow(key)
+            failure = self._follow(key, value)
             conv = ndarrays.convert(key, values=value)
             self._run(conv, self._kv.push, key, conv.values, priority, failure=failure)
             return
@@ -216,7 +220,7 @@ class KVStore(ClosesAfterWith, mx.kv.KVStore):
             self.push(key, value, priority)
             self.pull(key, value if out is None else out, priority, ignore_sparse=False)
             return
-        failure = self._follow(key)
+        failure = self._follow(key, value)
         conv = ndarrays.convert(key, values=value, outs=out, write_values=out is None)
         self._run(conv, self._kv.pushpull, key, conv.values, conv.outs, priority,
                   failure=failure)
@@ -234,6 +238,17 @@ class KVStore(ClosesAfterWith, mx.kv.KVStore):
 
     @_as_mxnet_errors
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
+        try:
+            self._row_sparse_pull(key, out, priority, row_ids)
+        except errors.InputError as exc:
+            if _NO_ROW_IDS not in str(exc) or isinstance(exc, RowIdsError):
+                raise
+            # (the store's agreement carries mpikv's own classes)
+            new = RowIdsError(*exc.args)
+            new.first_rank = exc.first_rank
+            raise new.with_traceback(exc.__traceback__) from None
+
+    def _row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
         """Pulls the rows ``row_ids`` into ``out`` (row_sparse, or dense: the other rows
         zero).
 
@@ -245,10 +260,15 @@ class KVStore(ClosesAfterWith, mx.kv.KVStore):
         """
         failure = None
         if row_ids is None or out is None:
-            failure = (RowIdsError, "row_sparse_pull needs row_ids (the rows to pull) "
-                                    "and out")
-        groups = self._groups(key, out)
-        if groups is None or failure is not None:
+            failure = (errors.InputError, _NO_ROW_IDS)
+        groups = self._groups(key, out if out is not None else key)
+        if groups is not None and failure is not None:
+            # the call other ranks make for a row table, failing on every rank
+            first = next(keys[0] for rows, keys, _ in groups if rows)
+            self._kv.fail_next_call(*failure)
+            self._kv.row_sparse_pull(first, row_ids=np.zeros(0, np.int64))
+            return
+        if groups is None:
             conv = ndarrays.convert(key, outs=out, ignore_sparse=False, row_ids=row_ids)
             self._run(conv, self._kv.pull, key, conv.outs, priority, failure=failure)
             return
@@ -318,7 +338,7 @@ class KVStore(ClosesAfterWith, mx.kv.KVStore):
         summed over the devices and ranks by the store."""
         shape, dtype = self._row_keys[key]
         nds = list(entry) if isinstance(entry, (list, tuple)) else [entry]
-        failure = self._follow(key)
+        failure = self._follow(key, entry)
         indices, data = [], []
         value_shape = shape
         for nd in nds:
@@ -426,13 +446,18 @@ class KVStore(ClosesAfterWith, mx.kv.KVStore):
         if self._follower is not None:
             self._follower.written_back()
 
-    def _follow(self, key):
+    def _follow(self, key, value=None):
         """Before a push: the MXNet optimizer's current hyperparameters (and the
-        keys' multipliers) into mpikv's; a value mpikv refuses fails the push
-        on every rank."""
+        keys' multipliers) into mpikv's; a value mpikv refuses, or a dtype the MXNet
+        optimizer cannot update (``value``'s), fails the push on every rank."""
         follower = self._follower
         if follower is None or self._kv.optimizer is not follower.mp:
             return None
+        if self._refused and value is not None:
+            for nd in _ndarrays(value):
+                why = self._refused.get(np.dtype(nd.dtype))
+                if why is not None:
+                    return errors.OptimizerError, why
         keys = key if isinstance(key, (list, tuple)) else [key]
         try:
             follower.sync([k for k in keys if type(k) in (int, str)])
@@ -458,14 +483,18 @@ class KVStore(ClosesAfterWith, mx.kv.KVStore):
             self._kv.set_optimizer(optimizer)
             self._updater = self._follower = None
             return
+        refused = {}
         try:
             mp = optimizers.to_mpikv(optimizer)
+            if isinstance(mp, optimizers.MXNetRule):
+                refused = optimizers.trial_updates(optimizer)
         except errors.MPIKVError as exc:
             self._kv.fail_next_call(errors.OptimizerError, str(exc))
             mp = mpikv_optimizer.SGD()  # never installed: the call fails on every rank
         self._kv.set_optimizer(mp)
         self._follower = optimizers.Follower(optimizer, mp)
         self._updater = _Updater(optimizer)
+        self._refused = refused
 
     def save_optimizer_states(self, fname, dump_optimizer=False):
         """Writes every key's optimizer state (each owner its part); collective.
@@ -536,6 +565,8 @@ class KVStore(ClosesAfterWith, mx.kv.KVStore):
         mx_new.num_update = mp.num_update
         self._follower = optimizers.Follower(mx_new, mp)
         self._updater = _Updater(mx_new)
+        self._refused = (optimizers.trial_updates(mx_new)
+                         if isinstance(mp, optimizers.MXNetRule) else {})
 
     # -- the rest of MXNet's KVStore ---------------------------------------
     def set_gradient_compression(self, compression_params):
@@ -583,6 +614,15 @@ class KVStore(ClosesAfterWith, mx.kv.KVStore):
     def __repr__(self):
         return (f"<mpikv.mxnet.KVStore type={self._type!r} rank={self.rank} "
                 f"num_workers={self.num_workers}>")
+
+
+def _ndarrays(value):
+    """The NDArrays in a call's values (nested lists)."""
+    if isinstance(value, mx.nd.NDArray):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _ndarrays(v)
 
 
 def _one(key, items):
