@@ -79,14 +79,25 @@ class RankLostError(MPIKVError):
             ``MPI_Comm_shrink``, the survivors ranked in their old order), on
             which a new store can be created; every call of the old store
             raises this error again.
+        call: the number of the store's first call that not every survivor
+            completed (its calls counted from 1 alike on every rank).
+        completed_on: the survivors on which that call did complete (its data
+            arrived before the death): usually empty; where not, those ranks
+            are one call ahead of the others.
+        completed_here: whether this rank is one of ``completed_on`` (the only
+            attribute that differs between survivors).
     """
 
-    def __init__(self, message, lost=(), lost_world=(), survivors=(), comm=None):
+    def __init__(self, message, lost=(), lost_world=(), survivors=(), comm=None, call=None,
+                 completed_on=(), completed_here=False):
         super().__init__(message)
         self.lost = list(lost)
         self.lost_world = list(lost_world)
         self.survivors = list(survivors)
         self.comm = comm
+        self.call = call
+        self.completed_on = list(completed_on)
+        self.completed_here = bool(completed_here)
 
 
 __all__ = [

@@ -63,7 +63,8 @@ class MPITransport(Transport):
             ulfm.start_heartbeat()
             ulfm.set_errors_return(self.comm, self.agree_comm)
             self._recovery = ulfm.Recovery(self._ft_comms, self.agree_comm, self.world_rank,
-                                           options.timeout, format_what)
+                                           options.timeout, format_what,
+                                           lambda: self._seq)
         self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         # Whether MPI takes GPU buffers: probed once per process, the same on every
         # rank (one small Allreduce; staged where any rank stages), per kind of call.
@@ -126,8 +127,9 @@ class MPITransport(Transport):
 
     @property
     def lost(self):
-        """A fault-tolerant store's agreed loss, ``(message, lost, lost_world, survivors,
-        comm)``, or None (no rank lost, or not fault tolerant)."""
+        """A fault-tolerant store's agreed loss (the arguments of its
+        :class:`mpikv.RankLostError`, a dict), or None (no rank lost, or not fault
+        tolerant)."""
         return None if self._recovery is None else self._recovery.lost
 
     def _min_over_ranks(self, vec):

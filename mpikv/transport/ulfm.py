@@ -202,14 +202,17 @@ class Recovery:
         describe: ``what`` (``(operation, keys)``) -> text, for the message.
     """
 
-    def __init__(self, comms, agree_comm, world_rank, timeout, describe=str):
+    def __init__(self, comms, agree_comm, world_rank, timeout, describe=str,
+                 calls=lambda: 0):
         self._comms = comms
         self._agree_comm = agree_comm
         self._world_rank = world_rank
         self._timeout = timeout
         self._describe = describe
+        self._calls = calls
         self._lock = threading.Lock()
-        self.lost = None   # (message, lost, lost_world, survivors, comm) once recovered
+        #: the agreed loss once recovered: a dict of :class:`RankLostError`'s arguments
+        self.lost = None
         self.seconds = None  # from the first failure seen here to the agreed error
 
     def check(self, exc, what):
@@ -221,8 +224,7 @@ class Recovery:
                 start = time.monotonic()
                 self.lost = self._recover(what)
                 self.seconds = time.monotonic() - start
-        message, lost, lost_world, survivors, comm = self.lost
-        raise RankLostError(message, lost, lost_world, survivors, comm) from exc
+        raise RankLostError(**self.lost) from exc
 
     def _recover(self, what):
         for comm in self._comms():
@@ -231,7 +233,7 @@ class Recovery:
             except MPI.Exception:
                 pass   # already revoked, or freed
         old = self._agree_comm
-        size = old.Get_size()
+        size, me = old.Get_size(), old.Get_rank()
         shrunk = old.Shrink()   # collective over the survivors: the agreed failed set
         set_errors_return(shrunk)
         group, new = old.Get_group(), shrunk.Get_group()
@@ -241,25 +243,37 @@ class Recovery:
         lost = [r for r, w in enumerate(where) if w == MPI.UNDEFINED]
         survivors = [r for r, w in enumerate(where) if w != MPI.UNDEFINED]
         lost_world = [self._world_rank(r) for r in lost]
-        mine = self._describe(what)
+        # Which call each survivor was in: the store's calls each begin with one
+        # agreement, counted alike on every rank. A survivor whose data arrived
+        # before the death (a root that sent, then died) completed call k and
+        # met the loss entering call k + 1, while another still waited in call k.
+        mine = (self._calls(), self._describe(what))
         try:
-            calls = shrunk.allgather(mine)
+            records = shrunk.allgather(mine)
         except MPI.Exception:   # another rank died meanwhile: say what this rank knows
-            calls = [mine]
-        if len(set(calls)) == 1:
-            during = f"during {calls[0]}"
+            records = [mine]
+            survivors_known = [me]
         else:
-            during = "during " + "; ".join(f"{c} on rank {r}"
-                                           for r, c in zip(survivors, calls))
+            survivors_known = survivors
+        first = min(n for n, _ in records)
+        behind = [r for r, (n, _) in zip(survivors_known, records) if n == first]
+        ahead = [r for r, (n, _) in zip(survivors_known, records) if n > first]
+        doing = sorted({w for n, w in records if n == first})
+        during = "during " + (doing[0] if len(doing) == 1 else " / ".join(doing))
         world = ("" if lost_world == lost else
                  f" (COMM_WORLD {_ranks(w for w in lost_world if w is not None)})")
+        split = ""
+        if ahead:
+            split = (f"; that call completed on {_ranks(ahead)} but not on {_ranks(behind)}: "
+                     f"what it gave there is not the others' (RankLostError.completed_on)")
         message = (f"{_ranks(lost)} of {size} lost{world} {during}: the process died; "
-                   f"{len(survivors)} survive ({', '.join(map(str, survivors))}). This store "
-                   f"is unusable now; a store made on the survivors' communicator (this "
-                   f"error's .comm) goes on")
+                   f"{len(survivors)} survive ({', '.join(map(str, survivors))}){split}. "
+                   f"This store is unusable now; a store made on the survivors' "
+                   f"communicator (this error's .comm) goes on")
         _SURVIVORS.update(comm=shrunk, timeout=self._timeout)
         _register_end()
-        return message, lost, lost_world, survivors, shrunk
+        return dict(message=message, lost=lost, lost_world=lost_world, survivors=survivors,
+                    comm=shrunk, call=first, completed_on=ahead, completed_here=me in ahead)
 
 
 # -- the survivors' end -----------------------------------------------------------------

@@ -110,3 +110,101 @@ def test_create_refuses_a_singleton_and_a_local_store_ignores_it(monkeypatch):
         assert kv.num_workers == 1
     with mpikv.create("dist_sync", fault_tolerant=False, autotune=False) as kv:
         assert kv._transport.fault_tolerant is False
+
+
+class _Group:
+    def __init__(self, ranks):
+        self.ranks = ranks
+
+    def Translate_ranks(self, ranks, other):
+        from mpi4py import MPI
+        return [other.ranks.index(self.ranks[r]) if self.ranks[r] in other.ranks
+                else MPI.UNDEFINED for r in ranks]
+
+    def Free(self):
+        pass
+
+
+class _Comm:
+    """A communicator stand-in: ``ranks`` (process ids) in order, this one's index,
+    and what the survivors' allgather gives the others."""
+
+    def __init__(self, ranks, me, others=None):
+        self.ranks, self.me, self.others, self.revoked = ranks, me, others, False
+
+    def Get_size(self):
+        return len(self.ranks)
+
+    def Get_rank(self):
+        return self.me
+
+    def Get_group(self):
+        return _Group(self.ranks)
+
+    def Revoke(self):
+        self.revoked = True
+
+    def Set_errhandler(self, handler):
+        pass
+
+    def Shrink(self):
+        alive = [p for p in self.ranks if p in self.others]
+        return _Comm(alive, alive.index(self.ranks[self.me]), self.others)
+
+    def allgather(self, mine):
+        return [mine if p == self.ranks[self.me] else self.others[p] for p in self.ranks]
+
+
+def _recovery(monkeypatch, me, others):
+    monkeypatch.setattr(ulfm, "_SURVIVORS", {})
+    monkeypatch.setattr(ulfm, "_register_end", lambda: None)
+    old = _Comm([10, 11, 12], me, others)
+    extra = _Comm([10, 11, 12], me)
+    calls = {10: 12, 11: None, 12: 12}
+    recovery = ulfm.Recovery(lambda: [old, extra], old, lambda r: r + 5, 60.0,
+                             lambda what: f"{what[0]} (key {what[1][0]!r})",
+                             lambda: calls[old.ranks[me]])
+    return recovery, old, extra
+
+
+def test_a_failure_is_one_agreed_error(monkeypatch):
+    from mpi4py import MPI
+    others = {10: (12, "pushpull (key 'w')"), 12: (12, "pushpull (key 'w')")}
+    recovery, old, extra = _recovery(monkeypatch, 0, others)
+    assert recovery.check(ValueError("not MPI"), ("pushpull", ["w"])) is None
+    assert recovery.check(MPI.Exception(MPI.ERR_TRUNCATE), ("pushpull", ["w"])) is None
+    with pytest.raises(mpikv.RankLostError) as info:
+        recovery.check(MPI.Exception(MPI.ERR_PROC_FAILED), ("pushpull", ["w"]))
+    exc = info.value
+    assert old.revoked and extra.revoked
+    assert str(exc) == ("rank 1 of 3 lost (COMM_WORLD rank 6) during pushpull (key 'w'): the "
+                        "process died; 2 survive (0, 2). This store is unusable now; a store "
+                        "made on the survivors' communicator (this error's .comm) goes on")
+    assert (exc.lost, exc.lost_world, exc.survivors, exc.call) == ([1], [6], [0, 2], 12)
+    assert exc.completed_on == [] and exc.completed_here is False
+    assert exc.comm.Get_size() == 2
+    # Later calls: the same error again, no second recovery.
+    with pytest.raises(mpikv.RankLostError) as again:
+        recovery.check(MPI.Exception(MPI.ERR_REVOKED), ("barrier", []))
+    assert str(again.value) == str(exc)
+
+
+@pytest.mark.parametrize("me", [0, 2])
+def test_survivors_a_call_apart_are_told_which_completed(monkeypatch, me):
+    from mpi4py import MPI
+    # Rank 0 got the dead rank's data of call 12 and met the loss entering call 13
+    # (a barrier); rank 2 was still in call 12.
+    others = {10: (13, "barrier"), 12: (12, "pushpull (key 'w')")}
+    recovery, _, _ = _recovery(monkeypatch, me, others)
+    recovery._calls = lambda: others[10 + me][0]
+    with pytest.raises(mpikv.RankLostError) as info:
+        recovery.check(MPI.Exception(MPI.ERR_REVOKED), ("barrier" if me == 0 else "pushpull",
+                                                         ["w"]))
+    exc = info.value
+    assert str(exc) == ("rank 1 of 3 lost (COMM_WORLD rank 6) during pushpull (key 'w'): the "
+                        "process died; 2 survive (0, 2); that call completed on rank 0 but not "
+                        "on rank 2: what it gave there is not the others' "
+                        "(RankLostError.completed_on). This store is unusable now; a store "
+                        "made on the survivors' communicator (this error's .comm) goes on")
+    assert exc.call == 12 and exc.completed_on == [0]
+    assert exc.completed_here is (me == 0)

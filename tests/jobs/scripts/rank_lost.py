@@ -78,7 +78,8 @@ def main(case):
         print(f"rank {rank}: RankLostError: {exc}", flush=True)
         print(f"rank {rank}: lost={exc.lost} lost_world={exc.lost_world} "
               f"survivors={exc.survivors} shrunk_size={exc.comm.Get_size()} "
-              f"step={step[0]} seen_at={seen:.6f}", flush=True)
+              f"step={step[0]} completed_here={exc.completed_here} seen_at={seen:.6f}",
+              flush=True)
         # The store is unusable now, every call the same error again.
         try:
             kv.barrier()

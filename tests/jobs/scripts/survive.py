@@ -6,8 +6,11 @@ tests/jobs/test_rank_lost.py under ``scripts/mpirun.sh --ft -n 4``.
 Usage: survive.py DEATHS [TOKEN]
 
 DEATHS: ``STEP:RANK,STEP:RANK``: at the start of step STEP the rank that was
-COMM_WORLD rank RANK dies (``os._exit(9)``). Every rank pushes ``rank + 1``
-(its COMM_WORLD rank) each step: the sum must be that of the ranks alive.
+COMM_WORLD rank RANK dies (``os._exit(9)``). Every rank pushes
+``(rank + 1) * (step + 1)`` (its COMM_WORLD rank) each step: the sum must be
+that of the ranks alive, at the same step everywhere. A survivor whose pushpull
+completed where the others' did not (``RankLostError.completed_here``: the dead
+rank's data reached it first) goes back one step, so all redo the same one.
 TOKEN is ignored: it marks the processes, for the test's look for leftovers.
 SLOW=STEP:RANK in the environment: that rank computes (sleeps) 6 s before that
 step, 3 x the failure detector's timeout: it must not be taken for dead.
@@ -34,6 +37,7 @@ def main(deaths):
     alive = list(range(kv.num_workers))
     keys = list(SIZES)
     weights = [np.zeros(n) for n in SIZES.values()]
+    previous = weights
     kv.init(keys, weights)
     step = 0
     while step < STEPS:
@@ -42,11 +46,16 @@ def main(deaths):
             os._exit(9)
         if (step, me) == slow:
             time.sleep(6.0)
-        grads = [np.full(n, me + 1.0) for n in SIZES.values()]
+        grads = [np.full(n, (me + 1.0) * (step + 1)) for n in SIZES.values()]
         try:
             kv.pushpull(keys, grads)
         except mpikv.RankLostError as exc:
             alive = [alive[r] for r in exc.survivors]
+            if exc.completed_here:            # one step ahead of the others: back one
+                step -= 1
+                weights = previous
+                print(f"rank {me}: completed step {step} where others did not: "
+                      f"going back to it", flush=True)
             print(f"rank {me}: step {step}: lost store ranks {exc.lost}; "
                   f"survivors now {alive}", flush=True)
             start = time.monotonic()
@@ -58,10 +67,10 @@ def main(deaths):
             print(f"rank {me}: new store: rank {kv.rank} of {kv.num_workers}, "
                   f"{time.monotonic() - start:.3f} s to make and fill", flush=True)
             continue                          # the step again, on the survivors
-        expected = sum(r + 1.0 for r in alive)
+        expected = sum(r + 1.0 for r in alive) * (step + 1)
         bad = [k for k, g in zip(keys, grads) if not (g == expected).all()]
         assert not bad, (me, step, bad, expected, [g[:3] for g in grads])
-        weights = grads
+        previous, weights = weights, grads
         step += 1
     print(f"rank {me}: finished {STEPS} steps on {kv.num_workers} ranks {alive}; "
           f"last sum {weights[2][0]:g}", flush=True)
