@@ -112,6 +112,16 @@ def test_lost_rank_over_shared_memory_is_one_error_on_every_survivor(case, what)
     assert seconds < 45, out
 
 
+def test_rank_killed_by_sigkill_is_reported_by_its_daemon_at_once():
+    # A process killed by a signal is seen by the launcher's daemon (its parent),
+    # which tells the others: no wait for the detector (measured 8-17 ms), unlike a
+    # process that exits. (mpiexec then exits 0: the killed rank has no status.)
+    rc, out, _ = run_ft(3, "sigkill")
+    delays = survivors_saw(out, PUSHPULL)
+    assert rc in (0, 9), out
+    assert all(d < DETECTOR / 2 for d in delays.values()), (delays, out)
+
+
 def test_lost_rank_over_tcp_is_seen_at_once():
     rc, out, _ = run_ft(3, "agreement", TCP)
     delays = survivors_saw(out, PUSHPULL)

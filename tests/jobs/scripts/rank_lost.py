@@ -5,6 +5,7 @@ Usage: rank_lost.py CASE [TOKEN]
 
 CASE says where rank 1 dies while the others go on calling the store:
   agreement  between two pushpulls: the others wait in the next call's agreement
+  sigkill    as agreement, but rank 1 gets SIGKILL (kill -9) instead of os._exit(9)
   data       inside a pushpull's data phase (its updater, on the owner of a key)
   barrier    between barriers
   async      as data, in pushpull_async calls: the error comes on the store's worker thread
@@ -21,6 +22,7 @@ survivors=[..]`` and the seconds from the death to the error.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -62,8 +64,8 @@ def main(case):
                     die()
                 kv.barrier()
                 continue
-            if case == "agreement" and i == DIE_AT and rank == 1:
-                die()
+            if case in ("agreement", "sigkill") and i == DIE_AT and rank == 1:
+                die(signal.SIGKILL if case == "sigkill" else None)
             if case == "slow" and i == DIE_AT and rank == 2:
                 time.sleep(6.0)
             grads = [np.full(1000, rank + 1.0) for _ in KEYS]
@@ -92,8 +94,11 @@ def main(case):
         die()
 
 
-def die():
+def die(signum=None):
     print(f"rank 1: dying at {time.time():.6f}", flush=True)
+    if signum is not None:
+        os.kill(os.getpid(), signum)
+        time.sleep(60)   # not reached
     os._exit(9)
 
 
