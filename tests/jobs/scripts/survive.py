@@ -12,11 +12,13 @@ that of the ranks alive, at the same step everywhere. A survivor whose pushpull
 completed where the others' did not (``RankLostError.completed_here``: the dead
 rank's data reached it first) goes back one step, so all redo the same one.
 TOKEN is ignored: it marks the processes, for the test's look for leftovers.
+DIE_BY=sigkill in the environment: the dying ranks get SIGKILL (kill -9) instead.
 SLOW=STEP:RANK in the environment: that rank computes (sleeps) 6 s before that
 step, 3 x the failure detector's timeout: it must not be taken for dead.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -43,6 +45,8 @@ def main(deaths):
     while step < STEPS:
         if deaths.get(step) == me:
             print(f"rank {me}: dying at step {step}", flush=True)
+            if os.environ.get("DIE_BY") == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
             os._exit(9)
         if (step, me) == slow:
             time.sleep(6.0)
