@@ -204,6 +204,9 @@ def _over(array):
     return mx.nd.from_dlpack(array.__dlpack__())
 
 
+#: MXNet classes whose update reads the whole weight (norms, a row-wise state): refused
+#: for keys split over several owners
+WHOLE_WEIGHT_RULES = ("LARS", "LBSGD", "GroupAdaGrad")
 #: MXNet classes whose update draws random numbers: no trial update (it would move
 #: MXNet's global random state)
 RANDOM_RULES = ("SGLD",)
@@ -282,6 +285,11 @@ class MXNetRule(mpikv_optimizer.Optimizer):
         updates only the rows it carries; otherwise every row steps, as MXNet's
         storage fallback does."""
         return bool(self.attributes.get("lazy_update", False))
+
+    @property
+    def whole_weight(self):
+        """Whether the update reads the whole weight (:data:`WHOLE_WEIGHT_RULES`)."""
+        return self.kind.rpartition(":")[2] in WHOLE_WEIGHT_RULES
 
     def _hyperparams(self):
         return {"kind": self.kind, "attributes": dict(self.attributes)}

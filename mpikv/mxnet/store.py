@@ -458,6 +458,15 @@ class KVStore(ClosesAfterWith, mx.kv.KVStore):
                 why = self._refused.get(np.dtype(nd.dtype))
                 if why is not None:
                     return errors.OptimizerError, why
+        if isinstance(follower.mp, optimizers.MXNetRule) and follower.mp.whole_weight:
+            plan = self._kv.plan
+            for k in (key if isinstance(key, (list, tuple)) else [key]):
+                if type(k) in (int, str) and k in plan and plan[k].split:
+                    return errors.OptimizerError, (
+                        f"MXNet's {follower.mp.kind.rpartition(':')[2]} reads the whole "
+                        f"weight, but key {k!r} is split over {len(plan[k].shards)} owners "
+                        f"(it has bigarray_bound elements or more: create the store with a "
+                        f"larger bigarray_bound)")
         keys = key if isinstance(key, (list, tuple)) else [key]
         try:
             follower.sync([k for k in keys if type(k) in (int, str)])
