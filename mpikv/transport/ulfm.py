@@ -30,7 +30,8 @@ from ..errors import FaultToleranceUnavailableError, MismatchError, RankLostErro
 
 #: MPI error classes that mean "a process of this communicator failed".
 FAILURE_CLASSES = frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED})
-#: the mpi4py 4 methods a fault-tolerant store uses
+#: mpi4py 4's ULFM methods (the store calls Revoke, Shrink and Is_revoked; all of
+#: them must be there: mpi4py 3 has none)
 NEEDED = ("Revoke", "Shrink", "Agree", "Get_failed", "Ack_failed", "Is_revoked")
 #: launcher programs whose command line says whether the launch is ULFM's
 LAUNCHERS = ("prterun", "prte", "mpiexec", "mpirun", "orterun")
