@@ -153,13 +153,16 @@ def test_mkldnn_layouts_are_read_in_the_default_layout():
     np.testing.assert_array_equal(out.asnumpy(), want)
 
 
-def test_sparse_ndarrays_dense_in_the_store():
+def test_sparse_ndarrays_on_the_local_store():
+    """A row_sparse initial value makes a row table (a csr push to it: every row);
+    sparse outputs, row_sparse_pull with one and several outputs."""
     kv = mpikv.mxnet.create("local")
     dense = np.arange(12, dtype=np.float32).reshape(4, 3)
     kv.init(0, mx.nd.array(dense).tostype("row_sparse"))
     got = mx.nd.zeros((4, 3))
     kv.pull(0, out=got)
     np.testing.assert_array_equal(got.asnumpy(), dense)
+    assert kv._row_keys == {0: ((4, 3), np.dtype(np.float32))}
     kv.push(0, mx.nd.array(dense * 2).tostype("csr"))
     sparse_out = mx.nd.sparse.zeros("row_sparse", (4, 3))
     kv.pull(0, out=sparse_out)                                 # ignore_sparse=True: skipped
