@@ -409,3 +409,38 @@ def test_an_optimizer_config_round_trip():
     assert type(back) is mx.optimizer.Signum
     assert (back.lr, back.wd, back.momentum, back.wd_lh) == (0.3, 0.02, 0.7, 0.01)
     assert optimizers.to_mpikv(back).get_config() == config
+
+
+# -- MXNet rules through Gluon's Trainer (dense parameters) ---------------------------------
+@pytest.mark.parametrize("optimizer,params", [
+    ("signum", {"learning_rate": 0.01, "momentum": 0.9, "wd_lh": 0.01}),
+    ("adagrad", {"learning_rate": 0.05, "wd": 1e-3}),
+    ("adadelta", {"learning_rate": 1.0}),
+    ("ftml", {"learning_rate": 0.01}),
+    ("adamax", {"learning_rate": 0.01, "clip_gradient": 0.1}),
+], ids=["signum", "adagrad", "adadelta", "ftml", "adamax"])
+def test_trainer_with_mxnet_rules_follows_changes(comm, optimizer, params):
+    """MXNet's own optimizers on the owners through an unchanged Gluon Trainer (the
+    helpers' MLP), with set_learning_rate and an attribute changed mid-training,
+    against MXNet's own local store on the global batch."""
+    from .helpers import close, make_net, rows, step, train_local, weights
+
+    def lr(trainer):
+        trainer.set_learning_rate(trainer.learning_rate / 2)
+
+    def attr(trainer):
+        trainer.optimizer.clip_gradient = 0.05
+    changes = {1: lr, 2: attr}
+    want, want_lrs = train_local(optimizer, params, 4, changes=changes)
+    net = make_net()
+    trainer = gluon.Trainer(net.collect_params(), optimizer, dict(params),
+                            kvstore="mpikv_dist_sync")
+    lrs = []
+    for i in range(4):
+        changes.get(i, lambda t: None)(trainer)
+        step(net, trainer, i, rows(comm.rank, comm.size))
+        lrs.append(trainer.learning_rate)
+    assert type(trainer._kvstore.kvstore.optimizer).__name__ == "MXNetRule"
+    assert lrs == want_lrs
+    close(weights(net), want)
+    same_on_every_rank(comm, weights(net))
