@@ -444,3 +444,41 @@ def test_trainer_with_mxnet_rules_follows_changes(comm, optimizer, params):
     assert lrs == want_lrs
     close(weights(net), want)
     same_on_every_rank(comm, weights(net))
+
+
+@pytest.mark.parametrize("sparse_weight", [False, True], ids=["sparse_grad", "row_sparse"])
+def test_gluon_sparse_trainer_on_two_devices_per_rank(comm, sparse_weight):
+    """Two CPU contexts per rank: each device's rows pushed together; a row_sparse_pull
+    for several outputs with one id array fetches once and fills each."""
+    ctxs = [mx.cpu(0), mx.cpu(1)]
+
+    def run(kv, part):
+        mx.random.seed(7)
+        net = gluon.nn.Sequential()
+        with net.name_scope():
+            net.add(gluon.contrib.nn.SparseEmbedding(ROWS, DIM) if sparse_weight else
+                    gluon.nn.Embedding(ROWS, DIM, sparse_grad=True))
+            net.add(gluon.nn.Dense(1, in_units=2 * DIM))
+        net.initialize(mx.init.Uniform(0.5), ctx=ctxs)
+        trainer = gluon.Trainer(net.collect_params(), "sgd",
+                                {"learning_rate": 0.1, "momentum": 0.9,
+                                 "rescale_grad": 1.0 / BATCH}, kvstore=kv)
+        for i in range(3):
+            x, y = _batch(i)
+            xs = gluon.utils.split_and_load(mx.nd.array(x[part]), ctxs, even_split=False)
+            ys = gluon.utils.split_and_load(mx.nd.array(y[part]), ctxs, even_split=False)
+            with autograd.record():
+                losses = [gluon.loss.L2Loss()(net(a), b) for a, b in zip(xs, ys)]
+            for loss in losses:
+                loss.backward()
+            trainer.step(1)
+        emb = net[0].weight
+        return [emb.data(c).asnumpy() if emb._stype == "default" else
+                emb.row_sparse_data(mx.nd.arange(ROWS, ctx=c)).asnumpy() for c in ctxs] + \
+            [net[1].weight.data(c).asnumpy() for c in ctxs]
+
+    want = run(mx.kv.create("local"), slice(None))
+    got = run("mpikv_dist_sync", _mine(comm))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-6)
+    same_on_every_rank(comm, got)
