@@ -49,8 +49,17 @@ class Deferred(Optimizer):
         self.hyper_agreed = True
         self._deferred_keys = frozenset(keys)
         self._parts = []  # (key, weight, grad, state), appended on the store's worker thread
+        #: row tables of sparse embedding weights -> their update (:mod:`.sparse`), run at
+        #: the push (the Trainer pushes them at the step, with the final gradients)
+        self.sparse = {}
+        #: the row push in progress hands touched rows only (set by the Trainer around it)
+        self.lazy_update = False
 
     def begin_update(self, key, weight, grad, state):
+        rows = self.sparse.get(key)
+        if rows is not None:
+            rows.update(self, weight, grad, state)
+            return PendingUpdate(None, key, None, None)
         if key not in self._deferred_keys:
             weight[...] = grad
             return PendingUpdate(None, key, None, None)
@@ -174,6 +183,8 @@ class _TorchRule(Deferred):
                 **({"multi_precision": True} if self.multi_precision else {})}
 
     def create_state(self, key, weight):
+        if key in self.sparse:   # a sparse weight's rows: torch's sparse state
+            return self.sparse[key].create_state(self, weight)
         # torch keeps its state in the parameter's dtype; with a master copy, in float32.
         xp = _xp.module_of(weight)
         master = self.keeps_master(weight.dtype)

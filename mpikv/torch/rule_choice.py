@@ -3,7 +3,7 @@
 import torch
 
 from ..errors import OptimizerError
-from . import torch_rules
+from . import sparse, torch_rules
 from .optimizers import RULES, MXNetRule
 
 
@@ -28,6 +28,8 @@ def make_rule(optimizer, optimizer_params, hyper_groups, names, group_of, multi_
             if any(g.get(flag) for g in groups):
                 raise OptimizerError(f"{flag}=True is not supported on the owners")
         rule_class = RULES.get(optimizer) if split else None
+        if optimizer is torch.optim.SparseAdam:   # sparse weights only (the Trainer checked)
+            rule_class = sparse.TorchSparseAdam
         names_kept = (rule_class.hyper if rule_class is not None else
                       [k for k in groups[0] if k not in torch_rules.FLAGS + ("param_names",)])
         hyper = [{k: g[k] for k in names_kept if k in g} for g in groups]

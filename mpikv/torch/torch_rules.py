@@ -183,6 +183,8 @@ class TorchOptim(_TorchRule):
 
     def create_state(self, key, weight):
         state = super().create_state(key, weight)
+        if key in self.sparse:
+            return state
         for name in self._stored:
             if name in self._scalar_names:   # exact whatever torch's scalar dtype
                 state[name] = np.zeros(weight.shape, np.float64)

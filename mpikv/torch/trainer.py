@@ -10,7 +10,7 @@ from torch.autograd import Variable
 from .._closing import ClosesAfterWith
 from .. import _xp, errors
 from . import checkpoint
-from . import pages, param_shards, status, syncbn, tensors, torch_rules
+from . import pages, param_shards, sparse, status, syncbn, tensors, torch_rules
 from .buffers import SharedBuffers, refuse_without_module
 from ._params import backward_buckets, by_precision, named_groups, on_device_of
 from .half import HALF as _HALF
@@ -138,6 +138,13 @@ class Trainer(ClosesAfterWith):
         if broadcast_buffers is None:
             broadcast_buffers = module is not None
         refuse_without_module(broadcast_buffers, module)
+        # The module's nn.Embedding/EmbeddingBag(sparse=True) weights: rows (.sparse).
+        sparse_named = sparse.find(module, named)
+        if sparse_named:
+            taken = {id(p) for _, p, _ in sparse_named}
+            named = [e for e in named if id(e[1]) not in taken]
+            sparse.refuse(optimizer, optimizer_params, hyper_groups, sparse_named,
+                          [n for n, _, _ in named], shard)
         self._names = [n for n, _, _ in named]
         self._params = [p for _, p, _ in named]
         self._group_of = [g for _, _, g in named]
@@ -149,7 +156,8 @@ class Trainer(ClosesAfterWith):
             _check_compressible(self._names, self._params)
         self._owns_store = kvstore is None or isinstance(kvstore, str)
         #: the owners' parts are flat shards of parameters, else whole parameters
-        self.split_parameters = torch_rules.splits(optimizer, split_parameters)
+        self.split_parameters = (True if sparse_named and optimizer is torch.optim.SparseAdam
+                                 else torch_rules.splits(optimizer, split_parameters))
         if shard == "parameters":
             why = param_shards.refuse(self._params) or (
                 None if module is not None else
@@ -173,8 +181,9 @@ class Trainer(ClosesAfterWith):
         if multi_precision is None:
             multi_precision = half
         rule, groups, defaults = make_rule(optimizer, optimizer_params or {}, hyper_groups,
-                                           self._names, self._group_of, bool(multi_precision),
-                                           self.split_parameters)
+                                           self._names + [n for n, _, _ in sparse_named],
+                                           self._group_of + [g for _, _, g in sparse_named],
+                                           bool(multi_precision), self.split_parameters)
         self._rule = rule
         kv.set_optimizer(rule)
         self.optimizer = _OwnersOptimizer(self, [
@@ -183,6 +192,10 @@ class Trainer(ClosesAfterWith):
         if hasattr(rule, "bind"):
             rule.bind(self.optimizer.param_groups)
         self._wire(bucket_bytes)
+        # Each sparse weight's table: a row table, filled from rank 0's weight.
+        self._sparse = (sparse.SparseWeights(kv, sparse_named, rule, optimizer)
+                        if sparse_named else None)
+        self._sparse_scale = None
         self._half = HalfGradients(kv, rule, self._names, self._params, self._grads)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.num_update = 0
@@ -529,6 +542,8 @@ class Trainer(ClosesAfterWith):
         else:  # after allreduce_grads the average is turned back into sum / batch_size
             scale = (n if self._scaled else 1.0) / batch_size
         self._scale = scale
+        # Sparse gradients are never gathered: each step's rows are summed on the owners.
+        self._sparse_scale = 1.0 / (n if batch_size is None else batch_size)
         self.optimizer.step()
 
     def step(self, batch_size=None):
@@ -570,12 +585,23 @@ class Trainer(ClosesAfterWith):
         scale = self._scale
         if scale is None:  # optimizer.step() called directly: as update()
             scale = 1.0 if self._scaled else 1.0 / self.kvstore.num_workers
+        sparse_scale, self._sparse_scale = self._sparse_scale, None
+        if self._sparse is not None:   # checked on every rank before anything changes
+            try:
+                self._sparse.prepare(self.optimizer.param_groups)
+            except BaseException:
+                self._rule.discard()
+                self._start_step()
+                raise
         if self._joined_round:   # the joined ranks take part (see Trainer.join)
             self._hyper.share(scale)
             if self._gathering:
                 self._share_gradients()
         self._update_owned(scale)
         self._pull_weights()
+        if self._sparse is not None:   # the rows: pushed, updated on the owners, pulled
+            self._sparse.apply(sparse_scale if sparse_scale is not None
+                               else 1.0 / self.kvstore.num_workers)
         self.num_update += 1
         self._start_step()
         if self._resumer is not None:   # a checkpoint due, or the job's end at a signal
@@ -681,6 +707,13 @@ class Trainer(ClosesAfterWith):
             step, the highest).
         """
         self._between_steps()
+        if self._sparse is not None:
+            why = ("trainer.join() is not supported with sparse embedding weights (their "
+                   "rows are pushed and pulled at each step): give every rank the same "
+                   "number of batches")
+            self.kvstore.fail_next_call(errors.InputError, why)
+            self.kvstore.set_context(f"called trainer.join() after step {self.num_update}", why)
+            self.kvstore.barrier()
         if self._shards is not None:
             # The others gather weights unit by unit in their forwards, which a joined
             # rank cannot replay: a call of its own fails, on every rank, with this.
@@ -735,6 +768,8 @@ class Trainer(ClosesAfterWith):
                     grad.zero_()
                 if self._params[i].grad is not grad:
                     self._params[i].grad = grad
+        if self._sparse is not None:   # as torch's zero_grad(): a sparse gradient is dropped
+            self._sparse.zero_grad()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -799,6 +834,8 @@ class Trainer(ClosesAfterWith):
             if meta.get("buffers") is not None:
                 self._buffers.load_json(meta["buffers"])
             self._pull_weights()
+            if self._sparse is not None:   # the rows, whole, from their owners
+                self._sparse.pull_all()
         finally:
             self._tell_store()
 
@@ -904,6 +941,15 @@ class Trainer(ClosesAfterWith):
                 f"trainer.{what}: torch.optim.{self._rule.torch_class.__name__} runs on whole "
                 f"parameters, its state kept as torch keeps it; checkpoints of that state are "
                 f"not supported yet")
+
+    def _refuse_sparse(self, what):
+        """Raises (on every rank: the same model) for torch-format optimizer state of
+        sparse weights, which lives in their row tables."""
+        if self._sparse is not None:
+            raise errors.OptimizerError(
+                f"optimizer.{what}: the optimizer state of the sparse embedding weights "
+                f"({', '.join(self._sparse.names)}) lives in their row tables on the owners; "
+                f"use trainer.save_checkpoint and trainer.load_checkpoint")
 
     def _check_buffers(self, meta):
         """Why a Trainer file's buffers do not fit this model, or None."""
@@ -1074,6 +1120,7 @@ class _OwnersOptimizer(torch.optim.Optimizer):
             OptimizerError: on every rank, for an mpikv optimizer (its state has
                 no torch format: use ``trainer.save_checkpoint``) or a bad ``to``.
         """
+        self._trainer._refuse_sparse("consolidate_state_dict")
         self._trainer._collective("consolidate_state_dict",
                                   lambda: self._sharded.consolidate(to))
 
@@ -1109,6 +1156,7 @@ class _OwnersOptimizer(torch.optim.Optimizer):
                 numbers of parameters, a flag the owners do not run), or for an
                 mpikv optimizer.
         """
+        self._trainer._refuse_sparse("load_state_dict")
         self._trainer._collective("load_state_dict", lambda: self._sharded.load(state_dict))
 
 
