@@ -41,8 +41,11 @@ Variants:
   residual block of a ResNet, then on the root, over gloo on a CPU device mesh
   (its defaults: resharded after forward, gradients averaged) + the optimizer on
   the sharded parameters of every rank.
-- ``horovod-sgd``, ``horovod-adam``: ``hvd.DistributedOptimizer``, when
-  ``import horovod.torch`` works.
+- ``horovod-sgd``, ``horovod-adam``: ``hvd.DistributedOptimizer`` (its defaults: 128 MiB
+  fusion buffer, MPI's allreduce, gradients averaged), when ``import horovod.torch``
+  works (``scripts/setup_horovod.sh`` builds 0.28.1). Its ``zero_grad()`` takes no
+  ``set_to_none`` (torch's default, None, applies). It runs in the spawned jobs and
+  next to DDP's gloo in one process, and across hosts in the launched job.
 - ``local-sgd``, ``local-adam``, ``local-adamw``: each rank trains alone, no communication (the
   compute floor); ``X/comm`` (``trainer-sgd/comm``, ``ddp-sgd/comm``, ...): X's
   communication of a step alone, on fixed gradients without forward or backward
@@ -314,6 +317,15 @@ def make_variant(variant, net, loss_fn, comm):
         optimizer = hvd.DistributedOptimizer(cls(net.parameters(), **kwargs),
                                              named_parameters=net.named_parameters())
         wrapped = net
+
+        def step(batch):
+            # Horovod 0.28.1's zero_grad() takes no set_to_none (a TypeError with it);
+            # it calls torch's, whose default sets the gradients to None as the others do.
+            optimizer.zero_grad()
+            loss_fn(wrapped, batch).backward()
+            optimizer.step()
+        step.keep = (wrapped, optimizer)
+        return step
     else:
         from torch.nn.parallel import DistributedDataParallel
         init_process_group(comm)

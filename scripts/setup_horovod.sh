@@ -2,10 +2,11 @@
 # Builds Horovod 0.28.1 (its last release, 2023) into .venv for the benchmarks'
 # horovod-* variants: `python -m mpikv bench train --variants ...,horovod-sgd`.
 # Optional: mpikv never needs it. About 4 minutes on 2 cores (11 under load); needs
-# cmake, g++ and the network (PyPI). Built and imported here on 2026-11-26 (hvd.init
-# and allreduce at 2 ranks, also inside a spawned job), but one `bench train --variants
-# ddp-sgd,horovod-sgd` run on a tiny BERT hung until its timeout: not investigated
-# yet, so no Horovod figure comes from bench train this round. Two fixes to the sdist, found on this project's machine:
+# cmake, g++ and the network (PyPI). Built here on 2026-11-26 (7 min under load) and
+# measured by `bench train` (docs/performance.md). The one `bench train` hang seen was
+# not Horovod's: 0.28.1's DistributedOptimizer.zero_grad() takes no set_to_none, the
+# spawned job raised a TypeError and aborted, and the bench of that day waited for it
+# forever (it now calls zero_grad() and ends a failed job). Two fixes to the sdist, found on this project's machine:
 #   - pip's build isolation hides torch from its CMake: --no-build-isolation;
 #   - it compiles with -std=c++14, and torch >= 2.1's headers want C++17.
 set -euo pipefail
