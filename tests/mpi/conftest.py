@@ -19,6 +19,19 @@ def comm():
 
 
 @pytest.fixture
+def shared_dir(comm):
+    """A directory every rank names the same: made on rank 0, its path broadcast."""
+    import shutil
+    import tempfile
+    path = comm.bcast(tempfile.mkdtemp(prefix="mpikv-shared-") if comm.rank == 0 else None,
+                      root=0)
+    yield path
+    comm.Barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
 def kv():
     return mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
 

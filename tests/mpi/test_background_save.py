@@ -2,8 +2,6 @@
 visible only once committed, at 1-4 ranks (issue 24)."""
 
 import os
-import shutil
-import tempfile
 import threading
 
 import numpy as np
@@ -17,17 +15,6 @@ from .conftest import TEST_TIMEOUT, raises_everywhere
 pytestmark = pytest.mark.mpi
 
 SHAPES = {"a": (7, 5), "b": (33,), "c": (2, 3, 4)}
-
-
-@pytest.fixture
-def shared_dir(comm):
-    """A directory every rank names the same: made on rank 0, its path broadcast."""
-    path = comm.bcast(tempfile.mkdtemp(prefix="mpikv-bgsave-") if comm.rank == 0 else None,
-                      root=0)
-    yield path
-    comm.Barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _store():

@@ -1,8 +1,6 @@
 """Keys a checkpoint load creates behave like keys made by ``init``, at any rank count."""
 
 import os
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
@@ -16,17 +14,6 @@ pytestmark = pytest.mark.mpi
 
 INTS = np.arange(5, dtype=np.int32)
 FLOATS = np.full(6, 2.0, np.float32)
-
-
-@pytest.fixture
-def shared_dir(comm):
-    """A directory every rank names the same: made on rank 0, its path broadcast."""
-    path = comm.bcast(tempfile.mkdtemp(prefix="mpikv-ckpt-keys-") if comm.rank == 0 else None,
-                      root=0)
-    yield path
-    comm.Barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _store(bound):
