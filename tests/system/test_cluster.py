@@ -52,7 +52,8 @@ def cluster():
 def link_rate(cmd):
     """(Gb/s there, Gb/s back, bytes) of one 64 MiB transfer between h1 and h2."""
     out = cmd("run", "--", "python", "-m", "mpikv", "bench", "link", "--json")
-    res = json.loads(out.strip().splitlines()[-1])
+    # The launcher may add warnings (ssh's setpgid) after the report: its line is the last JSON.
+    res = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     assert res["hosts"] == ["h1", "h2"] and res["peer"] == 1, res
     assert res["bytes"] == 64 << 20
     return res["there_gbps"], res["back_gbps"]
