@@ -88,7 +88,9 @@ def _others(n, odd):
     return f"{format_ranks(ranks)} {'is' if len(ranks) == 1 else 'are'}"
 
 
-@pytest.mark.parametrize("n", [2, 3])
+# One rank count per case (each job is seconds of torch start-up): 3 ranks give the
+# plural message, 2 the singular one.
+@pytest.mark.parametrize("n", [3])
 def test_close_after_fewer_steps(n, tmp_path):
     err = ended_with(n, "close", 1, tmp_path,
                      f"rank 1 closed the Trainer after step 12 while {_others(n, 1)} "
@@ -98,7 +100,7 @@ def test_close_after_fewer_steps(n, tmp_path):
     assert "  rank 1: store 0 call" in err and "Trainer.close (no keys), raised MismatchError" in err
 
 
-@pytest.mark.parametrize("n,odd", [(2, 1), (3, 1), (2, 0)])
+@pytest.mark.parametrize("n,odd", [(3, 1), (2, 0)])
 def test_process_ends_after_fewer_steps(n, odd, tmp_path):
     # odd = 0: the rank that reports the error is the one whose process ends.
     ended_with(n, "exit", odd, tmp_path,
@@ -106,7 +108,7 @@ def test_process_ends_after_fewer_steps(n, odd, tmp_path):
                f"in step 13: {STEPS}")
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2])
 def test_save_checkpoint_on_rank_0_only(n, tmp_path):
     ended_with(n, "save", 0, tmp_path,
                f"rank 0 called save_checkpoint after step 12 while {_others(n, 0)} "
@@ -115,7 +117,7 @@ def test_save_checkpoint_on_rank_0_only(n, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])
 def test_ranks_that_end_together_agree_and_print_nothing(n, tmp_path):
     rc, out, err, seconds = run(n, "even", 0, tmp_path)
     assert rc == 0, err
