@@ -18,13 +18,4 @@ def create(name="local", comm=None, timeout=None, **options):  # noqa: D401
     rank without a ULFM launch (docs/fault-tolerance.md).
     """
     from .kvstore import create as _create
-    if "fault_tolerant" in options and not _takes(_create, "fault_tolerant"):
-        from .config import requested
-        with requested(options.pop("fault_tolerant")):
-            return _create(name, comm=comm, timeout=timeout, **options)
     return _create(name, comm=comm, timeout=timeout, **options)
-
-
-def _takes(function, keyword):
-    import inspect
-    return keyword in inspect.signature(function).parameters

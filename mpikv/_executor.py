@@ -24,10 +24,11 @@ def drain_all():
 class Handle:
     """A call running in the background; :meth:`wait` for it before touching its arrays."""
 
-    __slots__ = ("_event", "what")
+    __slots__ = ("_event", "_error", "what")
 
     def __init__(self, what, done=False):
         self.what = what
+        self._error = None   # what the call raised, where the executor hands it over
         self._event = threading.Event()
         if done:
             self._event.set()
@@ -37,8 +38,15 @@ class Handle:
         return self._event.is_set()
 
     def wait(self):
-        """Blocks until the call has finished."""
+        """Blocks until the call has finished.
+
+        Raises:
+            mpikv.RankLostError: a rank was lost during the call (a fault-tolerant
+                store: the same error on every survivor).
+        """
         self._event.wait()
+        if self._error is not None:
+            raise self._error
 
     def __repr__(self):
         return f"<mpikv.Handle {self.what[0]} {'done' if self.done() else 'running'}>"
@@ -53,11 +61,18 @@ class Executor:
             before they return.
         on_error: called with the formatted traceback when a background call
             raises; it must end the job (the other ranks would wait forever).
+        hands_over: whether an exception a background call raised is one that
+            every rank meets alike (a fault-tolerant store's agreed
+            :class:`mpikv.RankLostError`): it is then raised by the call's
+            :meth:`Handle.wait` instead of ending the job.
     """
 
-    def __init__(self, threaded, on_error):
+    def __init__(self, threaded, on_error, hands_over=lambda exc: False):
         self.threaded = threaded
         self._on_error = on_error
+        self._hands_over = hands_over
+        #: the first exception handed over to a handle (later waits raise it too)
+        self.failure = None
         self._queue = queue.Queue()
         self._pending = 0
         self._idle = threading.Condition()
@@ -113,10 +128,17 @@ class Executor:
             fn, handle = item
             try:
                 fn()
-            except BaseException:
-                self._on_error(f"{handle.what[0]} failed in the background\n"
-                               f"{traceback.format_exc()}")
-                sys.exit(1)  # not reached: on_error ends the job
+            except BaseException as exc:
+                if not self._hands_over(exc):
+                    self._on_error(f"{handle.what[0]} failed in the background\n"
+                                   f"{traceback.format_exc()}")
+                    sys.exit(1)  # not reached: on_error ends the job
+                # Every survivor's call fails alike (the ranks agreed on the loss):
+                # its waiter raises it, the calls queued after it fail the same way.
+                handle._error = exc
+                if self.failure is None:
+                    self.failure = exc
+            fn = None   # (its closure holds the caller's arrays)
             handle._event.set()
             with self._idle:
                 self._pending -= 1

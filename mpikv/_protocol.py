@@ -53,7 +53,8 @@ class Protocol:
         self.transport = transport
         self.engine = engine
         self.routes = Routes(engine)
-        self._executor = Executor(transport.threaded, self._background_error)
+        self._executor = Executor(transport.threaded, self._background_error,
+                                  lambda exc: isinstance(exc, errors.RankLostError))
         # The flight recorder numbers distributed stores in creation order (the same
         # on every rank: creation is collective) and their calls in call order.
         self._trace_id = next(_DIST_STORES) if transport.size > 1 else None
@@ -192,9 +193,15 @@ class Protocol:
         return True
 
     def wait(self, handle=None):
-        """Waits for a handle, a list of handles, or (``None``) every call made so far."""
+        """Waits for a handle, a list of handles, or (``None``) every call made so far.
+
+        Raises:
+            mpikv.RankLostError: a rank was lost during a call waited for.
+        """
         if handle is None:
             self._executor.drain()
+            if self._executor.failure is not None:
+                raise self._executor.failure
         elif isinstance(handle, (list, tuple)):
             for h in handle:
                 h.wait()

@@ -14,10 +14,8 @@
 | a lost rank is a `RankLostError` on every survivor (needs a ULFM launch) | ``fault_tolerant`` | ``MPIKV_FAULT_TOLERANT`` | 0 |
 """
 
-import contextlib
 import math
 import os
-import threading
 from dataclasses import dataclass
 
 from .fusion import DEFAULT_BUCKET_BYTES
@@ -109,27 +107,8 @@ def resolve(timeout=None, bigarray_bound=None, abort_on_exception=None, bucket_b
         staging_piece = env.get("MPIKV_STAGING_PIECE", DEFAULT_STAGING_PIECE)
     staging_piece = _number("staging_piece (MPIKV_STAGING_PIECE)", staging_piece, int, 0)
     if fault_tolerant is None:
-        fault_tolerant = getattr(_requested, "fault_tolerant", None)
-    if fault_tolerant is None:
         fault_tolerant = env.get("MPIKV_FAULT_TOLERANT", "0")
     fault_tolerant = _flag("fault_tolerant (MPIKV_FAULT_TOLERANT)", fault_tolerant)
     return Options(timeout or math.inf, bigarray_bound, abort_on_exception, bucket_bytes,
                    shared_memory, reducer, autotune, direct_bytes, staging_piece, fault_tolerant)
 
-
-#: ``fault_tolerant`` asked of :func:`mpikv.create` while the store's own ``create``
-#: has no such keyword (this thread only); see :func:`requested`.
-_requested = threading.local()
-
-
-@contextlib.contextmanager
-def requested(fault_tolerant):
-    """:func:`resolve` calls in this block (this thread) take ``fault_tolerant`` when
-    not given one: how :func:`mpikv.create` hands the keyword to a store ``create``
-    that does not take it."""
-    before = getattr(_requested, "fault_tolerant", None)
-    _requested.fault_tolerant = fault_tolerant
-    try:
-        yield
-    finally:
-        _requested.fault_tolerant = before

@@ -39,7 +39,7 @@ STORE_TYPES = {
 
 def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_exception=None,
            bucket_bytes=None, shared_memory=None, reducer=None, autotune=None, direct_bytes=None,
-           staging_piece=None):
+           staging_piece=None, fault_tolerant=None):
     """Creates a store. Collective over ``comm`` for distributed types.
 
     Args:
@@ -71,6 +71,11 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
             CUDA-aware) for an ``Allreduce``, ``Reduce`` or ``Bcast`` move in
             pieces of this many bytes, their copies overlapping MPI (default
             ``MPIKV_STAGING_PIECE`` or 4 MiB; 0: whole buffers).
+        fault_tolerant: a rank lost during a call of a distributed store is one
+            :class:`mpikv.RankLostError` on every survivor (default
+            ``MPIKV_FAULT_TOLERANT`` or off); needs a ULFM launch (``scripts/mpirun.sh
+            --ft``), else :class:`mpikv.FaultToleranceUnavailableError` on every rank.
+            A ``local`` store ignores it. See docs/fault-tolerance.md.
 
     Raises:
         TypeError: ``name`` is not a string.
@@ -86,7 +91,8 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
         raise ValueError(f"a {name!r} store has no communicator; use a dist_* type with comm=")
     if kind == "local":
         options = config.resolve(timeout, bigarray_bound, abort_on_exception, bucket_bytes,
-                                 shared_memory, reducer, autotune, direct_bytes, staging_piece)
+                                 shared_memory, reducer, autotune, direct_bytes, staging_piece,
+                                 fault_tolerant=fault_tolerant)
         transport = make_transport(kind, comm, options)
     else:
         # A bad option on one rank must not leave the others waiting in the
@@ -94,7 +100,8 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
         try:
             options, failure = config.resolve(
                 timeout, bigarray_bound, abort_on_exception, bucket_bytes, shared_memory,
-                reducer, autotune, direct_bytes, staging_piece), None
+                reducer, autotune, direct_bytes, staging_piece,
+                fault_tolerant=fault_tolerant), None
         except ValueError as exc:
             options, failure = config.Options(), str(exc)
         transport = make_transport(kind, comm, options)

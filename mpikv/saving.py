@@ -49,6 +49,13 @@ class SaveHandle:
         self.committed = True
         self._snapshot.finish(self._on_commit)
 
+    def abandon(self):
+        """After a lost rank: lets this rank's write end, never commits it (no
+        manifest names its parts, so it is never loaded; the next ``resume``
+        removes it)."""
+        self._thread.join()
+        self.committed = True   # (nothing left to commit)
+
     def __repr__(self):
         state = "committed" if self.committed else ("written" if self.done() else "writing")
         return f"<mpikv.SaveHandle {self.fname} {state}>"

@@ -140,6 +140,7 @@ class Resumer:
         self.background = bool(background)
         self._writing = None      # the store's SaveHandle of a checkpoint being written
         self._commit_due = False  # every rank's part of it is on disk (the status said)
+        self.loaded = None        # the step of the checkpoint start() loaded, if any
 
     # -- starting --------------------------------------------------------------------
     def start(self):
@@ -160,6 +161,7 @@ class Resumer:
                 import torch
                 self._state.load_state_dict(torch.load(state_path(path), weights_only=False))
             step = found
+            self.loaded = found
             break
         if kv.rank == 0:   # partial saves and those that would not load
             remove(self.directory, {s for s, _ in newest_first(
@@ -173,6 +175,16 @@ class Resumer:
     def _on_signal(self, signum, frame):
         del frame
         self.signalled = signum   # acted on at the next step boundary, by every rank
+
+    def abandon(self):
+        """After a lost rank (this rank alone, no collective call): the checkpoint
+        being written is never committed, the one due is not made, the signals
+        get their handlers back."""
+        self._pending, self._commit_due = None, False
+        if self._writing is not None:
+            self._writing.abandon()
+            self._writing = None
+        self.stop()
 
     def stop(self):
         """Gives the signals their previous handlers back."""

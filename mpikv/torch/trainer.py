@@ -8,7 +8,7 @@ import torch
 from torch.autograd import Variable
 
 from .._closing import ClosesAfterWith
-from .. import _xp, errors
+from .. import _xp, errors, recovery
 from . import checkpoint
 from . import pages, param_shards, sparse, status, syncbn, tensors, torch_rules
 from .buffers import SharedBuffers, refuse_without_module
@@ -98,6 +98,12 @@ class Trainer(ClosesAfterWith):
         module: the model, when ``params`` are its (named) parameters or param
             groups rather than the module: its buffers and SyncBatchNorm layers
             are then handled as for a module given as ``params``.
+        fault_tolerant: the store the Trainer makes is fault tolerant (a lost rank
+            is one :class:`mpikv.RankLostError` on every survivor; needs
+            ``scripts/mpirun.sh --ft``); with :meth:`resume` and :meth:`run` the
+            survivors go on from the latest checkpoint. Default
+            ``MPIKV_FAULT_TOLERANT`` or off; a store passed as ``kvstore`` keeps its own.
+        min_workers: the fewest ranks :meth:`run` goes on with after a loss.
 
     Attributes:
         kvstore: the store.
@@ -112,7 +118,17 @@ class Trainer(ClosesAfterWith):
     def __init__(self, params, optimizer, optimizer_params=None, kvstore=None, *,
                  bucket_bytes=8 << 20, unused_parameters="zeros", lr_scheduler=None,
                  multi_precision=None, compression=None, shard=None, broadcast_buffers=None,
-                 split_parameters=None, module=None, units=None):
+                 split_parameters=None, module=None, units=None, fault_tolerant=None,
+                 min_workers=1):
+        if not isinstance(params, (torch.nn.Module, list, tuple)):
+            params = list(params)   # (named_parameters(): read again by a recovery)
+        #: the arguments it was made with: trainer.run makes it again after a loss
+        self._made_with = dict(
+            params=params, optimizer=optimizer, optimizer_params=optimizer_params,
+            kvstore=kvstore, bucket_bytes=bucket_bytes, unused_parameters=unused_parameters,
+            lr_scheduler=lr_scheduler, multi_precision=multi_precision, compression=compression,
+            shard=shard, broadcast_buffers=broadcast_buffers, split_parameters=split_parameters,
+            module=module, units=units, fault_tolerant=fault_tolerant, min_workers=min_workers)
         if unused_parameters not in ("zeros", "error"):
             raise ValueError(f"unused_parameters must be 'zeros' or 'error', "
                              f"not {unused_parameters!r}")
@@ -167,7 +183,8 @@ class Trainer(ClosesAfterWith):
                 raise errors.InputError(why)
         self._kv = _make_store(kvstore, self._params, compression is not None,
                                whole=not self.split_parameters,
-                               private=shard == "parameters")
+                               private=shard == "parameters", fault_tolerant=fault_tolerant)
+        self.min_workers = min_workers
         self._launcher = _launcher_for(self._kv, bool(self._devices))
         # The user's own calls on this store (between backward and step, say) come
         # after the launcher's too.
@@ -228,6 +245,49 @@ class Trainer(ClosesAfterWith):
         # Weights on their owners only: gathered around each unit's forward and backward.
         self._shards = (param_shards.ParameterShards(self, module, units)
                         if shard == "parameters" else None)
+
+    @property
+    def rank(self):
+        """This rank in the Trainer's store (after a loss: among the survivors)."""
+        return self._kv.rank
+
+    @property
+    def num_workers(self):
+        """The number of ranks training (after a loss: the survivors)."""
+        return self._kv.num_workers
+
+    def run(self, step_fn, steps, *, min_workers=None):
+        """Calls ``step_fn(i)`` for each step ``i``; a lost rank costs the steps since
+        the latest checkpoint, not the job. Collective.
+
+        ``step_fn(i)`` makes the ``i + 1``-th update (one :meth:`step`). With
+        ``fault_tolerant=True`` and :meth:`resume` (``every=K``), a rank lost in
+        any step (a ``kill -9``, a node gone) is, on every survivor alike: a new
+        store over the survivors, the Trainer made again on it (``trainer.optimizer``
+        and ``trainer.lr_scheduler`` are new objects then), the latest complete
+        checkpoint loaded, and ``step_fn`` called again from the step after it,
+        with :attr:`rank` and :attr:`num_workers` the survivors'. A step function
+        that takes its slice of a global batch from those two therefore ends with
+        the weights of an uninterrupted run. See docs/fault-tolerance.md.
+
+        Args:
+            step_fn: called with each step's number.
+            steps: an int ``N`` (the steps from :attr:`num_update` to ``N - 1``) or
+                the step numbers; after a recovery those below :attr:`num_update`
+                are skipped.
+            min_workers: the fewest survivors to go on with (default the
+                Trainer's ``min_workers``, 1).
+
+        Returns:
+            int: :attr:`num_update` at the end.
+
+        Raises:
+            mpikv.MPIKVError: on every survivor, when fewer than ``min_workers``
+                survive, or a rank is lost without :meth:`resume`'s checkpoints.
+        """
+        from .elastic import run
+        return run(self, step_fn, steps,
+                   self.min_workers if min_workers is None else min_workers)
 
     # -- setup -------------------------------------------------------------
     def _wire(self, bucket_bytes):
@@ -922,6 +982,10 @@ class Trainer(ClosesAfterWith):
             raise errors.InputError("trainer.resume was called already")
         resumer = Resumer(self, directory, every, minutes, keep, state, requeue, signals,
                           background)
+        #: what trainer.run's recovery resumes with, on the survivors' new store
+        self._resume_args = (directory, every, dict(minutes=minutes, keep=keep, state=state,
+                                                    requeue=requeue, signals=signals,
+                                                    background=background))
         step = resumer.start()
         self._resumer = resumer
         if self._module is not None:   # the next forward starts the next iteration
@@ -1181,10 +1245,12 @@ def _launcher_for(kv, on_gpu):
     return Launcher(threaded, kv._options.abort_on_exception)
 
 
-def _make_store(kvstore, params, compressed=False, whole=False, private=False):
+def _make_store(kvstore, params, compressed=False, whole=False, private=False,
+                fault_tolerant=None, survivors=None):
     """The Trainer's store: ``kvstore`` if one, else a new one (keys kept whole
     on one owner each where ``whole``; gradient buffers in private memory, whose
-    pages can be given back, where ``private``)."""
+    pages can be given back, where ``private``; fault tolerant as asked; over the
+    survivors of ``survivors``, a :class:`mpikv.RankLostError`, if given)."""
     import mpikv
     if kvstore is not None and not isinstance(kvstore, str):
         if whole and kvstore.num_workers > 1:
@@ -1200,9 +1266,13 @@ def _make_store(kvstore, params, compressed=False, whole=False, private=False):
     options = {"bigarray_bound": _WHOLE} if whole else {}
     if private:
         options["shared_memory"] = False
+    if fault_tolerant is not None:
+        options["fault_tolerant"] = fault_tolerant
     on_gpu = any(tensors.is_device(p) for p in params)
     if kvstore is None:
-        kv = mpikv.create("dist_sync_device" if on_gpu else "dist_sync", **options)
+        name = "dist_sync_device" if on_gpu else "dist_sync"
+        kv = (mpikv.create(name, **options) if survivors is None else
+              recovery.create_on_survivors(survivors, name, **options))
         # A local store does not compress (MXNet's rule): one rank still gets a dist one.
         if kv.num_workers > 1 or compressed:
             return kv
@@ -1210,6 +1280,8 @@ def _make_store(kvstore, params, compressed=False, whole=False, private=False):
         kvstore = "local"
     if on_gpu and "device" not in kvstore:
         kvstore = "device" if kvstore == "local" else "dist_sync_device"
+    if survivors is not None and kvstore.startswith("dist"):
+        return recovery.create_on_survivors(survivors, kvstore, **options)
     return mpikv.create(kvstore, **options)
 
 

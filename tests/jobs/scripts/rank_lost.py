@@ -8,7 +8,8 @@ CASE says where rank 1 dies while the others go on calling the store:
   sigkill    as agreement, but rank 1 gets SIGKILL (kill -9) instead of os._exit(9)
   data       inside a pushpull's data phase (its updater, on the owner of a key)
   barrier    between barriers
-  async      as data, in pushpull_async calls: the error comes on the store's worker thread
+  async      as data, in pushpull_async calls: the error comes on the store's worker
+             thread, and handle.wait() raises it
   none       nobody dies: every rank finishes (and MPI_Finalize ends the job)
   at_exit    rank 1 dies after the last call; the others end their processes
              (the store's agreed "exit" call at the interpreter's end)

@@ -1,0 +1,124 @@
+"""``trainer.run(step_fn, steps)``: a training loop that survives a lost rank.
+
+With a fault-tolerant store (``Trainer(..., fault_tolerant=True)`` under
+``scripts/mpirun.sh --ft``) a rank that dies is one agreed
+:class:`mpikv.RankLostError` on every survivor, raised by whatever store call
+each survivor was in (a step's reductions during backward included). The
+loop catches it and goes on from the latest complete checkpoint of
+``trainer.resume(directory, every=K)`` (issue 28's ``redundancy="checkpoint"``):
+
+1. every survivor decides alike from the error (the agreed survivors): fewer
+   than ``min_workers``, or no checkpoints, is one :class:`mpikv.MPIKVError`;
+2. each lets the lost store go on its own (no collective call can be made on
+   it): the Trainer's hooks and threads end, the parameters get their own
+   memory, a checkpoint being written is never committed;
+3. a new store over the survivors, the Trainer made again on it with the
+   arguments it was first made with, and ``resume`` again: it loads the newest
+   complete checkpoint (on any number of ranks) and removes partial ones;
+4. ``step_fn`` is called again from the step after that checkpoint.
+
+A step function that takes its slice of a global batch from ``trainer.rank``
+and ``trainer.num_workers`` therefore ends with the weights of an
+uninterrupted run, at the cost of the steps since the checkpoint.
+"""
+
+import torch
+
+from ..errors import MPIKVError, RankLostError
+from .. import recovery
+
+
+def run(trainer, step_fn, steps, min_workers):
+    """:meth:`mpikv.torch.Trainer.run` (see there)."""
+    if not isinstance(min_workers, int) or min_workers < 1:
+        raise MPIKVError(f"trainer.run: min_workers must be a positive int, not {min_workers!r}")
+    if not isinstance(steps, int):
+        steps = list(steps)
+    resumer = trainer._resumer
+    if resumer is not None and resumer.loaded is None and _fault_tolerant(trainer):
+        # (the same on every rank: resume's load is collective) A loss before the
+        # first periodic checkpoint goes back to this start, not to the weights
+        # some survivor holds then.
+        resumer.save()
+    while True:
+        try:
+            for i in _todo(steps, trainer.num_update):
+                step_fn(i)
+            return trainer.num_update
+        except RankLostError as lost:
+            _recover(trainer, lost, min_workers)
+
+
+def _todo(steps, done):
+    """The steps still to make after ``done`` updates."""
+    if isinstance(steps, int):
+        return range(done, steps)
+    return [i for i in steps if i >= done]
+
+
+def _fault_tolerant(trainer):
+    return bool(getattr(trainer._kv._transport, "fault_tolerant", False))
+
+
+def _recover(trainer, lost, min_workers):
+    """Every survivor alike: the Trainer made again over the survivors, from the
+    latest complete checkpoint; or one MPIKVError where it cannot go on."""
+    n = len(lost.survivors)
+    where = ("no checkpoints (call trainer.resume(directory, every=K) before trainer.run)"
+             if trainer._resumer is None else
+             f"the latest complete checkpoint is in {trainer._resume_args[0]} "
+             f"(trainer.resume loads it on any number of ranks)")
+    # Each test reads only what every survivor holds alike (the agreed error, the
+    # Trainer's arguments): every survivor raises, or none.
+    if n < min_workers:
+        raise MPIKVError(f"trainer.run: {n} rank{'s' if n > 1 else ''} survive, fewer than "
+                         f"min_workers={min_workers} ({lost}); {where}") from lost
+    if trainer._resumer is None:
+        raise MPIKVError(f"trainer.run cannot go on after a lost rank with {where}: "
+                         f"{lost}") from lost
+    if trainer.shard == "parameters" or trainer._sparse is not None:
+        raise MPIKVError(f"trainer.run does not recover a Trainer with "
+                         f"{'shard=parameters' if trainer.shard == 'parameters' else 'sparse weights'}"
+                         f" yet ({lost}); {where}") from lost
+    _rebuild(trainer, lost)
+
+
+def _let_go(trainer):
+    """Ends what the Trainer holds on the lost store, on this rank alone."""
+    for hook in trainer._hooks or ():
+        hook.remove()
+    for hook in trainer._forward_hooks:
+        hook.remove()
+    trainer._detach_sync_bn()
+    try:
+        trainer._launcher.close()
+    except MPIKVError:
+        pass   # its queued calls met the loss too
+    trainer._kv._protocol.remove_settler(trainer._settle_for_user)
+    trainer._resumer.abandon()
+    recovery.abandon(trainer._kv)
+    with torch.no_grad():   # the parameters were views of the lost store's buffers
+        for p in trainer._params:
+            p.data = p.data.clone()
+            p.grad = None
+
+
+def _rebuild(trainer, lost):
+    """The Trainer made again on a new store over the survivors, then resumed."""
+    from .trainer import _make_store
+    made = dict(trainer._made_with)
+    directory, every, resume_options = trainer._resume_args
+    _let_go(trainer)
+    kvstore = made["kvstore"]
+    if kvstore is not None and not isinstance(kvstore, str):
+        kvstore = kvstore.type   # a store passed in: one of its type (default options)
+    store = _make_store(kvstore, trainer._params, made["compression"] is not None,
+                        whole=not trainer.split_parameters, fault_tolerant=True,
+                        survivors=lost)
+    trainer.__init__(**dict(made, kvstore=store))
+    trainer._made_with = made
+    trainer._owns_store = True
+    trainer.resume(directory, every, **resume_options)
+
+
+__all__ = ["run"]

@@ -1,0 +1,103 @@
+"""trainer.run over a rank that is killed: the survivors go on from the latest
+checkpoint; run by tests/jobs/test_elastic_trainer.py under ``scripts/mpirun.sh --ft``.
+
+Usage: elastic_train.py DIR KILL_STEP KILL_RANK MIN_WORKERS [TOKEN]
+
+A float64 model, SGD with momentum, ``trainer.resume(DIR, every=3)``; each step
+``i`` is one global batch of 12 samples, each rank taking its slice from
+``trainer.rank`` and ``trainer.num_workers``. The rank that is ``KILL_RANK`` at
+the start kills itself (SIGKILL) in step ``KILL_STEP`` (-1: nobody). At the end
+each survivor compares its weights with plain torch's on the whole batches
+(an uninterrupted one-process run) and checks that every checkpoint in DIR
+with a Trainer file is complete. TOKEN is ignored (it marks the processes).
+"""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import mpikv
+import mpikv.torch
+from mpikv.torch import resume
+
+STEPS, BATCH, EVERY = 14, 12, 3
+HYPER = {"lr": 0.05, "momentum": 0.9}
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                               torch.nn.Linear(8, 2)).double()
+
+
+def batch(i):
+    g = torch.Generator().manual_seed(100 + i)
+    return (torch.randn(BATCH, 4, generator=g, dtype=torch.float64),
+            torch.randn(BATCH, 2, generator=g, dtype=torch.float64))
+
+
+def loss_of(net, x, y):
+    return ((net(x) - y) ** 2).sum() / BATCH   # a slice's share of the batch's mean
+
+
+def reference():
+    """The uninterrupted run: plain torch, one process, the whole batches."""
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), **HYPER)
+    for i in range(STEPS):
+        opt.zero_grad()
+        loss_of(net, *batch(i)).backward()
+        opt.step()
+    return dict(net.named_parameters())
+
+
+def main(directory, kill_step, kill_rank, min_workers):
+    net = model()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, fault_tolerant=True,
+                                  min_workers=min_workers)
+    me = trainer.rank   # the rank at the start (this process's name in the output)
+    trainer.resume(directory, every=EVERY)
+    seen = [trainer.num_workers]
+
+    def step_fn(i):
+        n, r = trainer.num_workers, trainer.rank
+        if n != seen[-1]:
+            seen.append(n)
+            print(f"rank {me}: step {i} on {n} workers as rank {r} at {time.time():.6f}",
+                  flush=True)
+        if i == kill_step and me == kill_rank:
+            print(f"rank {me}: dying in step {i} at {time.time():.6f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = batch(i)
+        lo, hi = r * BATCH // n, (r + 1) * BATCH // n
+        trainer.zero_grad()
+        loss_of(net, x[lo:hi], y[lo:hi]).backward()
+        trainer.step(batch_size=1)   # the sum of the slices' gradients: the batch's
+        if len(seen) > 1 and seen[-1] == n and not hasattr(step_fn, "first"):
+            step_fn.first = True
+            print(f"rank {me}: step {i} completed after the loss at {time.time():.6f}",
+                  flush=True)
+
+    try:
+        done = trainer.run(step_fn, STEPS)
+    except mpikv.MPIKVError as exc:
+        print(f"rank {me}: {type(exc).__name__}: {exc}", flush=True)
+        return
+    want = reference()
+    diff = max((p.detach() - want[name]).abs().max().item()
+               for name, p in net.named_parameters())
+    print(f"rank {me}: finished {done} updates on {trainer.num_workers} workers as rank "
+          f"{trainer.rank}; max difference {diff:.3e}", flush=True)
+    if trainer.rank == 0:
+        found = resume.steps_in(directory)
+        half = [s for s in found if os.path.exists(f"{directory}/{resume.name_of(s)}.trainer.json")
+                and not resume.is_complete(f"{directory}/{resume.name_of(s)}")]
+        print(f"checkpoints {sorted(found)}; committed but incomplete {half}", flush=True)
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
