@@ -49,3 +49,25 @@ def test_resume_on_another_number_of_ranks(tmp_path, uninterrupted, opt, before,
     assert len(got) == len(want) == 5       # four parameters and the final rate
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
+
+
+#: (optimizer, embedding kind, ranks before, ranks after): lazy Adam on a row_sparse
+#: weight (a row_sparse gradient makes the same row table)
+SPARSE = [("adam", "weight", 3, 2)]
+
+
+@pytest.mark.parametrize("opt,sparse,before,after", SPARSE,
+                         ids=[f"{o}-{s}-{b}-{a}" for o, s, b, a in SPARSE])
+def test_sparse_trainer_resumes_on_another_number_of_ranks(tmp_path, opt, sparse, before,
+                                                           after):
+    """A row table's rows and its optimizer's rows, saved by their owners on N ranks,
+    resumed on M: the weights of a run that never stopped, bit for bit."""
+    full, prefix, out = (str(tmp_path / name) for name in ("full.npz", "ckpt", "w.npz"))
+    args = ("--optimizer", opt, "--sparse", sparse)
+    run_job(1, "0", str(STEPS), *args, "--out", full)
+    run_job(before, "0", "3", *args, "--save", prefix)
+    run_job(after, "3", str(STEPS), *args, "--load", prefix, "--out", out)
+    got, want = _weights(out), _weights(full)
+    assert len(got) == len(want) == 4       # the table, the Dense layer's two, the rate
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
