@@ -140,18 +140,14 @@ def test_only_the_rows_asked_for_are_fetched(comm):
 def test_update_on_kvstore_decisions_and_errors_are_mxnets(comm):
     """MXNet's Trainer decides with mpikv_dist_sync as with dist_sync: sparse weights
     and sparse gradients update on the store; update_on_kvstore=False is refused."""
-    net = _net(True)
-    trainer = gluon.Trainer(net.collect_params(), "sgd", kvstore="mpikv_dist_sync",
-                            update_on_kvstore=False)
-    with pytest.raises(ValueError, match="Cannot set update_on_kvstore=False when sparse "
-                                         "weights are present"):
-        trainer._init_kvstore()
-    net = _net(False)
-    trainer = gluon.Trainer(net.collect_params(), "sgd", kvstore="mpikv_dist_sync",
-                            update_on_kvstore=False)
-    with pytest.raises(ValueError, match="Cannot set update_on_kvstore=False on dist "
-                                         "kvstore when sparse gradients are present"):
-        trainer._init_kvstore()
+    refusals = {True: "Cannot set update_on_kvstore=False when sparse weights are present",
+                False: "Cannot set update_on_kvstore=False on dist kvstore when sparse "
+                       "gradients are present"}
+    for sparse_weight, message in refusals.items():
+        trainer = gluon.Trainer(_net(sparse_weight).collect_params(), "sgd",
+                                kvstore="mpikv_dist_sync", update_on_kvstore=False)
+        with pytest.raises(ValueError, match=message):
+            trainer._init_kvstore()
     # The store passed as an object: taken (MXNet takes only its own KVStore class there).
     kv = mpikv.mxnet.create("dist_sync")
     assert isinstance(kv, mx.kv.KVStore)
