@@ -71,7 +71,7 @@ def _recover(trainer, lost, min_workers):
     # Each test reads only what every survivor holds alike (the agreed error, the
     # Trainer's arguments): every survivor raises, or none.
     if n < min_workers:
-        raise MPIKVError(f"trainer.run: {n} rank{'s' if n > 1 else ''} survive, fewer than "
+        raise MPIKVError(f"trainer.run: {n} rank{'s survive' if n > 1 else ' survives'}, fewer than "
                          f"min_workers={min_workers} ({lost}); {where}") from lost
     if trainer._resumer is None:
         raise MPIKVError(f"trainer.run cannot go on after a lost rank with {where}: "

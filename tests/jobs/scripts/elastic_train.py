@@ -1,12 +1,14 @@
 """trainer.run over a rank that is killed: the survivors go on from the latest
 checkpoint; run by tests/jobs/test_elastic_trainer.py under ``scripts/mpirun.sh --ft``.
 
-Usage: elastic_train.py DIR KILL_STEP KILL_RANK MIN_WORKERS [TOKEN]
+Usage: elastic_train.py DIR KILLS MIN_WORKERS [TOKEN]
 
 A float64 model, SGD with momentum, ``trainer.resume(DIR, every=3)``; each step
 ``i`` is one global batch of 12 samples, each rank taking its slice from
-``trainer.rank`` and ``trainer.num_workers``. The rank that is ``KILL_RANK`` at
-the start kills itself (SIGKILL) in step ``KILL_STEP`` (-1: nobody). At the end
+``trainer.rank`` and ``trainer.num_workers``. KILLS is ``RANK@STEP,...`` (or
+``-``): the process that was rank RANK at the start kills itself (SIGKILL) in
+step STEP, right after its ``zero_grad`` (where the checkpoint due is started
+in the background: it is being written when the rank dies). At the end
 each survivor compares its weights with plain torch's on the whole batches
 (an uninterrupted one-process run) and checks that every checkpoint in DIR
 with a Trainer file is complete. TOKEN is ignored (it marks the processes).
@@ -54,13 +56,16 @@ def reference():
     return dict(net.named_parameters())
 
 
-def main(directory, kill_step, kill_rank, min_workers):
+def main(directory, kills, min_workers):
+    kills = {} if kills == "-" else {int(r): int(s) for r, s in
+                                     (k.split("@") for k in kills.split(","))}
     net = model()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, fault_tolerant=True,
                                   min_workers=min_workers)
     me = trainer.rank   # the rank at the start (this process's name in the output)
     trainer.resume(directory, every=EVERY)
     seen = [trainer.num_workers]
+    reported = [trainer.num_workers]
 
     def step_fn(i):
         n, r = trainer.num_workers, trainer.rank
@@ -68,17 +73,17 @@ def main(directory, kill_step, kill_rank, min_workers):
             seen.append(n)
             print(f"rank {me}: step {i} on {n} workers as rank {r} at {time.time():.6f}",
                   flush=True)
-        if i == kill_step and me == kill_rank:
-            print(f"rank {me}: dying in step {i} at {time.time():.6f}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch(i)
         lo, hi = r * BATCH // n, (r + 1) * BATCH // n
         trainer.zero_grad()
+        if kills.get(me) == i:
+            print(f"rank {me}: dying in step {i} at {time.time():.6f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         loss_of(net, x[lo:hi], y[lo:hi]).backward()
         trainer.step(batch_size=1)   # the sum of the slices' gradients: the batch's
-        if len(seen) > 1 and seen[-1] == n and not hasattr(step_fn, "first"):
-            step_fn.first = True
-            print(f"rank {me}: step {i} completed after the loss at {time.time():.6f}",
+        if reported[-1] != n:
+            reported.append(n)
+            print(f"rank {me}: step {i} completed on {n} workers at {time.time():.6f}",
                   flush=True)
 
     try:
@@ -100,4 +105,4 @@ def main(directory, kill_step, kill_rank, min_workers):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -1,0 +1,55 @@
+"""trainer.run survives killed ranks: the survivors go on from the latest checkpoint
+and end with the weights of an uninterrupted run (issue 28, ``redundancy="checkpoint"``).
+
+One job (``scripts/mpirun.sh --ft -n 3``, tests/jobs/scripts/elastic_train.py):
+rank 0 is killed while a checkpoint is being written, later rank 1 of the two
+left; the last rank ends alone. Its refusals (``min_workers``, no checkpoints)
+are tested in tests/unit/test_elastic.py.
+"""
+
+import os
+import re
+import sys
+import uuid
+
+from .conftest import MPIRUN, launch
+from .test_rank_lost import DETECTOR, leftovers
+
+SCRIPT = "tests/jobs/scripts/elastic_train.py"
+
+
+def test_killed_ranks_cost_the_steps_since_the_checkpoint_and_the_weights_are_exact(tmp_path):
+    token = f"mpikv-ft-{uuid.uuid4().hex[:12]}"
+    cmd = ["timeout", "-k", "5", "90", str(MPIRUN), "--ft", "-n", "3", sys.executable,
+           SCRIPT, str(tmp_path / "ckpt"), "0@3,1@10", "1", token]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MPIKV_AUTOTUNE="0",
+               MPIKV_FT_DETECTOR_TIMEOUT=str(DETECTOR))
+    rc, out = launch(cmd, env)
+    assert rc != 124, f"the job hung:\n{out}"
+    assert leftovers(token) == [], out
+    assert rc in (0, 9), out   # (survivors of a SIGKILL end with status 0)
+    assert "Traceback" not in out, out
+    died = {int(r): (int(s), float(t))
+            for r, s, t in re.findall(r"rank (\d): dying in step (\d+) at ([\d.]+)", out)}
+    assert sorted(died) == [0, 1] and died[0][0] == 3 and died[1][0] == 10, out
+    # Rank 0 died while the checkpoint of step 3 was being written: it was never
+    # committed, and the survivors went back to the one trainer.run made at the start.
+    for r, as_rank in ((1, 0), (2, 1)):
+        assert f"rank {r}: step 0 on 2 workers as rank {as_rank} at " in out, out
+    # Then rank 1 (of the two left) in step 10, its step-9 checkpoint being written.
+    again = re.search(r"rank 2: step (\d+) on 1 workers as rank 0 at ([\d.]+)", out)
+    assert again and int(again.group(1)) in (6, 9), out
+    # Each loss cost a fraction of a second (a SIGKILL is seen at once), from the
+    # kill to the survivors' next completed step.
+    done = {(int(r), int(n)): float(t) for r, n, t in re.findall(
+        r"rank (\d): step \d+ completed on (\d) workers at ([\d.]+)", out)}
+    assert set(done) == {(1, 2), (2, 2), (2, 1)}, out
+    assert all(done[(r, 2)] - died[0][1] < DETECTOR + 3 for r in (1, 2)), out
+    assert done[(2, 1)] - died[1][1] < DETECTOR + 3, out
+    final = re.findall(r"rank (\d): finished (\d+) updates on (\d) workers as rank (\d); "
+                       r"max difference ([\d.e+-]+)", out)
+    assert [f[:4] for f in final] == [("2", "14", "1", "0")], out
+    assert float(final[0][4]) <= 1e-10, out   # the uninterrupted run's weights
+    # Every checkpoint with its Trainer file in place is whole; the partial ones went.
+    listed = re.search(r"checkpoints \[([\d, ]*)\]; committed but incomplete \[\]", out)
+    assert listed and "12" in listed.group(1).split(", "), out

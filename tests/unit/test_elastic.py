@@ -1,0 +1,123 @@
+"""trainer.run on one process: the steps it calls, its refusals after a lost rank, and
+its recovery (a RankLostError raised by the step function stands in for a loss)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import mpikv  # noqa: E402
+import mpikv.torch  # noqa: E402
+
+HYPER = {"lr": 0.05, "momentum": 0.9}
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                               torch.nn.Linear(8, 2)).double()
+
+
+def _batch(i):
+    g = torch.Generator().manual_seed(100 + i)
+    return (torch.randn(6, 4, generator=g, dtype=torch.float64),
+            torch.randn(6, 2, generator=g, dtype=torch.float64))
+
+
+def _plain(steps):
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), **HYPER)
+    for i in range(steps):
+        opt.zero_grad()
+        x, y = _batch(i)
+        ((net(x) - y) ** 2).mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def _lost(survivors=(0,)):
+    return mpikv.RankLostError("rank 1 of 2 lost during pushpull: the process died",
+                               lost=[1], lost_world=[1], survivors=list(survivors))
+
+
+def _stepper(trainer, net, calls, lose_at=None):
+    def step_fn(i):
+        calls.append((i, trainer.num_update, trainer.num_workers))
+        if i == lose_at:
+            raise _lost()
+        x, y = _batch(i)
+        trainer.zero_grad()
+        ((net(x) - y) ** 2).mean().backward()
+        trainer.step()
+    return step_fn
+
+
+def test_run_calls_the_steps_left_and_returns_the_update_count(tmp_path):
+    net = _net()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, "local")
+    calls = []
+    assert trainer.run(_stepper(trainer, net, calls), 3) == 3
+    assert [c[0] for c in calls] == [0, 1, 2]
+    calls.clear()
+    assert trainer.run(_stepper(trainer, net, calls), [1, 2, 3, 4, 5]) == 6
+    assert [c[0] for c in calls] == [3, 4, 5]   # those below num_update are skipped
+    for p, want in zip(net.parameters(), _plain(6)):
+        assert torch.allclose(p.detach(), want, rtol=0, atol=1e-12)
+    trainer.close()
+
+
+def test_a_loss_goes_on_from_the_latest_checkpoint_with_exact_weights(tmp_path):
+    net = _net()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, "local")
+    trainer.resume(tmp_path, every=2, background=False)
+    calls = []
+    step_fn = _stepper(trainer, net, calls)
+    lose = {"at": 5}
+
+    def once(i):
+        if lose.get("at") == i:
+            del lose["at"]
+            raise _lost()
+        step_fn(i)
+    first_optimizer = trainer.optimizer
+    assert trainer.run(once, 8) == 8
+    # The loss in step 5 (4 updates made, the checkpoint of step 4 complete): step 4
+    # again on the new store, and the steps after it.
+    assert [c[0] for c in calls] == [0, 1, 2, 3, 4, 4, 5, 6, 7]
+    assert calls[5][1] == 4
+    assert trainer.optimizer is not first_optimizer   # the Trainer was made again
+    for p, want in zip(net.parameters(), _plain(8)):
+        assert torch.allclose(p.detach(), want, rtol=0, atol=1e-10)
+    trainer.close()
+
+
+def test_fewer_survivors_than_min_workers_is_one_clear_error(tmp_path):
+    net = _net()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, "local", min_workers=2)
+    trainer.resume(tmp_path, every=2)
+    with pytest.raises(mpikv.MPIKVError) as info:
+        trainer.run(_stepper(trainer, net, [], lose_at=1), 4)
+    assert str(info.value).startswith(
+        "trainer.run: 1 rank survives, fewer than min_workers=2 (rank 1 of 2 lost during "
+        "pushpull: the process died); the latest complete checkpoint is in ")
+    assert isinstance(info.value.__cause__, mpikv.RankLostError)
+    trainer.close()
+
+
+def test_a_loss_without_checkpoints_cannot_be_recovered():
+    net = _net()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, "local")
+    with pytest.raises(mpikv.MPIKVError, match=r"^trainer\.run cannot go on after a lost rank "
+                       r"with no checkpoints \(call trainer\.resume\(directory, every=K\) "
+                       r"before trainer\.run\): rank 1 of 2 lost"):
+        trainer.run(_stepper(trainer, net, [], lose_at=0), 2)
+    with pytest.raises(mpikv.MPIKVError, match="min_workers must be a positive int, not 0"):
+        trainer.run(lambda i: None, 2, min_workers=0)
+    trainer.close()
+
+
+def test_trainer_takes_fault_tolerant_and_refuses_it_without_ulfm(monkeypatch):
+    monkeypatch.delenv("OMPI_MCA_mpi_ft_enable", raising=False)
+    with pytest.raises(mpikv.FaultToleranceUnavailableError, match="the launch has no ULFM"):
+        mpikv.torch.Trainer(_net(), torch.optim.SGD, HYPER, fault_tolerant=True)
+    with mpikv.torch.Trainer(_net(), torch.optim.SGD, HYPER, fault_tolerant=False) as trainer:
+        assert (trainer.rank, trainer.num_workers) == (0, 1)
