@@ -767,6 +767,39 @@ class KVStore(ClosesAfterWith):
         self._protocol.collective(call, lambda: checkpoint.load(
             self._engine, str(fname), "optimizer_states", False, self._rows))
 
+    def run(self, step_fn, steps, directory, every, *, keep=2, min_workers=1, setup=None):
+        """Calls ``step_fn(kv, i)`` for each step ``i``, with checkpoints; a lost rank
+        costs the steps since the latest one, not the job. Collective.
+
+        Loads the newest complete checkpoint of ``directory`` (or saves one of
+        step 0), then saves one every ``every`` steps, keeping ``keep``. On a
+        fault-tolerant store, a rank lost in any call (background ones
+        included) is, on every survivor alike: a new store over the survivors
+        (this one's type and options), ``setup(kv)`` on it, the newest complete
+        checkpoint loaded, and ``step_fn`` called again from the step after it
+        with the new store, whose ``rank`` and ``num_workers`` are the
+        survivors'. See docs/fault-tolerance.md.
+
+        Args:
+            step_fn: ``step_fn(kv, i)`` makes step ``i`` on the store it is given.
+            steps: an int ``N`` (steps from the checkpoint's to ``N - 1``) or the
+                step numbers; after a recovery those done are skipped.
+            directory: where the checkpoints go (every rank sees it).
+            every: save after every this many steps.
+            keep: how many complete checkpoints to keep.
+            min_workers: the fewest survivors to go on with.
+            setup: called with each new store before its checkpoint is loaded
+                (``set_updater`` of a Python updater, which no checkpoint holds).
+
+        Returns:
+            The store in use at the end: this one, or the survivors' after a loss.
+
+        Raises:
+            MPIKVError: on every survivor, when fewer than ``min_workers`` survive.
+        """
+        from .elastic import run
+        return run(self, step_fn, steps, directory, every, keep, min_workers, setup)
+
     def save_checkpoint(self, fname):
         """Saves the stored values, the optimizer and its states in one file set; collective.
 

@@ -1,0 +1,128 @@
+"""``kv.run(step_fn, steps, directory, every=K)``: a store's loop that survives a lost rank.
+
+The store's side of issue 28's ``redundancy="checkpoint"``, for the KVStore API
+(the Trainer's is :mod:`mpikv.torch.elastic`). Every ``every`` steps the store
+saves a checkpoint (``directory/step-<N>``, N the steps done; atomic: visible
+once its manifest is in place); at the start the newest complete one is
+loaded, or one of step 0 is saved. When a rank of a fault-tolerant store is
+lost, every survivor gets the same :class:`mpikv.RankLostError`, wherever it
+was; the loop then makes a new store over the survivors (the old one's type
+and options), calls ``setup(kv)`` on it, loads the newest complete checkpoint
+(on the new rank count) and calls ``step_fn(kv, i)`` again from the step
+after it. Fewer than ``min_workers`` survivors: one
+:class:`mpikv.MPIKVError` on every survivor.
+"""
+
+import dataclasses
+import re
+import shutil
+from pathlib import Path
+
+from . import errors, recovery, statefile
+
+_NAME = re.compile(r"^step-(\d+)(?:$|\.)")
+
+
+def name_of(step):
+    """The checkpoint name of ``step`` steps done."""
+    return f"step-{step:09d}"
+
+
+def newest_first(directory):
+    """``[(step, path)]`` of the complete checkpoints in ``directory``, newest first."""
+    found = {}
+    root = Path(directory)
+    for entry in root.iterdir() if root.is_dir() else ():
+        m = _NAME.match(entry.name)
+        if m and entry.name == name_of(int(m.group(1))):
+            try:
+                statefile.read_manifest(str(entry))
+            except (OSError, ValueError, errors.MPIKVError):
+                continue   # a save that never finished: no manifest names its parts
+            found[int(m.group(1))] = entry
+    return sorted(found.items(), reverse=True)
+
+
+def _prune(kv, directory, keep):
+    """Rank 0 removes every checkpoint file but the newest ``keep`` complete ones."""
+    if kv.rank != 0:
+        return
+    kept = {name_of(s) for s, _ in newest_first(directory)[:keep]}
+    for entry in Path(directory).iterdir():
+        m = _NAME.match(entry.name)
+        if m and name_of(int(m.group(1))) not in kept:
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
+def _start(kv, directory, keep):
+    """Loads the newest complete checkpoint, or saves one of step 0; returns its
+    step; collective."""
+    if kv.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    kv.barrier()   # (every rank then sees the same files)
+    found = newest_first(directory)
+    if found:
+        step, path = found[0]
+        kv.load_checkpoint(str(path))
+    else:
+        step = 0
+        kv.save_checkpoint(str(directory / name_of(0)))
+    _prune(kv, directory, keep)
+    return step
+
+
+def _todo(steps, done):
+    if isinstance(steps, int):
+        return range(done, steps)
+    return [i for i in steps if i >= done]
+
+
+def _check(every, keep, min_workers):
+    for name, value in (("every", every), ("keep", keep), ("min_workers", min_workers)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise errors.InputError(f"kv.run: {name} must be a positive int, not {value!r}")
+
+
+def run(kv, step_fn, steps, directory, every, keep=2, min_workers=1, setup=None):
+    """:meth:`mpikv.KVStore.run` (see there)."""
+    _check(every, keep, min_workers)
+    directory = Path(directory)
+    steps = steps if isinstance(steps, int) else list(steps)
+    done = _start(kv, directory, keep)
+    while True:
+        try:
+            for i in _todo(steps, done):
+                step_fn(kv, i)
+                done = i + 1
+                if done % every == 0:
+                    kv.save_checkpoint(str(directory / name_of(done)))
+                    _prune(kv, directory, keep)
+            return kv
+        except errors.RankLostError as lost:
+            kv = _survivors_store(kv, lost, min_workers, directory)
+            if setup is not None:
+                setup(kv)
+            done = _start(kv, directory, keep)
+
+
+def _survivors_store(kv, lost, min_workers, directory):
+    """A store like ``kv`` over the survivors; or one MPIKVError (the same on every
+    survivor: it reads only the agreed error)."""
+    n = len(lost.survivors)
+    if n < min_workers:
+        raise errors.MPIKVError(
+            f"kv.run: {n} rank{'s survive' if n > 1 else ' survives'}, fewer than "
+            f"min_workers={min_workers} ({lost}); the latest complete checkpoint is in "
+            f"{directory} (load_checkpoint loads it on any number of ranks)") from lost
+    recovery.abandon(kv)
+    options = dataclasses.asdict(kv._options)
+    options.pop("fault_tolerant")
+    # No probing of the strategies for the new rank count: seconds lost at each loss.
+    options["autotune"] = False
+    return recovery.create_on_survivors(lost, kv.type, **options)
+
+
+__all__ = ["name_of", "newest_first", "run"]

@@ -1,0 +1,61 @@
+"""kv.run survives a killed rank: the survivors go on from the latest checkpoint on a
+new store, and the sum the store accumulates is exact (issue 28, the KVStore API).
+
+Jobs of ``scripts/mpirun.sh --ft -n 3`` on tests/jobs/scripts/elastic_store.py
+(numpy only: about a second each).
+"""
+
+import os
+import re
+import sys
+import uuid
+
+import pytest
+
+from .conftest import MPIRUN, launch
+from .test_rank_lost import DETECTOR, leftovers
+
+SCRIPT = "tests/jobs/scripts/elastic_store.py"
+
+
+def run_job(directory, kill, min_workers):
+    token = f"mpikv-ft-{uuid.uuid4().hex[:12]}"
+    cmd = ["timeout", "-k", "5", "60", str(MPIRUN), "--ft", "-n", "3", sys.executable,
+           SCRIPT, str(directory), kill, str(min_workers), token]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MPIKV_FT_DETECTOR_TIMEOUT=str(DETECTOR))
+    rc, out = launch(cmd, env)
+    assert rc != 124, f"the job hung:\n{out}"
+    assert leftovers(token) == [], out
+    assert rc in (0, 9), out   # (survivors of a SIGKILL end with status 0)
+    assert "Traceback" not in out, out
+    died = re.findall(r"rank (\d): dying in step (\d+) at ([\d.]+)", out)
+    assert len(died) == 1, out
+    return out, float(died[0][2])
+
+
+@pytest.mark.parametrize("dead", [1, 0])
+def test_survivors_go_on_from_the_latest_checkpoint_with_the_exact_sum(tmp_path, dead):
+    out, died = run_job(tmp_path / "ckpt", f"{dead}@7", 1)
+    alive = [r for r in range(3) if r != dead]
+    for new_rank, r in enumerate(alive):
+        # Killed in step 7: the checkpoint after step 6 (every 3), step 6 again.
+        went_on = re.search(rf"rank {r}: step 6 on 2 workers as rank {new_rank} at ([\d.]+)",
+                            out)
+        assert went_on and float(went_on.group(1)) - died < DETECTOR + 3, out
+        said = re.search(rf"rank {r}: finished on 2 workers as rank {new_rank}; "
+                         rf"max difference ([\d.e+-]+)", out)
+        assert said and float(said.group(1)) <= 1e-10, out   # every batch summed once
+    # The newest two complete checkpoints are kept (after 12 and 9 steps).
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "step-000000009", "step-000000009.parts", "step-000000012", "step-000000012.parts"]
+
+
+def test_fewer_survivors_than_min_workers_is_one_error_on_every_survivor(tmp_path):
+    out, _ = run_job(tmp_path / "ckpt", "1@4", 3)
+    said = {r: re.findall(rf"^rank {r}: MPIKVError: (.*)$", out, re.M) for r in (0, 2)}
+    assert len(said[0]) == 1 and said[0] == said[2], out   # the same text on both
+    assert said[0][0].startswith(
+        "kv.run: 2 ranks survive, fewer than min_workers=3 (rank 1 of 3 lost during "), out
+    assert said[0][0].endswith(f"the latest complete checkpoint is in {tmp_path / 'ckpt'} "
+                               f"(load_checkpoint loads it on any number of ranks)"), out
+    assert "finished" not in out, out
