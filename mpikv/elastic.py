@@ -18,7 +18,7 @@ import re
 import shutil
 from pathlib import Path
 
-from . import errors, recovery, statefile
+from . import errors, statefile
 
 _NAME = re.compile(r"^step-(\d+)(?:$|\.)")
 
@@ -86,8 +86,9 @@ def _check(every, keep, min_workers):
             raise errors.InputError(f"kv.run: {name} must be a positive int, not {value!r}")
 
 
-def run(kv, step_fn, steps, directory, every, keep=2, min_workers=1, setup=None):
-    """:meth:`mpikv.KVStore.run` (see there)."""
+def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, create):
+    """:meth:`mpikv.KVStore.run` (see there); ``create`` is :func:`mpikv.kvstore.create`
+    (handed in: the store's module imports this one)."""
     _check(every, keep, min_workers)
     directory = Path(directory)
     steps = steps if isinstance(steps, int) else list(steps)
@@ -102,13 +103,13 @@ def run(kv, step_fn, steps, directory, every, keep=2, min_workers=1, setup=None)
                     _prune(kv, directory, keep)
             return kv
         except errors.RankLostError as lost:
-            kv = _survivors_store(kv, lost, min_workers, directory)
+            kv = _survivors_store(kv, lost, min_workers, directory, create)
             if setup is not None:
                 setup(kv)
             done = _start(kv, directory, keep)
 
 
-def _survivors_store(kv, lost, min_workers, directory):
+def _survivors_store(kv, lost, min_workers, directory, create):
     """A store like ``kv`` over the survivors; or one MPIKVError (the same on every
     survivor: it reads only the agreed error)."""
     n = len(lost.survivors)
@@ -117,12 +118,11 @@ def _survivors_store(kv, lost, min_workers, directory):
             f"kv.run: {n} rank{'s survive' if n > 1 else ' survives'}, fewer than "
             f"min_workers={min_workers} ({lost}); the latest complete checkpoint is in "
             f"{directory} (load_checkpoint loads it on any number of ranks)") from lost
-    recovery.abandon(kv)
+    kv.abandon()
     options = dataclasses.asdict(kv._options)
-    options.pop("fault_tolerant")
     # No probing of the strategies for the new rank count: seconds lost at each loss.
-    options["autotune"] = False
-    return recovery.create_on_survivors(lost, kv.type, **options)
+    options.update(fault_tolerant=True, autotune=False)
+    return create(kv.type, comm=lost.comm, **options)
 
 
 __all__ = ["name_of", "newest_first", "run"]

@@ -798,7 +798,20 @@ class KVStore(ClosesAfterWith):
             MPIKVError: on every survivor, when fewer than ``min_workers`` survive.
         """
         from .elastic import run
-        return run(self, step_fn, steps, directory, every, keep, min_workers, setup)
+        return run(self, step_fn, steps, directory, every, keep, min_workers, setup, create)
+
+    def abandon(self):
+        """Lets a store that lost a rank go, on this rank alone (no collective call:
+        none can be made on it any more).
+
+        Its background checkpoint writes end and are never committed: a checkpoint
+        is visible only once committed (:mod:`mpikv.saving`), so none is left
+        half-written in its place. Its worker thread is left (a daemon: every call
+        of the lost store fails at once).
+        """
+        for handle in self._saves:
+            handle.abandon()
+        self._saves.clear()
 
     def save_checkpoint(self, fname):
         """Saves the stored values, the optimizer and its states in one file set; collective.

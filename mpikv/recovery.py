@@ -1,12 +1,11 @@
-"""Going on after a lost rank: a store over the survivors, the lost store let go.
+"""Going on after a lost rank: a store over the survivors.
 
 A fault-tolerant store that lost a rank raises :class:`mpikv.RankLostError` on
 every survivor and is unusable from then on; its collective calls (``close``
-included) can no longer be made. These helpers are what a survivor does next,
-the same on every survivor: let the old store go without a collective call
-(:func:`abandon`), and make a new store over the survivors
-(:func:`create_on_survivors`). Callers above the store (the Trainer) use them
-so as to name no communicator. See docs/fault-tolerance.md.
+included) can no longer be made (:meth:`mpikv.KVStore.abandon` lets it go).
+:func:`create_on_survivors` makes the survivors' new store from the error, so
+that callers above the store (the Trainer) name no communicator. See
+docs/fault-tolerance.md.
 """
 
 from . import errors
@@ -31,18 +30,4 @@ def create_on_survivors(lost, name="dist_sync", **options):
     return create(name, comm=lost.comm, **options)
 
 
-def abandon(kv):
-    """Lets a store that lost a rank go, on this rank alone (no collective call).
-
-    Its background checkpoint writes end and are never committed: a checkpoint
-    is visible only once committed (:mod:`mpikv.saving`), so none is left
-    half-written in its place. Its worker thread is left (a daemon: it has
-    nothing more to do).
-    """
-    for handle in getattr(kv, "_saves", ()):
-        handle.abandon()
-    if hasattr(kv, "_saves"):
-        kv._saves.clear()
-
-
-__all__ = ["abandon", "create_on_survivors"]
+__all__ = ["create_on_survivors"]

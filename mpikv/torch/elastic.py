@@ -25,7 +25,6 @@ uninterrupted run, at the cost of the steps since the checkpoint.
 import torch
 
 from ..errors import MPIKVError, RankLostError
-from .. import recovery
 
 
 def run(trainer, step_fn, steps, min_workers):
@@ -96,7 +95,7 @@ def _let_go(trainer):
         pass   # its queued calls met the loss too
     trainer._kv._protocol.remove_settler(trainer._settle_for_user)
     trainer._resumer.abandon()
-    recovery.abandon(trainer._kv)
+    trainer._kv.abandon()
     with torch.no_grad():   # the parameters were views of the lost store's buffers
         for p in trainer._params:
             p.data = p.data.clone()
@@ -105,20 +104,9 @@ def _let_go(trainer):
 
 def _rebuild(trainer, lost):
     """The Trainer made again on a new store over the survivors, then resumed."""
-    from .trainer import _make_store
     made = dict(trainer._made_with)
-    directory, every, resume_options = trainer._resume_args
     _let_go(trainer)
-    kvstore = made["kvstore"]
-    if kvstore is not None and not isinstance(kvstore, str):
-        kvstore = kvstore.type   # a store passed in: one of its type (default options)
-    store = _make_store(kvstore, trainer._params, made["compression"] is not None,
-                        whole=not trainer.split_parameters, fault_tolerant=True,
-                        survivors=lost)
-    trainer.__init__(**dict(made, kvstore=store))
-    trainer._made_with = made
-    trainer._owns_store = True
-    trainer.resume(directory, every, **resume_options)
+    trainer._remake(made, lost)
 
 
 __all__ = ["run"]

@@ -289,6 +289,22 @@ class Trainer(ClosesAfterWith):
         return run(self, step_fn, steps,
                    self.min_workers if min_workers is None else min_workers)
 
+    def _remake(self, made, lost):
+        """After a lost rank (:mod:`.elastic`, once the lost store was let go): this
+        Trainer made again with the arguments ``made`` on a new store over the
+        survivors of ``lost``, then resumed from the newest complete checkpoint."""
+        directory, every, resume_options = self._resume_args
+        kvstore = made["kvstore"]
+        if kvstore is not None and not isinstance(kvstore, str):
+            kvstore = kvstore.type   # a store passed in: one of its type (default options)
+        store = _make_store(kvstore, self._params, made["compression"] is not None,
+                            whole=not self.split_parameters, fault_tolerant=True,
+                            survivors=lost)
+        self.__init__(**dict(made, kvstore=store))
+        self._made_with = made
+        self._owns_store = True
+        self.resume(directory, every, **resume_options)
+
     # -- setup -------------------------------------------------------------
     def _wire(self, bucket_bytes):
         """Makes every parameter's storage and gradient views into the store's buffers."""
@@ -1268,6 +1284,8 @@ def _make_store(kvstore, params, compressed=False, whole=False, private=False,
         options["shared_memory"] = False
     if fault_tolerant is not None:
         options["fault_tolerant"] = fault_tolerant
+    if survivors is not None:   # no seconds of probing the strategies at each loss
+        options["autotune"] = False
     on_gpu = any(tensors.is_device(p) for p in params)
     if kvstore is None:
         name = "dist_sync_device" if on_gpu else "dist_sync"
