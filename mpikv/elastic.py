@@ -92,9 +92,15 @@ def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, create):
     _check(every, keep, min_workers)
     directory = Path(directory)
     steps = steps if isinstance(steps, int) else list(steps)
-    done = _start(kv, directory, keep)
+    lost = None
     while True:
         try:
+            if lost is not None:   # (a loss during a recovery: recovered again)
+                lost, survived = None, lost
+                kv = _survivors_store(kv, survived, min_workers, directory, create)
+                if setup is not None:
+                    setup(kv)
+            done = _start(kv, directory, keep)
             for i in _todo(steps, done):
                 step_fn(kv, i)
                 done = i + 1
@@ -102,11 +108,8 @@ def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, create):
                     kv.save_checkpoint(str(directory / name_of(done)))
                     _prune(kv, directory, keep)
             return kv
-        except errors.RankLostError as lost:
-            kv = _survivors_store(kv, lost, min_workers, directory, create)
-            if setup is not None:
-                setup(kv)
-            done = _start(kv, directory, keep)
+        except errors.RankLostError as exc:
+            lost = exc
 
 
 def _survivors_store(kv, lost, min_workers, directory, create):

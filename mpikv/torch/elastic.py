@@ -33,19 +33,23 @@ def run(trainer, step_fn, steps, min_workers):
         raise MPIKVError(f"trainer.run: min_workers must be a positive int, not {min_workers!r}")
     if not isinstance(steps, int):
         steps = list(steps)
-    resumer = trainer._resumer
-    if resumer is not None and resumer.loaded is None and _fault_tolerant(trainer):
-        # (the same on every rank: resume's load is collective) A loss before the
-        # first periodic checkpoint goes back to this start, not to the weights
-        # some survivor holds then.
-        resumer.save()
+    lost = None
     while True:
         try:
+            if lost is not None:   # (a loss during a recovery: recovered again)
+                lost, survived = None, lost
+                _recover(trainer, survived, min_workers)
+            resumer = trainer._resumer
+            if resumer is not None and resumer.since is None and _fault_tolerant(trainer):
+                # (the same on every rank: resume's load is collective) A loss before
+                # the first periodic checkpoint goes back to this start, not to the
+                # weights some survivor holds then.
+                resumer.save()
             for i in _todo(steps, trainer.num_update):
                 step_fn(i)
             return trainer.num_update
-        except RankLostError as lost:
-            _recover(trainer, lost, min_workers)
+        except RankLostError as exc:
+            lost = exc
 
 
 def _todo(steps, done):
@@ -63,8 +67,9 @@ def _recover(trainer, lost, min_workers):
     """Every survivor alike: the Trainer made again over the survivors, from the
     latest complete checkpoint; or one MPIKVError where it cannot go on."""
     n = len(lost.survivors)
+    resumed = getattr(trainer, "_resume_args", None)
     where = ("no checkpoints (call trainer.resume(directory, every=K) before trainer.run)"
-             if trainer._resumer is None else
+             if resumed is None else
              f"the latest complete checkpoint is in {trainer._resume_args[0]} "
              f"(trainer.resume loads it on any number of ranks)")
     # Each test reads only what every survivor holds alike (the agreed error, the
@@ -72,7 +77,7 @@ def _recover(trainer, lost, min_workers):
     if n < min_workers:
         raise MPIKVError(f"trainer.run: {n} rank{'s survive' if n > 1 else ' survives'}, fewer than "
                          f"min_workers={min_workers} ({lost}); {where}") from lost
-    if trainer._resumer is None:
+    if resumed is None:
         raise MPIKVError(f"trainer.run cannot go on after a lost rank with {where}: "
                          f"{lost}") from lost
     if trainer.shard == "parameters" or trainer._sparse is not None:
@@ -84,9 +89,10 @@ def _recover(trainer, lost, min_workers):
 
 def _let_go(trainer):
     """Ends what the Trainer holds on the lost store, on this rank alone."""
-    for hook in trainer._hooks or ():
+    # (after a loss during a recovery, a remade Trainer may be half made)
+    for hook in getattr(trainer, "_hooks", None) or ():
         hook.remove()
-    for hook in trainer._forward_hooks:
+    for hook in getattr(trainer, "_forward_hooks", ()):
         hook.remove()
     trainer._detach_sync_bn()
     try:
@@ -94,7 +100,8 @@ def _let_go(trainer):
     except MPIKVError:
         pass   # its queued calls met the loss too
     trainer._kv._protocol.remove_settler(trainer._settle_for_user)
-    trainer._resumer.abandon()
+    if trainer._resumer is not None:
+        trainer._resumer.abandon()
     trainer._kv.abandon()
     with torch.no_grad():   # the parameters were views of the lost store's buffers
         for p in trainer._params:

@@ -140,7 +140,8 @@ class Resumer:
         self.background = bool(background)
         self._writing = None      # the store's SaveHandle of a checkpoint being written
         self._commit_due = False  # every rank's part of it is on disk (the status said)
-        self.loaded = None        # the step of the checkpoint start() loaded, if any
+        self.since = None         # the step of the newest complete checkpoint of this
+                                  # run (start() loaded, or saved since), if any
 
     # -- starting --------------------------------------------------------------------
     def start(self):
@@ -161,7 +162,7 @@ class Resumer:
                 import torch
                 self._state.load_state_dict(torch.load(state_path(path), weights_only=False))
             step = found
-            self.loaded = found
+            self.since = found
             break
         if kv.rank == 0:   # partial saves and those that would not load
             remove(self.directory, {s for s, _ in newest_first(
@@ -248,6 +249,7 @@ class Resumer:
         """A complete checkpoint of this step (the user's state ``user``, as taken at
         the update, first), then the old ones beyond ``keep`` go; collective."""
         self._trainer._save(self._begin(user))
+        self.since = self._trainer.num_update
         self._last_save = time.monotonic()
         self._prune()
 
