@@ -23,6 +23,8 @@ Subcommands, from a clone of mpikv (``python -m mpikv bench``, ``python -m bench
     scripts/mpirun.sh -n 2 python -m mpikv bench gpu --workload resnet50
     # train: ResNet-18 and BERT steps, mpikv's torch Trainer against DDP (bench train -h)
     scripts/mpirun.sh -n 2 python -m mpikv bench train
+    # embedding: the CTR example's ShardedEmbedding against DDP (bench embedding -h)
+    scripts/mpirun.sh -n 2 python -m mpikv bench embedding
     # saves: what trainer.resume's checkpoints (background or not) cost ResNet-18 steps
     scripts/mpirun.sh -n 2 python -m mpikv bench saves --every 20
     # compression: bytes moved and time per push, none / 2bit / fp16 / bf16 (-h for options)
@@ -687,6 +689,9 @@ def main(argv=None):
     if argv[:1] == ["rows"]:  # row tables (issue 23) against raw mpi4py (options of its own)
         from benchmarks.bench_rows import main as rows_main
         return rows_main(argv[1:])
+    if argv[:1] == ["embedding"]:  # the CTR example's ShardedEmbedding against DDP (issue 23)
+        from benchmarks.bench_embedding import main as embedding_main
+        return embedding_main(argv[1:])
     if argv[:1] == ["saves"]:  # trainer.resume's checkpoints in a loop (issue 24)
         from benchmarks.bench_saves import main as saves_main
         return saves_main(argv[1:])
