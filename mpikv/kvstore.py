@@ -401,7 +401,7 @@ class KVStore(ClosesAfterWith):
                                      push=True, pull=True)
 
     # -- row tables ------------------------------------------------------
-    def init_rows(self, key, shape, dtype=np.float32, init=None):
+    def init_rows(self, key, shape, dtype=np.float32, init=None, row_sparse_weight=False):
         """Creates a row table: ``key``'s rows live on their owners only.
 
         Rank ``r`` owns the ``r``-th of ``num_workers`` near-equal blocks of rows
@@ -415,10 +415,14 @@ class KVStore(ClosesAfterWith):
             dtype: its dtype.
             init: ``init(first_row, stop_row)`` returning this rank's rows, a
                 number for every element, or None (zeros).
+            row_sparse_weight: the value is row-sparse, as an MXNet
+                ``row_sparse`` weight: an optimizer whose MXNet kernel for such
+                weights steps only the rows present (Ftrl) does so here too.
         """
         call = Call("init_rows")
         shape = tuple(int(d) for d in np.atleast_1d(shape))
-        call.settings.update(key=repr(key), shape=str(shape), dtype=str(np.dtype(dtype)))
+        call.settings.update(key=repr(key), shape=str(shape), dtype=str(np.dtype(dtype)),
+                             row_sparse_weight=str(bool(row_sparse_weight)))
         table = None
         if key in self._rows or self._engine.lookup(key) is not None:
             call.fail(errors.DuplicateInitError, key, f"key {key!r} is already initialised")
@@ -426,7 +430,7 @@ class KVStore(ClosesAfterWith):
             call.fail(errors.ShapeError, key, f"a row table needs rows: shape {shape}")
         else:   # this rank's rows first: an initializer that fails fails every rank
             try:
-                table = self._rows.make(shape, dtype, init)
+                table = self._rows.make(shape, dtype, init, row_sparse_weight)
             except errors.MPIKVError as exc:
                 call.fail(type(exc), key, f"row table {key!r}: {exc}")
             except Exception as exc:  # noqa: BLE001 - the user's initializer

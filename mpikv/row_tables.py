@@ -27,9 +27,12 @@ class RowTable:
         bounds: ``bounds[r]`` is rank ``r``'s first row (``bounds[-1]`` the row count).
         block: this rank's rows.
         state: the optimizer state of the block, or None.
+        row_sparse_weight: the value is row-sparse (MXNet's row_sparse weights):
+            a rule with a kernel of its own for such weights steps only the rows
+            pushed (see :func:`_lazy`). Set at creation, not saved.
     """
 
-    def __init__(self, shape, dtype, rank, size):
+    def __init__(self, shape, dtype, rank, size, row_sparse_weight=False):
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.bounds = [a for a, _ in split_bounds(self.shape[0], size)] + [self.shape[0]]
         self.cuts = np.asarray(self.bounds, np.int64)
@@ -37,6 +40,7 @@ class RowTable:
         self.lo, self.hi = self.bounds[rank], self.bounds[rank + 1]
         self.block = np.zeros((self.hi - self.lo, *self.shape[1:]), self.dtype)
         self.state = None
+        self.row_sparse_weight = bool(row_sparse_weight)
 
     @property
     def row_size(self):
@@ -62,7 +66,7 @@ class RowTables:
     def __contains__(self, key):
         return key in self.tables
 
-    def make(self, shape, dtype, init):
+    def make(self, shape, dtype, init, row_sparse_weight=False):
         """This rank's block of a new table, filled with ``init(first_row, stop_row)``
         (this rank's rows), a number, or zeros (None); not installed yet.
 
@@ -70,7 +74,7 @@ class RowTables:
             ShapeError: ``init`` gave another shape than the block's.
         """
         t = self.transport
-        table = RowTable(shape, dtype, t.rank, t.size)
+        table = RowTable(shape, dtype, t.rank, t.size, row_sparse_weight)
         if callable(init):
             rows = np.asarray(init(table.lo, table.hi))
             if rows.shape != table.block.shape:
@@ -237,7 +241,7 @@ def _apply(key, table, rows, owners):
         return
     if table.state is None:
         table.state = opt.create_state(key, table.block)
-    if not getattr(opt, "lazy_update", False):
+    if not _lazy(opt, table):
         # Dense semantics: every row steps, the untouched ones with a zero gradient.
         grad = np.zeros_like(table.block)
         grad[rows.indices] = rows.data
@@ -251,6 +255,14 @@ def _apply(key, table, rows, owners):
     for name, a in state.items():
         if name != COUNT:
             table.state[name][touched] = a
+
+
+def _lazy(opt, table):
+    """Whether ``opt`` steps only the pushed rows of ``table``: its ``lazy_update``, or a
+    row-sparse weight and a rule whose kernel for those is lazy (MXNet's Ftrl: a dense
+    step would zero the rows never pushed, MXNet's row_sparse kernel keeps them)."""
+    return bool(getattr(opt, "lazy_update", False)) or (
+        table.row_sparse_weight and bool(getattr(opt, "lazy_on_row_sparse_weights", False)))
 
 
 __all__ = ["RowTable", "RowTables", "part_entries", "describe", "stage", "install"]

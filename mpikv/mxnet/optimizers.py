@@ -207,6 +207,12 @@ def _over(array):
 #: MXNet classes whose update reads the whole weight (norms, a row-wise state): refused
 #: for keys split over several owners
 WHOLE_WEIGHT_RULES = ("LARS", "LBSGD", "GroupAdaGrad")
+#: MXNet rules that step only the rows of a row_sparse gradient when the weight is
+#: row_sparse too, and every row when it is dense. Found in MXNet 1.9.1 by one sparse
+#: update of each ``mx.optimizer`` on a dense and a row_sparse copy of a weight: only
+#: Ftrl differs (its dense kernel zeroes the rows never pushed; SGLD's noise, Adamax's
+#: NaNs and ``Test``'s TypeError on a row_sparse weight aside).
+LAZY_ON_ROW_SPARSE_WEIGHTS = ("Ftrl",)
 #: MXNet classes whose update draws random numbers: no trial update (it would move
 #: MXNet's global random state)
 RANDOM_RULES = ("SGLD",)
@@ -285,6 +291,12 @@ class MXNetRule(mpikv_optimizer.Optimizer):
         updates only the rows it carries; otherwise every row steps, as MXNet's
         storage fallback does."""
         return bool(self.attributes.get("lazy_update", False))
+
+    @property
+    def lazy_on_row_sparse_weights(self):
+        """Whether MXNet's kernel of this rule for a row_sparse weight steps only the
+        rows pushed (:data:`LAZY_ON_ROW_SPARSE_WEIGHTS`), where its dense one steps every row."""
+        return self.kind.rpartition(":")[2] in LAZY_ON_ROW_SPARSE_WEIGHTS
 
     @property
     def whole_weight(self):

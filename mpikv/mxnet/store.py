@@ -330,7 +330,8 @@ class KVStore(ClosesAfterWith, mx.kv.KVStore):
                 bits[...] = 0
             self._kv.allreduce_(bits, tag=f"mpikv.mxnet: the value of row table {key!r}")
         self._kv.init_rows(key, shape, dtype,
-                           init=None if value.ndim == 0 else (lambda lo, hi: value[lo:hi]))
+                           init=None if value.ndim == 0 else (lambda lo, hi: value[lo:hi]),
+                           row_sparse_weight=nd.stype == "row_sparse")
         self._row_keys[key] = (shape, dtype)
 
     def _push_rows(self, key, entry):

@@ -84,6 +84,8 @@ SPARSE_OPTIMIZERS = [
     _params("adam", {"learning_rate": 0.05, "lazy_update": False}),
     _params("signum", {"learning_rate": 0.05, "wd": 0.01}),     # MXNet's own, dense fallback
     _params("ftml", {"learning_rate": 0.05}),
+    # MXNet's own; lazy on a row_sparse weight only (its dense kernel zeroes rows never pushed)
+    _params("ftrl", {"learning_rate": 0.05, "wd": 0.01}),
 ]
 
 
@@ -110,7 +112,7 @@ def test_gluon_sparse_trainer_equals_mxnets_local_run(comm, sparse_weight, optim
     emb = trainer._param2idx[net[0].weight.name]
     assert kv._row_keys == {emb: ((ROWS, DIM), np.dtype(np.float32))}
     rule = type(kv.kvstore.optimizer).__name__
-    assert rule == ("MXNetRule" if optimizer in ("signum", "ftml") else
+    assert rule == ("MXNetRule" if optimizer in ("signum", "ftml", "ftrl") else
                     {"sgd": "SGD", "adam": "Adam"}[optimizer])
     for g, w in zip(got, want):   # (float32 rounding: helpers.close's tolerance)
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-6)
