@@ -80,16 +80,20 @@ def _todo(steps, done):
     return [i for i in steps if i >= done]
 
 
-def _check(every, keep, min_workers):
+def _check(kv, every, keep, min_workers):
+    """Raises on every rank (at the first collective call) where some rank's
+    arguments are bad; the others would otherwise wait for it."""
     for name, value in (("every", every), ("keep", keep), ("min_workers", min_workers)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise errors.InputError(f"kv.run: {name} must be a positive int, not {value!r}")
+            kv.fail_next_call(errors.InputError,
+                              f"kv.run: {name} must be a positive int, not {value!r}")
+            kv.barrier()
 
 
 def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, create):
     """:meth:`mpikv.KVStore.run` (see there); ``create`` is :func:`mpikv.kvstore.create`
     (handed in: the store's module imports this one)."""
-    _check(every, keep, min_workers)
+    _check(kv, every, keep, min_workers)
     directory = Path(directory)
     steps = steps if isinstance(steps, int) else list(steps)
     lost = None

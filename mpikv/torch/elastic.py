@@ -24,13 +24,17 @@ uninterrupted run, at the cost of the steps since the checkpoint.
 
 import torch
 
-from ..errors import MPIKVError, RankLostError
+from ..errors import InputError, MPIKVError, RankLostError
 
 
 def run(trainer, step_fn, steps, min_workers):
     """:meth:`mpikv.torch.Trainer.run` (see there)."""
-    if not isinstance(min_workers, int) or min_workers < 1:
-        raise MPIKVError(f"trainer.run: min_workers must be a positive int, not {min_workers!r}")
+    if not isinstance(min_workers, int) or isinstance(min_workers, bool) or min_workers < 1:
+        # (on every rank, through the next call's agreement: not here alone)
+        kv = trainer.kvstore
+        kv.fail_next_call(InputError, f"trainer.run: min_workers must be a positive int, "
+                                      f"not {min_workers!r}")
+        kv.barrier()
     if not isinstance(steps, int):
         steps = list(steps)
     lost = None

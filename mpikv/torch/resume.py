@@ -140,8 +140,8 @@ class Resumer:
         self.background = bool(background)
         self._writing = None      # the store's SaveHandle of a checkpoint being written
         self._commit_due = False  # every rank's part of it is on disk (the status said)
-        self.since = None         # the step of the newest complete checkpoint of this
-                                  # run (start() loaded, or saved since), if any
+        self.since = None         # the step of a complete checkpoint this run can go
+                                  # back to (start() loaded it, or save() made it), if any
 
     # -- starting --------------------------------------------------------------------
     def start(self):

@@ -44,5 +44,5 @@ def test_run_saves_every_k_steps_and_a_new_run_goes_on_from_the_newest(tmp_path)
     ({"every": 2, "min_workers": None}, "min_workers must be a positive int, not None"),
 ])
 def test_run_refuses_bad_arguments(tmp_path, kwargs, says):
-    with pytest.raises(mpikv.InputError, match=f"^kv.run: {says}$"):
+    with pytest.raises(mpikv.InputError, match=f"^barrier: kv.run: {says}; nothing was applied$"):
         _store().run(lambda kv, i: None, 3, tmp_path, **kwargs)
