@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,6 +26,47 @@ def launch(cmd, env):
         if proc.returncode == 0 or LAUNCH_FAILED not in output or attempt == 2:
             return proc.returncode, note + output
         note = f"[launch failed before any rank started; tried again]\n{output}\n"
+
+
+def run_with_defaults(n, script, *args, label="job"):
+    """Runs ``python SCRIPT ARGS TAG`` on ``n`` ranks with mpikv's default settings (no
+    ``MPIKV_*`` variable but ``MPIKV_VENV``; a hang ends at 120 s) and asserts that no
+    process whose command line holds TAG is left.
+
+    Returns:
+        (returncode, stdout, stderr, seconds)
+    """
+    tag = f"mpikv-{label}-{uuid.uuid4().hex}"
+    cmd = ["timeout", "-k", "5", "120", str(MPIRUN), "-n", str(n), sys.executable, script,
+           *map(str, args), tag]
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MPIKV_") or k == "MPIKV_VENV"}
+    env["PYTHONUNBUFFERED"] = "1"
+    for attempt in (1, 2):
+        start = time.monotonic()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+        seconds = time.monotonic() - start
+        out, err = proc.stdout.replace("\x00", ""), proc.stderr.replace("\x00", "")
+        if proc.returncode == 0 or LAUNCH_FAILED not in out + err or attempt == 2:
+            break
+    assert not left_running(tag), f"processes left: {left_running(tag)}\n{err}"
+    return proc.returncode, out, err, seconds
+
+
+def left_running(tag, grace=5.0):
+    """The processes whose command line holds ``tag``, after a short grace."""
+    deadline = time.monotonic() + grace
+    while True:
+        found = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and tag.encode() in (proc / "cmdline").read_bytes():
+                    found.append(int(proc.name))
+            except OSError:
+                pass
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
 
 
 def run_job(n, *args, timeout=120, env=None):

@@ -2,16 +2,10 @@
 (issue 26, item 7) neither hangs nor deadlocks: the launcher makes them before
 the store's exit call, under the default settings (a 600 s timeout)."""
 
-import os
-import subprocess
-import sys
-import time
-import uuid
-
 import pytest
 
-from .conftest import LAUNCH_FAILED, MPIRUN, ROOT
-from .test_uneven_calls import BOUND, _left
+from .conftest import run_with_defaults
+from .test_uneven_calls import BOUND
 
 pytest.importorskip("torch")
 
@@ -20,21 +14,7 @@ SCRIPT = "tests/jobs/scripts/queued_at_exit.py"
 
 def run(n, case, odd):
     """Runs the script on ``n`` ranks; returns (returncode, stdout, stderr, seconds)."""
-    tag = f"mpikv-queued-{uuid.uuid4().hex}"
-    cmd = ["timeout", "-k", "5", "120", str(MPIRUN), "-n", str(n), sys.executable, SCRIPT,
-           case, str(odd), tag]
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MPIKV_") or k == "MPIKV_VENV"}   # the defaults
-    env["PYTHONUNBUFFERED"] = "1"
-    for attempt in (1, 2):
-        start = time.monotonic()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-        seconds = time.monotonic() - start
-        out, err = proc.stdout.replace("\x00", ""), proc.stderr.replace("\x00", "")
-        if proc.returncode == 0 or LAUNCH_FAILED not in out + err or attempt == 2:
-            break
-    assert not _left(tag), f"processes left: {_left(tag)}\n{err}"
-    return proc.returncode, out, err, seconds
+    return run_with_defaults(n, SCRIPT, case, odd, label="queued")
 
 
 @pytest.mark.parametrize("n", [3])

@@ -5,18 +5,11 @@ the top of standard error, the same on every rank (issue 27, item 4).
 Before, each of these jobs waited for the timeout, then named internal calls.
 """
 
-import os
-import subprocess
-import sys
-import time
-import uuid
-from pathlib import Path
-
 import pytest
 
 from mpikv.agreement import format_ranks
 
-from .conftest import LAUNCH_FAILED, MPIRUN, ROOT
+from .conftest import run_with_defaults
 
 pytest.importorskip("torch")
 
@@ -34,37 +27,7 @@ def run(n, case, odd, tmp_path):
     Returns:
         (returncode, stdout, stderr, seconds)
     """
-    tag = f"mpikv-uneven-{uuid.uuid4().hex}"
-    cmd = ["timeout", "-k", "5", "120", str(MPIRUN), "-n", str(n), sys.executable, SCRIPT,
-           case, str(odd), str(tmp_path / "ckpt"), tag]
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MPIKV_") or k == "MPIKV_VENV"}   # the defaults
-    env["PYTHONUNBUFFERED"] = "1"
-    for attempt in (1, 2):
-        start = time.monotonic()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-        seconds = time.monotonic() - start
-        out, err = proc.stdout.replace("\x00", ""), proc.stderr.replace("\x00", "")
-        if proc.returncode == 0 or LAUNCH_FAILED not in out + err or attempt == 2:
-            break
-    assert not _left(tag), f"processes left: {_left(tag)}\n{err}"
-    return proc.returncode, out, err, seconds
-
-
-def _left(tag, grace=5.0):
-    """The processes whose command line holds ``tag``, after a short grace."""
-    deadline = time.monotonic() + grace
-    while True:
-        found = []
-        for proc in Path("/proc").iterdir():
-            try:
-                if proc.name.isdigit() and tag.encode() in (proc / "cmdline").read_bytes():
-                    found.append(int(proc.name))
-            except OSError:
-                pass
-        if not found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.1)
+    return run_with_defaults(n, SCRIPT, case, odd, tmp_path / "ckpt", label="uneven")
 
 
 def ended_with(n, case, odd, tmp_path, message):
