@@ -23,6 +23,10 @@ start=$SECONDS
 # Tests use the measured default table (no probe at each store's creation, no cache
 # written to the home directory); the tuner has tests of its own.
 export MPIKV_AUTOTUNE=${MPIKV_AUTOTUNE:-0}
+# One thread per rank, as torchrun sets for several processes per node: 2-4 ranks on the
+# runner's cores, each with a thread per core, spin against each other (the 4-rank
+# Trainer tests took 1.2 x as long with torch's default here).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # ... and never the tuning cache of this machine's user: a table found there
 # would change which strategies the tests run.
 cache=$(mktemp -d)
