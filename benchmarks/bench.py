@@ -27,6 +27,8 @@ Subcommands, from a clone of mpikv (``python -m mpikv bench``, ``python -m bench
     scripts/mpirun.sh -n 2 python -m mpikv bench embedding
     # saves: what trainer.resume's checkpoints (background or not) cost ResNet-18 steps
     scripts/mpirun.sh -n 2 python -m mpikv bench saves --every 20
+    # ft: fault tolerance's cost on ResNet-18 steps, and a kill -9's (a ULFM launch)
+    scripts/mpirun.sh --ft -n 3 python -m mpikv bench ft --kill 1@25
     # compression: bytes moved and time per push, none / 2bit / fp16 / bf16 (-h for options)
     scripts/mpirun.sh -n 2 python -m mpikv bench compression
 
@@ -695,6 +697,9 @@ def main(argv=None):
     if argv[:1] == ["saves"]:  # trainer.resume's checkpoints in a loop (issue 24)
         from benchmarks.bench_saves import main as saves_main
         return saves_main(argv[1:])
+    if argv[:1] == ["ft"]:  # fault tolerance's cost and a lost rank's, ResNet-18 (issue 28)
+        from benchmarks.bench_ft import main as ft_main
+        return ft_main(argv[1:])
     if argv[:1] == ["compression"]:  # bytes and time of compressed pushes (options of its own)
         from benchmarks.bench_compression import main as compression_main
         return compression_main(argv[1:])
