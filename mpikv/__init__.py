@@ -9,6 +9,18 @@ from .rowsparse import RowSparse
 __all__ = ["create", "Handle", "RowSparse", "__version__", *_errors_all]
 
 
+def _heartbeat_if_mpi_runs():
+    # MPI started before mpikv was imported (``from mpi4py import MPI`` first) under a
+    # ULFM launch: the detector's heartbeats from now on, not at the first store only.
+    import sys
+    if "mpi4py.MPI" in sys.modules:
+        from .transport.ulfm import heartbeat_for_launch
+        heartbeat_for_launch()
+
+
+_heartbeat_if_mpi_runs()
+
+
 def create(name="local", comm=None, timeout=None, **options):  # noqa: D401
     """Creates a key-value store (see :func:`mpikv.kvstore.create`).
 

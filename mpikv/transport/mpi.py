@@ -50,6 +50,8 @@ class MPITransport(Transport):
         # Agreement runs in the caller's thread while the store's worker thread
         # may be inside a data collective: separate communicators keep them apart.
         self.agree_comm = comm.Dup()
+        # Under --ft every rank needs heartbeats, fault-tolerant store or not.
+        ulfm.heartbeat_for_launch()
         # ULFM: the same answer (or error) on every rank, before any other collective.
         try:
             self.fault_tolerant = ulfm.agree_on_support(
@@ -60,7 +62,6 @@ class MPITransport(Transport):
             raise
         self._recovery = None
         if self.fault_tolerant:
-            ulfm.start_heartbeat()
             ulfm.set_errors_return(self.comm, self.agree_comm)
             self._recovery = ulfm.Recovery(self._ft_comms, self.agree_comm, self.world_rank,
                                            options.timeout, format_what,

@@ -190,6 +190,24 @@ def start_heartbeat(period=HEARTBEAT_PERIOD):
         _heartbeat.join()
 
 
+def heartbeat_for_launch(environ=None):
+    """Starts :func:`start_heartbeat` when this is a ULFM launch and MPI is running,
+    whether or not any store is fault tolerant.
+
+    Under ``--ft`` the failure detector watches every rank from ``MPI_Init`` on: a
+    rank that computes past its timeout before a fault-tolerant store exists (an
+    import of torch after MPI started, a store made with ``fault_tolerant=False``)
+    would be declared dead (seen in ``bench ft`` under load).
+
+    Args:
+        environ: the environment (default ``os.environ``).
+    """
+    env = os.environ if environ is None else environ
+    if str(env.get("OMPI_MCA_mpi_ft_enable", "")).strip().lower() in _TRUE and \
+            MPI.Is_initialized() and not MPI.Is_finalized():
+        start_heartbeat()
+
+
 # -- after a failure ----------------------------------------------------------------
 class Recovery:
     """Turns a store's first MPI failure into one agreed :class:`RankLostError`.

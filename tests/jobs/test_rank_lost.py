@@ -167,8 +167,11 @@ def test_ft_launch_is_not_refused():
     assert out.count("created: not refused\n") == 2, out
 
 
-def test_a_rank_computing_longer_than_the_detector_timeout_is_not_lost():
-    rc, out, seconds = run_ft(3, "slow")
+@pytest.mark.parametrize("case", ["slow", "slow_plain", "slow_start"])
+def test_a_rank_computing_longer_than_the_detector_timeout_is_not_lost(case):
+    """In a fault-tolerant store, in one made with fault_tolerant=False under --ft, and
+    before any store when MPI started before mpikv was imported: heartbeats go on."""
+    rc, out, seconds = run_ft(3, case)
     assert rc == 0, out
     assert sorted(re.findall(r"rank (\d): finished without a loss", out)) == ["0", "1", "2"], out
     assert seconds > 6, out

@@ -16,6 +16,10 @@ CASE says where rank 1 dies while the others go on calling the store:
   slow       nobody dies; rank 2 computes (sleeps) 6 s, 3 x the detector's timeout,
              between two calls: it must not be taken for dead
   refuse     nobody dies: the store's creation must be refused (no ULFM launch)
+  slow_plain as slow, with a store made with fault_tolerant=False: the launch's
+             detector watches it all the same
+  slow_start nobody dies; MPI starts before mpikv is imported, and rank 2 sleeps 6 s
+             before the first store is made
 TOKEN is ignored: it marks the processes, for the test's look for leftovers.
 
 Each survivor prints ``rank R: RankLostError: <message>``, then ``lost=[..]
@@ -29,7 +33,10 @@ import time
 
 import numpy as np
 
-import mpikv
+if sys.argv[1:2] == ["slow_start"]:
+    from mpi4py import MPI  # noqa: F401 - MPI first, as many programs do
+
+import mpikv  # noqa: E402
 
 STEPS, DIE_AT = 200, 20
 KEYS = ["a", "b", "c", "w"]
@@ -44,7 +51,10 @@ def main(case):
             return
         print("created: not refused", flush=True)
         return
-    kv = mpikv.create("dist_sync", fault_tolerant=True, timeout=60, autotune=False)
+    if case == "slow_start" and MPI.COMM_WORLD.Get_rank() == 2:
+        time.sleep(6.0)
+    kv = mpikv.create("dist_sync", fault_tolerant=case != "slow_plain", timeout=60,
+                      autotune=False)
     rank = kv.rank
     values = [np.zeros(1000) for _ in KEYS]
     kv.init(KEYS, values)
@@ -67,7 +77,7 @@ def main(case):
                 continue
             if case in ("agreement", "sigkill") and i == DIE_AT and rank == 1:
                 die(signal.SIGKILL if case == "sigkill" else None)
-            if case == "slow" and i == DIE_AT and rank == 2:
+            if case in ("slow", "slow_plain") and i == DIE_AT and rank == 2:
                 time.sleep(6.0)
             grads = [np.full(1000, rank + 1.0) for _ in KEYS]
             if case == "async":
