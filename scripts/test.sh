@@ -20,6 +20,8 @@ if ! "$py" -c "import torch" 2>/dev/null && "$py" -c "import sys; sys.exit(sys.v
   "$py" -m pip install torch==2.13.0 >> .venv/install.log 2>&1 || echo "torch 2.13.0 could not be installed; its tests will be skipped"
 fi
 start=$SECONDS
+# Each part's header says when it began: where the suite's minutes go, in CI's log too.
+section() { echo "== [$((SECONDS - start)) s] $*"; }
 # Tests use the measured default table (no probe at each store's creation, no cache
 # written to the home directory); the tuner has tests of its own.
 export MPIKV_AUTOTUNE=${MPIKV_AUTOTUNE:-0}
@@ -37,11 +39,11 @@ export MPIKV_CACHE_DIR=$cache
 daemons() { ps -eo pid=,comm= | awk '$2 ~ /^(slurmctld|slurmd|munged|prterun|prted|mpiexec)$/ {print $1}' | sort; }
 before=$(daemons)
 
-echo "== unit, local-store and job tests"
+section "unit, local-store and job tests"
 timeout -k 10 900 "$py" -m pytest tests/unit tests/jobs -q --color=no -p no:randomly || status=1
 
 for n in 1 2 3 4; do
-  echo "== collective tests on $n rank(s)"
+  section "collective tests on $n rank(s)"
   # Rank 0 reports; the others' summaries would repeat it. Any failing rank fails the run.
   timeout -k 10 600 scripts/mpirun.sh -n "$n" sh -c '
     if [ "${PMIX_RANK:-${PMI_RANK:-0}}" = 0 ]; then
@@ -57,7 +59,7 @@ done
 # why it skipped them otherwise.
 mxvenv=${MPIKV_MXNET_VENV:-.venv-mxnet}
 mxpy=$mxvenv/bin/python
-echo "== MXNet tests (mpikv.mxnet) in $mxvenv"
+section "MXNet tests (mpikv.mxnet) in $mxvenv"
 if ! timeout -k 10 180 bash scripts/setup_mxnet.sh; then
   echo "MXNet tests skipped: setting up $mxvenv failed or took over 3 minutes"
 elif ! "$mxpy" -c "import mxnet" >/dev/null 2>&1; then
@@ -67,7 +69,7 @@ else
   # resume on another number of ranks.
   OMP_NUM_THREADS=1 timeout -k 10 600 "$mxpy" -m pytest tests/mxnet -q --color=no -p no:randomly || status=1
   for n in 1 2 3 4; do
-    echo "== MXNet collective tests on $n rank(s)"
+    section "MXNet collective tests on $n rank(s)"
     OMP_NUM_THREADS=1 MPIKV_VENV=$mxvenv timeout -k 10 600 scripts/mpirun.sh -n "$n" sh -c '
       if [ "${PMIX_RANK:-${PMI_RANK:-0}}" = 0 ]; then
         exec "$0" -m pytest tests/mxnet --only-mpi -q --color=no -p no:randomly
@@ -77,7 +79,7 @@ else
     [ "${PIPESTATUS[0]}" = 0 ] || { echo "MXNet collective tests on $n rank(s) FAILED"; status=1; }
   done
 fi
-echo "== system tests: a real SLURM cluster and two network-namespace hosts (root; skipped otherwise)"
+section "system tests: a real SLURM cluster and two network-namespace hosts (root; skipped otherwise)"
 timeout -k 10 600 "$py" -m pytest tests/system -q --color=no -p no:randomly || status=1
 
 sleep 1   # launchers of killed jobs take a moment to exit
