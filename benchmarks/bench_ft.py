@@ -60,7 +60,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: the clone's benchmarks and mpikv come first
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import library  # noqa: E402
+from benchmarks.common import library, same_final_weights  # noqa: E402
 
 VARIANTS = ("off", "on", "checkpoint")
 #: issue 28: redundancy="memory" at most this step time over the job without fault tolerance
@@ -148,10 +148,7 @@ def bench_cost(args, comm, directory):
                 blocks[name].append(slowest)
     for _, trainer, _ in variants.values():
         trainer.close()
-    weights = {name: torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-               for name, (net, _, _) in variants.items()}
-    same = all(torch.equal(weights[names[0]], w) for w in weights.values())
-    same = bool(comm.allreduce(int(same), op=MPI.MIN))
+    same = same_final_weights(comm, variants, names[0])
     ms = {name: float(np.median(t)) / args.every * 1e3 for name, t in blocks.items() if t}
     return {"variants": names, "blocks": args.blocks, "every": args.every,
             "ms_per_step": ms,

@@ -40,7 +40,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: the clone's benchmarks and mpikv come first
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import library  # noqa: E402
+from benchmarks.common import library, same_final_weights  # noqa: E402
 
 VARIANTS = ("none", "background", "blocking")
 #: issue 24: a background checkpoint every 20 steps costs at most this much
@@ -106,10 +106,7 @@ def bench_saves(args, comm):
                     blocks[name].append(slowest)
         for _, trainer, _ in variants.values():
             trainer.close()
-        weights = {name: torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-                   for name, (net, _, _) in variants.items()}
-        same = all(torch.equal(weights["none"], w) for w in weights.values())
-        same = bool(comm.allreduce(int(same), op=MPI.MIN))
+        same = same_final_weights(comm, variants, "none")
         nbytes = comm.bcast(_checkpoint_bytes(Path(directory, "background"))
                             if comm.rank == 0 else None)
     finally:

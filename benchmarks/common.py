@@ -87,3 +87,15 @@ def refill(dst, src):
         def run():
             dst[...] = src
     return run
+
+
+def same_final_weights(comm, variants, reference):
+    """Whether every variant's net (``variants``: name -> (net, ...)) holds the weights of
+    ``reference``'s on every rank of ``comm``."""
+    import torch
+    from mpi4py import MPI
+
+    weights = {name: torch.cat([p.detach().reshape(-1) for p in v[0].parameters()])
+               for name, v in variants.items()}
+    same = all(torch.equal(weights[reference], w) for w in weights.values())
+    return bool(comm.allreduce(int(same), op=MPI.MIN))
