@@ -188,6 +188,8 @@ def test_row_table_errors_reach_every_rank_with_nothing_applied(comm):
     if comm.size > 1:
         raises_everywhere(comm, mpikv.MismatchError, lambda: kv.init_rows(
             "other", (ROWS + comm.rank, DIM)))
+        raises_everywhere(comm, mpikv.MismatchError, lambda: kv.init_rows(
+            "other", (ROWS, DIM), row_sparse_weight=comm.rank == 1))
     # nothing was applied: every row is still 1
     assert (kv.row_sparse_pull("emb", row_ids=np.arange(ROWS)).data == 1).all()
     kv.close()
