@@ -27,6 +27,7 @@ import time
 from mpi4py import MPI
 
 from ..errors import FaultToleranceUnavailableError, MismatchError, RankLostError
+from .ticker import Ticker
 
 #: MPI error classes that mean "a process of this communicator failed".
 FAILURE_CLASSES = frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED})
@@ -170,24 +171,19 @@ def start_heartbeat(period=HEARTBEAT_PERIOD):
     global _heartbeat
     if _heartbeat is not None or MPI.Query_thread() != MPI.THREAD_MULTIPLE:
         return
-    stop = threading.Event()
 
     def beat():
-        while not stop.wait(period):
-            if MPI.Is_finalized():
-                return
-            try:
-                MPI.COMM_SELF.Iprobe(MPI.ANY_SOURCE, 32013)
-            except MPI.Exception:
-                return
+        if MPI.Is_finalized():
+            return False
+        try:
+            MPI.COMM_SELF.Iprobe(MPI.ANY_SOURCE, 32013)
+        except MPI.Exception:
+            return False
+        return True
 
-    _heartbeat = threading.Thread(target=beat, name="mpikv-heartbeat", daemon=True)
+    # Its exit hook is registered after mpi4py's finalizer: it runs before it.
+    _heartbeat = Ticker(beat, period, "mpikv-heartbeat", stop_at_exit=True)
     _heartbeat.start()
-
-    @atexit.register   # registered after mpi4py's finalizer: runs before it
-    def _stop():
-        stop.set()
-        _heartbeat.join()
 
 
 def heartbeat_for_launch(environ=None):

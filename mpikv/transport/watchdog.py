@@ -8,14 +8,15 @@ recorder (:mod:`mpikv.flight`): the rank that ends the job asks the others
 its message says which call each rank was last in.
 """
 
-import atexit
 import os
 import sys
 import threading
 import time
 import traceback
+import weakref
 
 from .. import flight
+from .ticker import Ticker
 
 #: Exit codes passed to MPI_Abort.
 EXCEPTION_EXIT_CODE = 1
@@ -151,27 +152,23 @@ def start_listener():
     if _listener is not None or world.Get_size() == 1 or \
             MPI.Query_thread() != MPI.THREAD_MULTIPLE:
         return
-    stop = threading.Event()
     rank = world.Get_rank()
 
     def listen():
-        while not stop.wait(0.25):
-            if not MPI.Is_finalized():
-                try:
-                    _answer(world, rank)
-                except MPI.Exception as exc:
-                    if exc.Get_error_class() in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING,
-                                                 MPI.ERR_REVOKED):
-                        return   # ULFM: a rank of COMM_WORLD died; nobody asks any more
-                    raise
+        if MPI.Is_finalized():
+            return False
+        try:
+            _answer(world, rank)
+        except MPI.Exception as exc:
+            if exc.Get_error_class() in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING,
+                                         MPI.ERR_REVOKED):
+                return False   # ULFM: a rank of COMM_WORLD died; nobody asks any more
+            raise
+        return True
 
-    _listener = threading.Thread(target=listen, name="mpikv-flight-recorder", daemon=True)
+    # Its exit hook is registered after mpi4py's finalizer: it runs before it.
+    _listener = Ticker(listen, 0.25, "mpikv-flight-recorder", stop_at_exit=True)
     _listener.start()
-
-    @atexit.register   # registered after mpi4py's finalizer: runs before it
-    def _stop():
-        stop.set()
-        _listener.join()
 
 
 def headline(exc):
@@ -255,12 +252,39 @@ def install_exception_hook():
     _hook_installed = True
 
 
+#: the watchdogs started and not stopped, all checked by one thread: a process
+#: may hold hundreds of stores, and a thread each would take turns at the GIL
+_watched = weakref.WeakSet()
+_watched_lock = threading.Lock()
+#: held to start or stop the thread (never by the thread itself: stop joins it)
+_checker_lock = threading.Lock()
+
+
+def _watched_now():
+    with _watched_lock:
+        return list(_watched)
+
+
+def _check_all():
+    now = time.monotonic()
+    for dog in _watched_now():
+        dog._check(now)
+
+
+def _shortest_period():
+    return min((dog.period for dog in _watched_now()), default=1.0)
+
+
+_checker = Ticker(_check_all, _shortest_period, "mpikv-watchdog")
+
+
 class Watchdog:
     """Ends the job when a blocking collective outlives its deadline.
 
-    Blocking MPI calls cannot be interrupted, so a daemon thread checks the
-    deadline that :meth:`watch` arms around each call. Arming costs two
-    attribute writes; the thread wakes a few times per timeout period.
+    Blocking MPI calls cannot be interrupted, so a daemon thread (one for all
+    the watchdogs of the process) checks the deadline that :meth:`watch` arms
+    around each call. Arming costs two attribute writes; the thread wakes a few times
+    per timeout period.
 
     Args:
         timeout: seconds (``math.inf``: never).
@@ -275,18 +299,23 @@ class Watchdog:
         # The caller's agreement, armed by plain writes (it is the hot path):
         # [start, what, late] or None.
         self.agreement = None
-        self._thread = None
-        self._stopped = threading.Event()
+        self._started = False
+        self._stopped = False
+        #: seconds between checks
+        self.period = min(1.0, max(timeout / 10, 0.01))
         #: ``(exception, what)`` -> raises a better error, or returns (fault-tolerant
         #: stores: :meth:`mpikv.transport.ulfm.Recovery.check`); None: nothing
         self.on_failure = None
 
     def stop(self):
-        """Ends the watchdog thread (the store is closed: nothing is armed any more)."""
-        self._stopped.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        """Stops watching (the store is closed: nothing is armed any more)."""
+        self._stopped = True
+        with _checker_lock:
+            with _watched_lock:
+                _watched.discard(self)
+                idle = not _watched
+            if idle:
+                _checker.stop()
 
     def watch(self, what, late=None):
         """A context manager that arms the deadline for one call.
@@ -300,35 +329,36 @@ class Watchdog:
         return _Watch(self, what, late)
 
     def start(self):
-        """Starts the watchdog thread, if not yet started (and not stopped); cheap when it runs."""
-        if self._thread is None and self.timeout != float("inf") and not self._stopped.is_set():
-            self._thread = threading.Thread(target=self._run, name="mpikv-watchdog", daemon=True)
-            self._thread.start()
+        """Starts watching, if not yet started (and not stopped); cheap when it watches."""
+        if not self._started and self.timeout != float("inf") and not self._stopped:
+            self._started = True
+            with _checker_lock:
+                with _watched_lock:
+                    _watched.add(self)
+                _checker.start()
 
-    def _run(self):
-        period = min(1.0, max(self.timeout / 10, 0.01))
-        while not self._stopped.wait(period):
-            now = time.monotonic()
-            entries = list(self._armed.items())
-            agreement = self.agreement
-            if agreement is not None:
-                entries.append(("agreement", agreement))
-            for ident, armed in entries:
-                start, what, late = armed[:3]
-                if late is None:
-                    if now > start + self.timeout:
-                        abort(f"mpikv: rank {self.rank}: {format_what(what)} did not complete "
-                              f"within {self.timeout:g} s (a rank is stuck or gone); ending the "
-                              f"job. create(timeout=) or MPIKV_TIMEOUT sets the limit.",
-                              TIMEOUT_EXIT_CODE)
-                    continue
-                if self._current(ident) is not armed:
-                    continue   # finished meanwhile
-                if now > start + late.early and len(armed) == 3:
-                    armed.append(True)   # announced once
-                    late.announce()
-                if now > start + late.limit and self._current(ident) is armed:
-                    late.expire(what)
+    def _check(self, now):
+        """Announces late agreements, and ends the job for calls past their deadline."""
+        entries = list(self._armed.items())
+        agreement = self.agreement
+        if agreement is not None:
+            entries.append(("agreement", agreement))
+        for ident, armed in entries:
+            start, what, late = armed[:3]
+            if late is None:
+                if now > start + self.timeout:
+                    abort(f"mpikv: rank {self.rank}: {format_what(what)} did not complete "
+                          f"within {self.timeout:g} s (a rank is stuck or gone); ending the "
+                          f"job. create(timeout=) or MPIKV_TIMEOUT sets the limit.",
+                          TIMEOUT_EXIT_CODE)
+                continue
+            if self._current(ident) is not armed:
+                continue   # finished meanwhile
+            if now > start + late.early and len(armed) == 3:
+                armed.append(True)   # announced once
+                late.announce()
+            if now > start + late.limit and self._current(ident) is armed:
+                late.expire(what)
 
     def _current(self, ident):
         return self.agreement if ident == "agreement" else self._armed.get(ident)

