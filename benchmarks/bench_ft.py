@@ -62,7 +62,7 @@ if __package__ in (None, ""):  # run as a script: the clone's benchmarks and mpi
 
 from benchmarks.common import library, same_final_weights  # noqa: E402
 
-VARIANTS = ("off", "on", "checkpoint")
+VARIANTS = ("off", "on", "checkpoint", "memory")
 #: issue 28: redundancy="memory" at most this step time over the job without fault tolerance
 GOAL_MEMORY = 1.05
 
@@ -94,14 +94,15 @@ def build(args):
                                torch.nn.Flatten(), torch.nn.Linear(8, 10))
 
 
-def _trainer(args, fault_tolerant):
+def _trainer(args, fault_tolerant, redundancy="checkpoint"):
     import torch.nn.functional as F
 
     from benchmarks import bench_train
     from mpikv.torch import Trainer
     net = build(args)
     cls, kwargs = bench_train.OPTIMIZERS[args.optimizer]
-    trainer = Trainer(net, cls, dict(kwargs), "dist_sync", fault_tolerant=fault_tolerant)
+    trainer = Trainer(net, cls, dict(kwargs), "dist_sync", fault_tolerant=fault_tolerant,
+                      redundancy=redundancy)
 
     def loss_step(x, y):
         trainer.zero_grad()
@@ -112,9 +113,11 @@ def _trainer(args, fault_tolerant):
 
 def _variant(name, args, directory):
     """``(net, trainer, block(batches))`` of one variant; a block is one ``trainer.run``."""
-    net, trainer, loss_step = _trainer(args, name != "off")
-    if name == "checkpoint":
-        trainer.resume(str(Path(directory) / name), every=args.every, keep=2)
+    net, trainer, loss_step = _trainer(args, name != "off",
+                                       "memory" if name == "memory" else "checkpoint")
+    if name in ("checkpoint", "memory"):   # (memory: checkpoints only where a loss writes one)
+        trainer.resume(str(Path(directory) / name), every=args.every if name == "checkpoint"
+                       else None, keep=2)
         trainer.run(lambda i: None, 0)   # the run's first checkpoint (step 0), untimed
 
     def block(batches):
@@ -169,7 +172,8 @@ def bench_recovery(args, comm, directory):
     kill_rank, kill_step = (int(v) for v in args.kill.split("@"))
     net = build(args)
     cls, kwargs = bench_train.OPTIMIZERS[args.optimizer]
-    trainer = Trainer(net, cls, dict(kwargs), "dist_sync", fault_tolerant=True)
+    trainer = Trainer(net, cls, dict(kwargs), "dist_sync", fault_tolerant=True,
+                      redundancy=args.redundancy)
     me, size = trainer.rank, trainer.num_workers
     where = Path(directory) / "recovery"
     trainer.resume(str(where), every=args.every, keep=2)
@@ -202,6 +206,7 @@ def bench_recovery(args, comm, directory):
     first = after[0]
     caught = next(c for c in after if c[0] == kill_step)
     out = {"killed": kill_rank, "kill_step": kill_step, "rank_at_start": me,
+           "redundancy": args.redundancy,
            "rank": trainer.rank, "workers": trainer.num_workers, "ranks_at_start": size,
            "steps": args.steps, "every": args.every, "updates": done,
            "num_update": trainer.num_update,
@@ -253,11 +258,12 @@ def show(out):
               + "; ".join(f"{n} {', '.join(f'{v:.0f}' for v in g)}"
                           for n, g in cost["rss_growth_MiB_per_rank"].items()))
         print(f"  weights equal across variants: {cost['weights_equal']}; goals: "
-              f"redundancy=\"memory\" <= {GOAL_MEMORY} x off (not built); checkpoint: no cost "
+              f"redundancy=\"memory\" <= {GOAL_MEMORY} x off; checkpoint: no cost "
               f"beyond the checkpoints (bench saves measures theirs)")
     if rec:
         print(f"lost rank: rank {rec['killed']} killed (SIGKILL) in step {rec['kill_step']} of "
-              f"{rec['steps']}, checkpoints every {rec['every']}; on the survivors' rank 0:")
+              f"{rec['steps']}, redundancy={rec['redundancy']}, checkpoints every "
+              f"{rec['every']}; on the survivors' rank 0:")
         print(f"  went on from step {rec['resumed_from_step']} ({rec['steps_redone']} steps "
               f"redone); kill to first step started {rec['kill_to_first_step_started_s']:.3f} s, "
               f"completed {rec['kill_to_first_step_completed_s']:.3f} s, caught up (step "
@@ -276,10 +282,12 @@ def main(argv=None):
                    help="timed blocks per variant (default 5; 0: no cost rounds)")
     p.add_argument("--warmup", type=int, default=1, help="untimed blocks first (default 1)")
     p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
-                   help="comma-separated, of off,on,checkpoint (default all)")
+                   help="comma-separated, of off,on,checkpoint,memory (default all)")
     p.add_argument("--kill", default=None, metavar="RANK@STEP",
                    help="then a trainer.run with this rank killed in this step")
     p.add_argument("--steps", type=int, default=40, help="the run's steps with --kill")
+    p.add_argument("--redundancy", choices=("checkpoint", "memory"), default="checkpoint",
+                   help="the Trainer's redundancy in the run with --kill (default checkpoint)")
     p.add_argument("--model", choices=("resnet18", "tiny"), default="resnet18")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     p.add_argument("--dir", default=".", help="where the checkpoints go (default: here)")

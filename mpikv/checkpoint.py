@@ -102,6 +102,57 @@ def save(store, fname, kind, with_values, dump_optimizer, rows=None):
     snap.finish()
 
 
+def owned_entries(store, with_values, take, rows=None):
+    """What this rank owns, as a part file's entries: ``(key, name, start, stop,
+    global shape, take(flat array))``.
+
+    Args:
+        store: the store's :class:`mpikv.engine.Engine`.
+        with_values: the values too, not only the optimizer states.
+        take: the host array to keep of each array (a copy, or the array itself).
+        rows: the store's :class:`~mpikv.row_tables.RowTables`, or None.
+    """
+    rank = store.transport.rank
+    entries = []
+    for key, shard in store.plan.owned_by(rank):
+        entry = store.entries[key]
+        shape = entry.array.shape
+        if with_values:
+            entries.append((key, VALUE, shard.start, shard.stop, shape,
+                            take(entry.flat[shard.start:shard.stop])))
+        state = store.states.get((key, shard.start))
+        if state is None:
+            continue
+        for name, arr in state.items():
+            if name == COUNT:
+                if shard.start == 0:  # one copy of the key's count
+                    entries.append((key, _STATE + COUNT, 0, 1, (1,), take(arr.reshape(-1))))
+            else:
+                entries.append((key, _STATE + name, shard.start, shard.stop, shape,
+                                take(arr.reshape(-1))))
+    if rows is not None:
+        entries += [e[:5] + (take(e[5]),)
+                    for e in row_tables.part_entries(rows, rank, with_values)]
+    return entries
+
+
+def manifest_meta(store, kind, dump_optimizer, rows=None):
+    """The manifest's description of the store (the same on every rank)."""
+    opt = store.optimizer
+    return {
+        "kind": kind,
+        "mpikv_version": __version__,
+        "num_workers": store.transport.size,
+        "keys": _key_list(store.entries),
+        "counts": [[k, c] for k, c in sorted(store.counts.items(),
+                                             key=lambda kv: sort_key(kv[0]))],
+        "optimizer_name": None if opt is None else opt.name,
+        "optimizer": opt.get_config() if (opt is not None and dump_optimizer) else None,
+        "on_gpu": bool(store.on_gpu),
+        "row_tables": row_tables.describe(rows) if rows is not None else [],
+    }
+
+
 class Snapshot:
     """One save in three steps: what this rank owns, taken (copied if asked) now;
     its part written (:meth:`write`, local: on any thread); the parts committed
@@ -121,43 +172,10 @@ class Snapshot:
         self._generation = t.allgather_records(
             statefile.new_generation() if t.rank == 0 else None, self._what)[0]
         self._record, self._error, self._written = None, None, False
-        take = _copy_on_host if copy else _on_host
-        entries = []
-        for key, shard in store.plan.owned_by(t.rank):
-            entry = store.entries[key]
-            shape = entry.array.shape
-            if with_values:
-                entries.append((key, VALUE, shard.start, shard.stop, shape,
-                                take(entry.flat[shard.start:shard.stop])))
-            state = store.states.get((key, shard.start))
-            if state is None:
-                continue
-            for name, arr in state.items():
-                if name == COUNT:
-                    if shard.start == 0:  # one copy of the key's count
-                        entries.append((key, _STATE + COUNT, 0, 1, (1,),
-                                        take(arr.reshape(-1))))
-                else:
-                    entries.append((key, _STATE + name, shard.start, shard.stop, shape,
-                                    take(arr.reshape(-1))))
-        if rows is not None:
-            entries += [e[:5] + (take(e[5]),)
-                        for e in row_tables.part_entries(rows, t.rank, with_values)]
-        self._entries = entries
-        self.nbytes = sum(e[5].nbytes for e in entries)
-        opt = store.optimizer
-        self._meta = {
-            "kind": kind,
-            "mpikv_version": __version__,
-            "num_workers": t.size,
-            "keys": _key_list(store.entries),
-            "counts": [[k, c] for k, c in sorted(store.counts.items(),
-                                                 key=lambda kv: sort_key(kv[0]))],
-            "optimizer_name": None if opt is None else opt.name,
-            "optimizer": opt.get_config() if (opt is not None and dump_optimizer) else None,
-            "on_gpu": bool(store.on_gpu),
-            "row_tables": row_tables.describe(rows) if rows is not None else [],
-        }
+        self._entries = owned_entries(store, with_values, _copy_on_host if copy else _on_host,
+                                      rows)
+        self.nbytes = sum(e[5].nbytes for e in self._entries)
+        self._meta = manifest_meta(store, kind, dump_optimizer, rows)
 
     @property
     def written(self):

@@ -80,7 +80,11 @@ def _todo(steps, done):
     return [i for i in steps if i >= done]
 
 
-def _check(kv, every, keep, min_workers):
+#: the ways ``run`` rebuilds after a loss
+REDUNDANCY = ("checkpoint", "memory")
+
+
+def _check(kv, every, keep, min_workers, redundancy):
     """Raises on every rank (at the first collective call) where some rank's
     arguments are bad; the others would otherwise wait for it."""
     for name, value in (("every", every), ("keep", keep), ("min_workers", min_workers)):
@@ -88,26 +92,36 @@ def _check(kv, every, keep, min_workers):
             kv.fail_next_call(errors.InputError,
                               f"kv.run: {name} must be a positive int, not {value!r}")
             kv.barrier()
+    if redundancy not in REDUNDANCY:
+        kv.fail_next_call(errors.InputError, f"kv.run: redundancy must be 'checkpoint' or "
+                                             f"'memory', not {redundancy!r}")
+        kv.barrier()
 
 
-def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, create):
+def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, create,
+        redundancy="checkpoint"):
     """:meth:`mpikv.KVStore.run` (see there); ``create`` is :func:`mpikv.kvstore.create`
     (handed in: the store's module imports this one)."""
-    _check(kv, every, keep, min_workers)
+    _check(kv, every, keep, min_workers, redundancy)
     directory = Path(directory)
     steps = steps if isinstance(steps, int) else list(steps)
+    memory = redundancy == "memory"
     lost = None
     while True:
         try:
             if lost is not None:   # (a loss during a recovery: recovered again)
-                lost, survived = None, lost
+                lost, survived, lost_kv = None, lost, kv
                 kv = _survivors_store(kv, survived, min_workers, directory, create)
                 if setup is not None:
                     setup(kv)
+                if memory:   # the last step every survivor completed, as a checkpoint
+                    kv.restore_copies(lost_kv, survived, lambda s: str(directory / name_of(s)))
             done = _start(kv, directory, keep)
             for i in _todo(steps, done):
                 step_fn(kv, i)
                 done = i + 1
+                if memory:
+                    kv.keep_copy(done)
                 if done % every == 0:
                     kv.save_checkpoint(str(directory / name_of(done)))
                     _prune(kv, directory, keep)

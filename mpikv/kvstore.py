@@ -13,7 +13,7 @@ import contextlib
 
 import numpy as np
 
-from . import backends, checkpoint, config, errors, tuning
+from . import backends, checkpoint, config, errors, mirror, tuning
 from ._arrays import is_half
 from ._closing import ClosesAfterWith
 from ._executor import Handle
@@ -207,6 +207,7 @@ class KVStore(ClosesAfterWith):
         self._reader = CallReader(self._engine.lookup, lambda: self._engine.key_type)
         self._rows = RowTables(transport)
         self._saves = []   # background saves not yet committed, oldest first
+        self._mirror = None   # redundancy="memory": the buddy copies (keep_copy)
 
     # -- properties ------------------------------------------------------
     @property
@@ -771,9 +772,11 @@ class KVStore(ClosesAfterWith):
         self._protocol.collective(call, lambda: checkpoint.load(
             self._engine, str(fname), "optimizer_states", False, self._rows))
 
-    def run(self, step_fn, steps, directory, every, *, keep=2, min_workers=1, setup=None):
+    def run(self, step_fn, steps, directory, every, *, keep=2, min_workers=1, setup=None,
+            redundancy="checkpoint"):
         """Calls ``step_fn(kv, i)`` for each step ``i``, with checkpoints; a lost rank
-        costs the steps since the latest one, not the job. Collective.
+        costs the steps since the latest one (or, with ``redundancy="memory"``,
+        only the step it was lost in), not the job. Collective.
 
         Loads the newest complete checkpoint of ``directory`` (or saves one of
         step 0), then saves one every ``every`` steps, keeping ``keep``. On a
@@ -794,15 +797,22 @@ class KVStore(ClosesAfterWith):
             min_workers: the fewest survivors to go on with.
             setup: called with each new store before its checkpoint is loaded
                 (``set_updater`` of a Python updater, which no checkpoint holds).
+            redundancy: ``"checkpoint"``: go on from the newest checkpoint;
+                ``"memory"``: after each step every rank also passes a copy of
+                what it owns to the next rank (:meth:`keep_copy`), and the
+                survivors go on from the last step they all completed (a rank
+                lost with the next rank is one MPIKVError).
 
         Returns:
             The store in use at the end: this one, or the survivors' after a loss.
 
         Raises:
-            MPIKVError: on every survivor, when fewer than ``min_workers`` survive.
+            MPIKVError: on every survivor, when fewer than ``min_workers`` survive
+                (or a rank and its buddy were lost, with ``redundancy="memory"``).
         """
         from .elastic import run
-        return run(self, step_fn, steps, directory, every, keep, min_workers, setup, create)
+        return run(self, step_fn, steps, directory, every, keep, min_workers, setup, create,
+                   redundancy)
 
     def abandon(self):
         """Lets a store that lost a rank go, on this rank alone (no collective call:
@@ -816,6 +826,59 @@ class KVStore(ClosesAfterWith):
         for handle in self._saves:
             handle.abandon()
         self._saves.clear()
+
+    @property
+    def fault_tolerant(self):
+        """Whether a lost rank is a :class:`mpikv.RankLostError` on every survivor
+        (``create(fault_tolerant=True)`` under a ULFM launch)."""
+        return bool(getattr(self._transport, "fault_tolerant", False))
+
+    def keep_copy(self, step, extra=None):
+        """Copies what this rank owns after ``step`` steps and passes the copy to the
+        next rank, which keeps it (``redundancy="memory"``); collective.
+
+        The two newest copies of this rank's part and of the previous rank's are
+        kept. After a loss, :meth:`restore_copies` on the survivors' store writes
+        them as a checkpoint of the last step every survivor completed.
+
+        Args:
+            step: the steps done (the same on every rank).
+            extra: anything picklable kept with the copy (the Trainer's file).
+        """
+        call = Call("keep_copy", settings={"step": step})
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            call.fail(errors.InputError, None, f"step must be an int >= 0, not {step!r}")
+
+        def keep():
+            if self._mirror is None:
+                self._mirror = mirror.Mirror(self._engine, self._rows)
+            self._mirror.step(step, extra, (call.op, []))
+        self._protocol.collective(call, keep)
+
+    def restore_copies(self, lost_store, lost, path_of, write_extra=None):
+        """Writes the copies ``lost_store`` kept (:meth:`keep_copy`) as a checkpoint of
+        the newest step held whole; collective over this store, the survivors'.
+
+        Args:
+            lost_store: the store that lost the ranks (abandoned).
+            lost: the :class:`mpikv.RankLostError` every survivor got.
+            path_of: ``step -> path`` of the checkpoint.
+            write_extra: ``(path, extra)`` run on the survivor holding the lost
+                store's rank 0's ``extra``, before the checkpoint is committed.
+
+        Returns:
+            The step written (load it with :meth:`load_checkpoint`), or None
+            where no step is held whole (no copy was taken yet).
+
+        Raises:
+            MPIKVError: on every survivor, where a lost rank's buddy (the next
+                rank) was lost too.
+        """
+        result = []
+        self._protocol.collective(Call("restore_copies"), lambda: result.append(
+            mirror.restore(lost_store._mirror, self._transport, lost.lost, lost.survivors,
+                           path_of, write_extra)))
+        return result[0]
 
     def save_checkpoint(self, fname):
         """Saves the stored values, the optimizer and its states in one file set; collective.

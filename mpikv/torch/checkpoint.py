@@ -74,6 +74,12 @@ def save(kv, path, meta, background=False):
     kv.barrier()
 
 
+def write_meta(path, meta):
+    """Writes ``meta`` as the Trainer file of the checkpoint at ``path`` (atomic),
+    on this rank alone."""
+    statefile.stage_bytes(meta_path(path), json.dumps({"format": FORMAT, **meta}).encode()).commit()
+
+
 def load(kv, path, groups, check=None):
     """Loads the store's checkpoint; returns the Trainer file's dict; collective.
 
@@ -107,4 +113,4 @@ def load(kv, path, groups, check=None):
     return meta
 
 
-__all__ = ["FORMAT", "meta_path", "save", "load"]
+__all__ = ["FORMAT", "meta_path", "save", "load", "write_meta"]

@@ -64,7 +64,7 @@ def _todo(steps, done):
 
 
 def _fault_tolerant(trainer):
-    return bool(getattr(trainer._kv._transport, "fault_tolerant", False))
+    return trainer._kv.fault_tolerant
 
 
 def _recover(trainer, lost, min_workers):

@@ -51,6 +51,11 @@ def name_of(step):
     return f"step-{step:09d}"
 
 
+def checkpoint_path(directory, step):
+    """The path of the checkpoint of ``step`` in ``directory``."""
+    return str(Path(directory) / name_of(step))
+
+
 def steps_in(directory):
     """``{step: [paths of its files]}`` of everything named for a step in ``directory``."""
     found = {}
@@ -99,6 +104,15 @@ def remove(directory, keep_steps):
                     p.unlink()
                 except OSError:
                     pass
+
+
+def write_copy_extra(path, extra):
+    """Writes what a buddy copy kept besides the store's parts (``redundancy="memory"``):
+    the user's state and the Trainer file of the checkpoint at ``path``."""
+    if extra["user"] is not None:
+        import torch
+        torch.save(extra["user"], state_path(path))
+    checkpoint.write_meta(path, extra["trainer"])
 
 
 class Resumer:
@@ -267,10 +281,14 @@ class Resumer:
         writing.wait()
         self._prune()
 
+    def user_state(self):
+        """A copy of the user's state now (``state=``), or None."""
+        return None if self._state is None else copy.deepcopy(self._state.state_dict())
+
     def _begin(self, user):
         """The path of this step's checkpoint, the user's state written beside it."""
         trainer = self._trainer
-        path = self.directory / name_of(trainer.num_update)
+        path = checkpoint_path(self.directory, trainer.num_update)
         if user is not None and trainer.kvstore.rank == 0:
             import torch
             torch.save(user, state_path(path))
@@ -282,5 +300,5 @@ class Resumer:
                 self.directory, self._state is not None)[:self.keep]})
 
 
-__all__ = ["EXIT_STATUS", "Resumer", "is_complete", "name_of", "newest_first", "remove",
+__all__ = ["EXIT_STATUS", "Resumer", "checkpoint_path", "is_complete", "write_copy_extra", "name_of", "newest_first", "remove",
            "steps_in", "state_path"]

@@ -104,6 +104,11 @@ class Trainer(ClosesAfterWith):
             survivors go on from the latest checkpoint. Default
             ``MPIKV_FAULT_TOLERANT`` or off; a store passed as ``kvstore`` keeps its own.
         min_workers: the fewest ranks :meth:`run` goes on with after a loss.
+        redundancy: how :meth:`run` rebuilds after a loss: ``"checkpoint"`` (the
+            default: from the newest checkpoint of :meth:`resume`) or ``"memory"``
+            (after every step each rank also passes a copy of the weights and
+            optimizer state it owns to the next rank; the survivors go on from
+            the last step they all completed). Needs a fault-tolerant store.
 
     Attributes:
         kvstore: the store.
@@ -119,7 +124,7 @@ class Trainer(ClosesAfterWith):
                  bucket_bytes=8 << 20, unused_parameters="zeros", lr_scheduler=None,
                  multi_precision=None, compression=None, shard=None, broadcast_buffers=None,
                  split_parameters=None, module=None, units=None, fault_tolerant=None,
-                 min_workers=1):
+                 min_workers=1, redundancy="checkpoint"):
         if not isinstance(params, (torch.nn.Module, list, tuple)):
             params = list(params)   # (named_parameters(): read again by a recovery)
         #: the arguments it was made with: trainer.run makes it again after a loss
@@ -128,7 +133,8 @@ class Trainer(ClosesAfterWith):
             kvstore=kvstore, bucket_bytes=bucket_bytes, unused_parameters=unused_parameters,
             lr_scheduler=lr_scheduler, multi_precision=multi_precision, compression=compression,
             shard=shard, broadcast_buffers=broadcast_buffers, split_parameters=split_parameters,
-            module=module, units=units, fault_tolerant=fault_tolerant, min_workers=min_workers)
+            module=module, units=units, fault_tolerant=fault_tolerant, min_workers=min_workers,
+            redundancy=redundancy)
         if unused_parameters not in ("zeros", "error"):
             raise ValueError(f"unused_parameters must be 'zeros' or 'error', "
                              f"not {unused_parameters!r}")
@@ -139,6 +145,9 @@ class Trainer(ClosesAfterWith):
                                     f"not {shard!r}")
         if units is not None and shard != "parameters":
             raise errors.InputError("units= cuts the model for shard='parameters' only")
+        if redundancy not in ("checkpoint", "memory"):
+            raise errors.InputError(f"redundancy must be 'checkpoint' or 'memory', "
+                                    f"not {redundancy!r}")
         #: backward leaves the averaged gradients in .grad (DDP's guarantee)
         self._averaging = shard == "optimizer"
         self.shard = shard
@@ -185,6 +194,15 @@ class Trainer(ClosesAfterWith):
                                whole=not self.split_parameters,
                                private=shard == "parameters", fault_tolerant=fault_tolerant)
         self.min_workers = min_workers
+        self._copies = redundancy == "memory"
+        if self._copies:
+            # (one rank: nothing to lose, as a local store ignores fault_tolerant)
+            why = ("a store that is not fault tolerant (fault_tolerant=True)"
+                   if not self._kv.fault_tolerant and self._kv.num_workers > 1 else
+                   "shard='parameters'" if shard == "parameters" else
+                   "sparse embedding weights" if sparse_named else None)
+            if why:   # (the same on every rank: fault tolerance is agreed at creation)
+                raise errors.InputError(f"redundancy='memory' is not supported with {why}")
         self._launcher = _launcher_for(self._kv, bool(self._devices))
         # The user's own calls on this store (between backward and step, say) come
         # after the launcher's too.
@@ -294,6 +312,7 @@ class Trainer(ClosesAfterWith):
         Trainer made again with the arguments ``made`` on a new store over the
         survivors of ``lost``, then resumed from the newest complete checkpoint."""
         directory, every, resume_options = self._resume_args
+        lost_store = self._kv
         kvstore = made["kvstore"]
         if kvstore is not None and not isinstance(kvstore, str):
             kvstore = kvstore.type   # a store passed in: one of its type (default options)
@@ -303,6 +322,10 @@ class Trainer(ClosesAfterWith):
         self.__init__(**dict(made, kvstore=store))
         self._made_with = made
         self._owns_store = True
+        if self._copies:   # the last step every survivor completed, as a checkpoint
+            from .resume import checkpoint_path, write_copy_extra
+            store.restore_copies(lost_store, lost, lambda step: checkpoint_path(directory, step),
+                                 write_copy_extra)
         self.resume(directory, every, **resume_options)
 
     # -- setup -------------------------------------------------------------
@@ -682,6 +705,14 @@ class Trainer(ClosesAfterWith):
         self._start_step()
         if self._resumer is not None:   # a checkpoint due, or the job's end at a signal
             self._resumer.after_step(*self._asked)   # (made at the next iteration's start)
+        if self._copies:
+            self._keep_copy()
+
+    def _keep_copy(self):
+        """redundancy="memory": this step's owned parts, copied and passed to the
+        next rank, with what the Trainer's file and the user's state would hold."""
+        state = None if self._resumer is None else self._resumer.user_state()
+        self._settled().keep_copy(self.num_update, {"trainer": self._meta(), "user": state})
 
     def _update_owned(self, scale):
         """The owners' update of the parts they own, gradients times ``scale``."""

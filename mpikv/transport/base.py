@@ -108,6 +108,12 @@ class Transport(ABC):
         """
         recv[rdispls[0]:rdispls[0] + rcounts[0]] = send[sdispls[0]:sdispls[0] + scounts[0]]
 
+    def pass_along(self, header, data, what):
+        """Sends ``header`` (picklable) and ``data`` (a 1-d uint8 host array) to the
+        next rank, ``(rank + 1) % size``, and returns the previous rank's
+        ``(header, data)``. One rank gets its own back."""
+        return header, data
+
     # Out of place: ``src`` is read, ``dst`` written. The defaults copy, then run
     # in place (a local store's collectives are identities anyway).
     def reduce(self, src, dst, root, what):

@@ -22,6 +22,8 @@ from .watchdog import (TIMEOUT_EXIT_CODE, Watchdog, abort, format_what, install_
                        start_listener)
 
 _AGREE_TAG = 7
+#: tag of :meth:`MPITransport.pass_along` (on the data communicator)
+_PASS_TAG = 8
 # The agreement's words: digest (2), its complement (2), then these.
 _ERROR, _JOINED, _ACTIVE, _TICKET = 4, 5, 6, 7
 _WORDS = 8
@@ -423,6 +425,17 @@ class MPITransport(Transport):
         with self._watchdog.watch(what):
             self.comm.Alltoallv([send, (list(scounts), list(sdispls)), kind],
                                 [recv, (list(rcounts), list(rdispls)), kind])
+
+    def pass_along(self, header, data, what):
+        nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        with self._watchdog.watch(what):
+            theirs, nbytes = self.comm.sendrecv((header, data.nbytes), dest=nxt,
+                                                sendtag=_PASS_TAG, source=prev,
+                                                recvtag=_PASS_TAG)
+            got = np.empty(nbytes, np.uint8)
+            self.comm.Sendrecv([data, MPI.BYTE], dest=nxt, sendtag=_PASS_TAG,
+                               recvbuf=[got, MPI.BYTE], source=prev, recvtag=_PASS_TAG)
+        return theirs, got
 
     def describe(self):
         facts = super().describe()

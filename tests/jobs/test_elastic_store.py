@@ -18,10 +18,10 @@ from .test_rank_lost import DETECTOR, SEEN_WITHIN, leftovers
 SCRIPT = "tests/jobs/scripts/elastic_store.py"
 
 
-def run_job(directory, kill, min_workers):
+def run_job(directory, kill, min_workers, redundancy="checkpoint"):
     token = f"mpikv-ft-{uuid.uuid4().hex[:12]}"
     cmd = ["timeout", "-k", "5", "60", str(MPIRUN), "--ft", "-n", "3", sys.executable,
-           SCRIPT, str(directory), kill, str(min_workers), token]
+           SCRIPT, str(directory), kill, str(min_workers), token, redundancy]
     env = dict(os.environ, PYTHONUNBUFFERED="1", MPIKV_FT_DETECTOR_TIMEOUT=str(DETECTOR))
     rc, out = launch(cmd, env)
     assert rc != 124, f"the job hung:\n{out}"
@@ -48,6 +48,34 @@ def test_survivors_go_on_from_the_latest_checkpoint_with_the_exact_sum(tmp_path,
     # The newest two complete checkpoints are kept (after 12 and 9 steps).
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "step-000000009", "step-000000009.parts", "step-000000012", "step-000000012.parts"]
+
+
+@pytest.mark.parametrize("dead", [0, 2])
+def test_with_buddy_copies_the_survivors_lose_only_the_step_in_flight(tmp_path, dead):
+    out, died = run_job(tmp_path / "ckpt", f"{dead}@7", 1, "memory")
+    alive = [r for r in range(3) if r != dead]
+    for new_rank, r in enumerate(alive):
+        # Killed in step 7: every survivor had completed the steps before it, so
+        # step 7 again (the newest checkpoint on disk was of 6 steps: step 6 again).
+        went_on = re.findall(rf"rank {r}: step (\d+) on 2 workers as rank {new_rank} at", out)
+        assert went_on == ["7"], out
+        said = re.search(rf"rank {r}: finished on 2 workers as rank {new_rank}; "
+                         rf"max difference ([\d.e+-]+)", out)
+        assert said and float(said.group(1)) <= 1e-10, out   # every batch summed once
+    # The survivors wrote step 7 from the copies; then 9 and 12 came.
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "step-000000009", "step-000000009.parts", "step-000000012", "step-000000012.parts"]
+
+
+def test_with_buddy_copies_a_loss_between_checkpoints_costs_no_step(tmp_path):
+    out, _ = run_job(tmp_path / "ckpt", "1@11", 1, "memory")
+    for new_rank, r in enumerate((0, 2)):
+        # Checkpoints after steps 9 and 12 only: step 11 again, not step 9.
+        went_on = re.findall(rf"rank {r}: step (\d+) on 2 workers as rank {new_rank} at", out)
+        assert went_on == ["11"], out
+        said = re.search(rf"rank {r}: finished on 2 workers as rank {new_rank}; "
+                         rf"max difference ([\d.e+-]+)", out)
+        assert said and float(said.group(1)) <= 1e-10, out
 
 
 def test_fewer_survivors_than_min_workers_is_one_error_on_every_survivor(tmp_path):

@@ -18,10 +18,11 @@ from .test_rank_lost import DETECTOR, SEEN_WITHIN, leftovers
 SCRIPT = "tests/jobs/scripts/elastic_train.py"
 
 
-def test_killed_ranks_cost_the_steps_since_the_checkpoint_and_the_weights_are_exact(tmp_path):
+def run_job(directory, redundancy):
+    """Rank 0 killed in step 3, rank 1 in step 10: the output and when each died."""
     token = f"mpikv-ft-{uuid.uuid4().hex[:12]}"
     cmd = ["timeout", "-k", "5", "90", str(MPIRUN), "--ft", "-n", "3", sys.executable,
-           SCRIPT, str(tmp_path / "ckpt"), "0@3,1@10", "1", token]
+           SCRIPT, str(directory), "0@3,1@10", "1", token, redundancy]
     env = dict(os.environ, PYTHONUNBUFFERED="1", MPIKV_AUTOTUNE="0",
                MPIKV_FT_DETECTOR_TIMEOUT=str(DETECTOR))
     rc, out = launch(cmd, env)
@@ -32,6 +33,21 @@ def test_killed_ranks_cost_the_steps_since_the_checkpoint_and_the_weights_are_ex
     died = {int(r): (int(s), float(t))
             for r, s, t in re.findall(r"rank (\d): dying in step (\d+) at ([\d.]+)", out)}
     assert sorted(died) == [0, 1] and died[0][0] == 3 and died[1][0] == 10, out
+    return out, died
+
+
+def finished_exactly(out):
+    final = re.findall(r"rank (\d): finished (\d+) updates on (\d) workers as rank (\d); "
+                       r"max difference ([\d.e+-]+)", out)
+    assert [f[:4] for f in final] == [("2", "14", "1", "0")], out
+    assert float(final[0][4]) <= 1e-10, out   # the uninterrupted run's weights
+    # Every checkpoint with its Trainer file in place is whole; the partial ones went.
+    listed = re.search(r"checkpoints \[([\d, ]*)\]; committed but incomplete \[\]", out)
+    assert listed and "12" in listed.group(1).split(", "), out
+
+
+def test_killed_ranks_cost_the_steps_since_the_checkpoint_and_the_weights_are_exact(tmp_path):
+    out, died = run_job(tmp_path / "ckpt", "checkpoint")
     # Rank 0 died while the checkpoint of step 3 was being written: it was never
     # committed, and the survivors went back to the one trainer.run made at the start.
     for r, as_rank in ((1, 0), (2, 1)):
@@ -46,10 +62,15 @@ def test_killed_ranks_cost_the_steps_since_the_checkpoint_and_the_weights_are_ex
     assert set(done) == {(1, 2), (2, 2), (2, 1)}, out
     assert all(done[(r, 2)] - died[0][1] < SEEN_WITHIN for r in (1, 2)), out
     assert done[(2, 1)] - died[1][1] < SEEN_WITHIN, out
-    final = re.findall(r"rank (\d): finished (\d+) updates on (\d) workers as rank (\d); "
-                       r"max difference ([\d.e+-]+)", out)
-    assert [f[:4] for f in final] == [("2", "14", "1", "0")], out
-    assert float(final[0][4]) <= 1e-10, out   # the uninterrupted run's weights
-    # Every checkpoint with its Trainer file in place is whole; the partial ones went.
-    listed = re.search(r"checkpoints \[([\d, ]*)\]; committed but incomplete \[\]", out)
-    assert listed and "12" in listed.group(1).split(", "), out
+    finished_exactly(out)
+
+
+def test_with_buddy_copies_killed_ranks_cost_only_the_step_in_flight(tmp_path):
+    out, _ = run_job(tmp_path / "ckpt", "memory")
+    # Each survivor goes on with the step its lost peer died in: no step lost
+    # (the checkpoints on disk were of 0 and 9 steps).
+    for r, as_rank in ((1, 0), (2, 1)):
+        assert re.findall(rf"rank {r}: step (\d+) on 2 workers as rank {as_rank} at ", out) \
+            == ["3"], out
+    assert re.findall(r"rank 2: step (\d+) on 1 workers as rank 0 at ", out) == ["10"], out
+    finished_exactly(out)

@@ -121,3 +121,30 @@ def test_trainer_takes_fault_tolerant_and_refuses_it_without_ulfm(monkeypatch):
         mpikv.torch.Trainer(_net(), torch.optim.SGD, HYPER, fault_tolerant=True)
     with mpikv.torch.Trainer(_net(), torch.optim.SGD, HYPER, fault_tolerant=False) as trainer:
         assert (trainer.rank, trainer.num_workers) == (0, 1)
+
+
+@pytest.mark.parametrize("redundancy, kwargs, message", [
+    ("disk", {}, "redundancy must be 'checkpoint' or 'memory', not 'disk'"),
+    (None, {}, "redundancy must be 'checkpoint' or 'memory', not None"),
+    ("memory", {"shard": "parameters"},
+     "redundancy='memory' is not supported with shard='parameters'"),
+])
+def test_the_trainer_refuses_a_redundancy_it_cannot_keep(redundancy, kwargs, message):
+    net = _net()
+    with pytest.raises(mpikv.InputError, match=message):
+        mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, "local", redundancy=redundancy,
+                            **kwargs)
+
+
+def test_buddy_copies_on_one_rank_hold_each_step_and_change_nothing(tmp_path):
+    net = _net()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, "local", redundancy="memory")
+    trainer.resume(tmp_path, every=100)
+    calls = []
+    trainer.run(_stepper(trainer, net, calls), 4)
+    for got, want in zip(net.parameters(), _plain(4)):
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-15)
+    copies = trainer.kvstore._mirror
+    assert copies.steps() == ([3, 4], [3, 4])
+    kept = copies.own[4].extra
+    assert kept["trainer"]["num_update"] == 4 and kept["user"] is None

@@ -1,7 +1,7 @@
 """kv.run over a rank that is killed; run by tests/jobs/test_elastic_store.py under
 ``scripts/mpirun.sh --ft``.
 
-Usage: elastic_store.py DIR KILL_RANK@KILL_STEP MIN_WORKERS [TOKEN]
+Usage: elastic_store.py DIR KILL_RANK@KILL_STEP MIN_WORKERS TOKEN [REDUNDANCY]
 
 One key "w" of 5 float64, summed into by a Python updater (``stored += pushed``):
 at step ``i`` each rank pushes the sum of its slice of a global batch of 12
@@ -31,7 +31,7 @@ def accumulate(key, pushed, stored):
     stored += pushed
 
 
-def main(directory, kill, min_workers):
+def main(directory, kill, min_workers, redundancy="checkpoint"):
     kill_rank, kill_step = (int(v) for v in kill.split("@"))
     kv = mpikv.create("dist_sync", fault_tolerant=True, autotune=False, timeout=60)
     me = kv.rank
@@ -52,7 +52,7 @@ def main(directory, kill, min_workers):
 
     try:
         kv = kv.run(step_fn, STEPS, directory, every=EVERY, min_workers=min_workers,
-                    setup=lambda new: new.set_updater(accumulate))
+                    setup=lambda new: new.set_updater(accumulate), redundancy=redundancy)
     except mpikv.MPIKVError as exc:
         print(f"rank {me}: {type(exc).__name__}: {exc}", flush=True)
         return
@@ -64,4 +64,4 @@ def main(directory, kill, min_workers):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[5:6])

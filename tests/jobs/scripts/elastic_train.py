@@ -1,7 +1,7 @@
 """trainer.run over a rank that is killed: the survivors go on from the latest
 checkpoint; run by tests/jobs/test_elastic_trainer.py under ``scripts/mpirun.sh --ft``.
 
-Usage: elastic_train.py DIR KILLS MIN_WORKERS [TOKEN]
+Usage: elastic_train.py DIR KILLS MIN_WORKERS TOKEN [REDUNDANCY]
 
 A float64 model, SGD with momentum, ``trainer.resume(DIR, every=3)``; each step
 ``i`` is one global batch of 12 samples, each rank taking its slice from
@@ -12,6 +12,7 @@ in the background: it is being written when the rank dies). At the end
 each survivor compares its weights with plain torch's on the whole batches
 (an uninterrupted one-process run) and checks that every checkpoint in DIR
 with a Trainer file is complete. TOKEN is ignored (it marks the processes).
+REDUNDANCY is the Trainer's ``redundancy`` (default "checkpoint").
 """
 
 import os
@@ -56,12 +57,12 @@ def reference():
     return dict(net.named_parameters())
 
 
-def main(directory, kills, min_workers):
+def main(directory, kills, min_workers, redundancy="checkpoint"):
     kills = {} if kills == "-" else {int(r): int(s) for r, s in
                                      (k.split("@") for k in kills.split(","))}
     net = model()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, fault_tolerant=True,
-                                  min_workers=min_workers)
+                                  min_workers=min_workers, redundancy=redundancy)
     me = trainer.rank   # the rank at the start (this process's name in the output)
     trainer.resume(directory, every=EVERY)
     seen = [trainer.num_workers]
@@ -105,4 +106,4 @@ def main(directory, kills, min_workers):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[5:6])

@@ -1,0 +1,200 @@
+"""Buddy copies: what each owner holds, copied after every step and held by the next rank too.
+
+Issue 28's ``redundancy="memory"``. After each step every rank copies the
+values and optimizer states it owns (a checkpoint's part, in memory) and
+passes the copy to its buddy, the next rank ``(r + 1) % n``, receiving its
+predecessor's. The two newest copies of each are kept: survivors of a loss
+may be one call apart, so one may hold step ``s`` where another holds only
+``s - 1``.
+
+After a loss, the survivors (on their new store) agree on the newest step of
+which every survivor holds its own copy and, for every lost rank, its buddy
+holds the lost rank's; each writes those copies as the part files of a
+checkpoint of that step, which then loads on the survivors as any checkpoint
+does (:mod:`mpikv.checkpoint`). No step is lost: the survivors go on from
+the last step they all completed. A rank lost with its buddy leaves a part
+nobody holds: one :class:`~mpikv.errors.MPIKVError` on every survivor.
+"""
+
+import numpy as np
+
+from . import statefile
+from .checkpoint import _exchange, _on_host, manifest_meta, owned_entries
+from .errors import MPIKVError
+
+#: copies kept of each kind (own, the predecessor's)
+KEPT = 2
+
+
+class Copy:
+    """One rank's owned part of the store after one step.
+
+    Attributes:
+        step: the steps done.
+        rank: the rank that owned it (in the store it was taken on).
+        layout: ``[(key, name, start, stop, shape, dtype, offset, nbytes)]``.
+        data: the arrays' bytes, one uint8 array.
+        meta: the manifest's description of the store (:func:`manifest_meta`).
+        extra: what the caller keeps with it (the Trainer's file), or None.
+    """
+
+    __slots__ = ("step", "rank", "layout", "data", "meta", "extra")
+
+    def __init__(self, step, rank, layout, data, meta, extra):
+        self.step, self.rank, self.layout = step, rank, layout
+        self.data, self.meta, self.extra = data, meta, extra
+
+    def header(self):
+        return (self.step, self.rank, self.layout, self.meta, self.extra)
+
+    @classmethod
+    def from_header(cls, header, data):
+        return cls(*header[:3], data, *header[3:])
+
+    def entries(self):
+        """The part file's entries (:func:`mpikv.statefile.write_part`)."""
+        return [(key, name, start, stop, tuple(shape),
+                 self.data[offset:offset + nbytes].view(np.dtype(dtype)))
+                for key, name, start, stop, shape, dtype, offset, nbytes in self.layout]
+
+
+def take(store, rows, step, extra, reuse=None):
+    """This rank's :class:`Copy` of ``step``; ``reuse``: a dropped copy's buffer."""
+    arrays = owned_entries(store, True, _on_host, rows)
+    layout, offset = [], 0
+    for key, name, start, stop, shape, array in arrays:
+        layout.append((key, name, start, stop, tuple(shape), array.dtype.str, offset,
+                       array.nbytes))
+        offset += array.nbytes
+    data = reuse if reuse is not None and reuse.nbytes == offset else np.empty(offset, np.uint8)
+    for (_, _, _, _, _, array), entry in zip(arrays, layout):
+        data[entry[6]:entry[6] + entry[7]] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return Copy(step, store.transport.rank, layout, data,
+                manifest_meta(store, "checkpoint", True, rows), extra)
+
+
+class Mirror:
+    """This rank's copies and its predecessor's (see the module's docstring).
+
+    Args:
+        store: the store's :class:`mpikv.engine.Engine`.
+        rows: the store's :class:`~mpikv.row_tables.RowTables`, or None.
+    """
+
+    def __init__(self, store, rows=None):
+        self._store, self._rows = store, rows
+        self.size = store.transport.size
+        self.own = {}    # step -> Copy
+        self.prev = {}   # step -> the predecessor's Copy
+
+    def step(self, step, extra, what):
+        """Copies this rank's part after ``step`` steps and passes it to the next
+        rank; collective (every rank, in a store call)."""
+        reuse = _oldest(self.own) if len(self.own) >= KEPT else None
+        mine = take(self._store, self._rows, step, extra,
+                    None if reuse is None else self.own.pop(reuse).data)
+        self.own[step] = mine
+        # (received into a new buffer: the send of the copy above reads its own)
+        header, data = self._store.transport.pass_along(mine.header(), mine.data, what)
+        theirs = Copy.from_header(header, data)
+        self.prev[theirs.step] = theirs
+        while len(self.prev) > KEPT:
+            del self.prev[_oldest(self.prev)]
+
+    def steps(self):
+        """``(own steps, predecessor's steps)`` held here."""
+        return sorted(self.own), sorted(self.prev)
+
+
+def _oldest(copies):
+    return min(copies)
+
+
+def buddy(rank, size):
+    """The rank that holds ``rank``'s copies."""
+    return (rank + 1) % size
+
+
+def common_step(size, lost, held):
+    """The newest step every part of the store is held for, after a loss.
+
+    Args:
+        size: the lost store's rank count.
+        lost: its lost ranks.
+        held: ``{survivor's old rank: (own steps, predecessor's steps)}``.
+
+    Returns:
+        The step, or None when no step is held whole (no copy taken yet).
+
+    Raises:
+        MPIKVError: a lost rank's buddy was lost too (its copies are gone).
+    """
+    gone = [(r, buddy(r, size)) for r in sorted(lost) if buddy(r, size) in lost]
+    if gone and size > 1:
+        raise MPIKVError(
+            "redundancy='memory': " + "; ".join(
+                f"rank {r} and its buddy rank {b} (which held its copy) were both lost"
+                for r, b in gone) + ": no survivor holds what they owned")
+    if not held:
+        return None
+    steps = set.intersection(*(set(own) for own, _ in held.values()))
+    for r in lost:
+        steps &= set(held.get(buddy(r, size), ((), ()))[1])
+    return max(steps) if steps else None
+
+
+def restore(mirror, transport, lost, survivors, path_of, write_extra=None):
+    """Writes the newest step that the survivors' copies hold whole as a checkpoint;
+    collective over the survivors' new store.
+
+    Args:
+        mirror: the lost store's :class:`Mirror` on this rank, or None (no copies).
+        transport: the survivors' store's transport (its ranks: ``survivors``, in order).
+        lost, survivors: the lost store's ranks (the agreed
+            :class:`~mpikv.errors.RankLostError`'s).
+        path_of: ``step -> path`` of the checkpoint to write.
+        write_extra: ``(path, extra)``: writes what the lost store's rank 0 kept
+            with its copy (run on the one survivor that holds it, before the
+            manifest makes the checkpoint visible).
+
+    Returns:
+        The step written, or None where no step is held whole (nothing written).
+
+    Raises:
+        MPIKVError: a lost rank's buddy was lost too (on every survivor).
+        StateFileError: some survivor could not write (on every survivor).
+    """
+    what = ("restore copies", [])
+    size, me = len(lost) + len(survivors), survivors[transport.rank]
+    if mirror is not None and mirror.size != size:
+        mirror = None   # the loss is of another store's ranks (one lost during a recovery)
+    own, prev = mirror.steps() if mirror is not None else ([], [])
+    records = transport.allgather_records(
+        {"own": own, "prev": prev,
+         "generation": statefile.new_generation() if transport.rank == 0 else None}, what)
+    step = common_step(size, lost, {survivors[i]: (r["own"], r["prev"])
+                                    for i, r in enumerate(records)})
+    if step is None:
+        return None
+    path, generation = path_of(step), records[0]["generation"]
+    mine = [mirror.own[step]] + [mirror.prev[step] for r in lost if buddy(r, size) == me]
+    holder = buddy(0, size) if 0 in lost else 0
+
+    def write_mine():
+        if write_extra is not None and me == holder:
+            write_extra(path, next(c.extra for c in mine if c.rank == 0))
+        return [statefile.write_part(path, generation, c.rank, c.entries())
+                for c in mine if c.layout]
+
+    records = [r for part in _exchange(transport, what, write_mine) for r in part]
+    meta = mine[0].meta
+
+    def commit():
+        if transport.rank == 0:
+            statefile.commit(path, generation, records, meta)
+
+    _exchange(transport, what, commit)
+    return step
+
+
+__all__ = ["Copy", "Mirror", "buddy", "common_step", "restore", "take"]

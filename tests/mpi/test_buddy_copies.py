@@ -1,0 +1,143 @@
+"""Buddy copies (redundancy="memory") at 1-4 ranks: the copies the survivors of a loss
+hold make a checkpoint of the last step, exact, on fewer ranks.
+
+The loss is played without ULFM: the "survivors" make their store on a split of
+the ranks, and the "lost" rank takes no part in it.
+"""
+
+import types
+
+import numpy as np
+import pytest
+
+import mpikv
+
+from .conftest import TEST_TIMEOUT, raises_everywhere
+
+pytestmark = pytest.mark.mpi
+
+#: keys of several sizes and dtypes: split over the owners (bigarray_bound) or whole
+SHAPES = {"small": ((3,), np.float64), "mat": ((7, 5), np.float32), "big": ((64,), np.float64)}
+
+
+def _grads(step, rank):
+    # Integers: sums are exact in any order, so fewer ranks can push the same total.
+    return {k: np.full(shape, (rank + 1) * step, dtype) for k, (shape, dtype) in SHAPES.items()}
+
+
+def _total(step, n):
+    return {k: sum(_grads(step, r)[k] for r in range(n)) for k in SHAPES}
+
+
+def _store(comm=None):
+    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=16, comm=comm)
+    kv.set_optimizer(mpikv.optimizer.SGD(learning_rate=0.125, momentum=0.5))
+    return kv
+
+
+def _values(kv):
+    out = {k: np.zeros(shape, dtype) for k, (shape, dtype) in SHAPES.items()}
+    for k, o in out.items():
+        kv.pull(k, out=o)
+    return out
+
+
+def _train(kv, steps, n):
+    kv.init(list(SHAPES), [np.arange(np.prod(s), dtype=d).reshape(s) / 4 for s, d in SHAPES.values()])
+    for step in range(1, steps + 1):
+        kv.push(list(SHAPES), [g for g in _grads(step, kv.rank).values()])
+        kv.keep_copy(step, {"made by": kv.rank, "step": step})
+    assert kv.num_workers == n
+
+
+def _survivors(comm, lost):
+    """The survivors' communicator (ranks in their old order), or None on a lost rank."""
+    sub = comm.Split(1 if comm.rank in lost else 0, comm.rank)
+    if comm.rank in lost:
+        sub.Free()
+        return None
+    return sub
+
+
+@pytest.mark.parametrize("which", ["first", "middle", "last"])
+def test_the_survivors_write_the_last_step_and_go_on_exactly(comm, shared_dir, which):
+    n = comm.size
+    if n == 1:
+        pytest.skip("needs two ranks")
+    lost = {"first": 0, "middle": n // 2, "last": n - 1}[which]
+    kv = _store()
+    _train(kv, 3, n)
+    # What an uninterrupted run gives after one more step.
+    kv.push(list(SHAPES), list(_grads(4, comm.rank).values()))
+    expected = _values(kv)
+    survivors = [r for r in range(n) if r != lost]
+    sub = _survivors(comm, [lost])
+    if sub is not None:
+        new = _store(sub)
+        loss = types.SimpleNamespace(lost=[lost], survivors=survivors)
+        written = []
+
+        def write_extra(path, extra):
+            written.append((path, extra))
+        step = new.restore_copies(kv, loss, lambda s: f"{shared_dir}/step-{s}", write_extra)
+        assert step == 3
+        # the lost store's rank 0 kept the extra: it, or its buddy, wrote it
+        holder = 1 if lost == 0 else 0
+        everyone = sub.allgather(written)
+        assert [w for w in everyone if w] == [[(f"{shared_dir}/step-3",
+                                                {"made by": 0, "step": 3})]]
+        assert everyone[survivors.index(holder)]
+        new.load_checkpoint(f"{shared_dir}/step-3")
+        # The same total gradient from fewer ranks: the step every rank would have made.
+        total = _total(4, n)
+        new.push(list(SHAPES), [total[k] if new.rank == 0 else np.zeros_like(total[k])
+                                for k in SHAPES])
+        got = _values(new)
+        for k in SHAPES:
+            np.testing.assert_array_equal(got[k], expected[k])
+            assert got[k].dtype == expected[k].dtype
+        new.close()
+        sub.Free()
+    comm.Barrier()
+    kv.close()
+
+
+def test_a_rank_lost_with_its_buddy_is_one_error_on_every_survivor(comm, shared_dir):
+    n = comm.size
+    if n < 3:
+        pytest.skip("needs a survivor beside two lost ranks")
+    kv = _store()
+    _train(kv, 2, n)
+    lost = [1, 2]
+    sub = _survivors(comm, lost)
+    if sub is not None:
+        new = _store(sub)
+        loss = types.SimpleNamespace(lost=lost, survivors=[r for r in range(n) if r not in lost])
+        message = raises_everywhere(sub, mpikv.MPIKVError, lambda: new.restore_copies(
+            kv, loss, lambda s: f"{shared_dir}/step-{s}"))
+        assert message == ("MPIKVError: redundancy='memory': rank 1 and its buddy rank 2 "
+                           "(which held its copy) were both lost: no survivor holds what "
+                           "they owned"), message
+        import os
+        assert not os.listdir(shared_dir)   # nothing written
+        new.close()
+        sub.Free()
+    comm.Barrier()
+    kv.close()
+
+
+def test_no_copy_yet_writes_nothing(comm, shared_dir):
+    n = comm.size
+    if n == 1:
+        pytest.skip("needs two ranks")
+    kv = _store()
+    kv.init("w", np.zeros(3))
+    sub = _survivors(comm, [n - 1])
+    if sub is not None:
+        new = _store(sub)
+        loss = types.SimpleNamespace(lost=[n - 1], survivors=list(range(n - 1)))
+        assert new.restore_copies(kv, loss, lambda s: f"{shared_dir}/step-{s}") is None
+        new.close()
+        sub.Free()
+    comm.Barrier()
+    kv.close()
