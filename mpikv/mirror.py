@@ -94,12 +94,10 @@ class Mirror:
         mine = take(self._store, self._rows, step, extra,
                     None if reuse is None else self.own.pop(reuse).data)
         self.own[step] = mine
-        # (received into a new buffer: the send of the copy above reads its own)
-        header, data = self._store.transport.pass_along(mine.header(), mine.data, what)
+        spare = self.prev.pop(_oldest(self.prev)).data if len(self.prev) >= KEPT else None
+        header, data = self._store.transport.pass_along(mine.header(), mine.data, what, spare)
         theirs = Copy.from_header(header, data)
         self.prev[theirs.step] = theirs
-        while len(self.prev) > KEPT:
-            del self.prev[_oldest(self.prev)]
 
     def steps(self):
         """``(own steps, predecessor's steps)`` held here."""

@@ -108,10 +108,11 @@ class Transport(ABC):
         """
         recv[rdispls[0]:rdispls[0] + rcounts[0]] = send[sdispls[0]:sdispls[0] + scounts[0]]
 
-    def pass_along(self, header, data, what):
+    def pass_along(self, header, data, what, out=None):
         """Sends ``header`` (picklable) and ``data`` (a 1-d uint8 host array) to the
         next rank, ``(rank + 1) % size``, and returns the previous rank's
-        ``(header, data)``. One rank gets its own back."""
+        ``(header, data)``, its data received into ``out`` if that has its size.
+        One rank gets its own back."""
         return header, data
 
     # Out of place: ``src`` is read, ``dst`` written. The defaults copy, then run

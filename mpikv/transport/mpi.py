@@ -426,13 +426,14 @@ class MPITransport(Transport):
             self.comm.Alltoallv([send, (list(scounts), list(sdispls)), kind],
                                 [recv, (list(rcounts), list(rdispls)), kind])
 
-    def pass_along(self, header, data, what):
+    def pass_along(self, header, data, what, out=None):
         nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         with self._watchdog.watch(what):
             theirs, nbytes = self.comm.sendrecv((header, data.nbytes), dest=nxt,
                                                 sendtag=_PASS_TAG, source=prev,
                                                 recvtag=_PASS_TAG)
-            got = np.empty(nbytes, np.uint8)
+            # (a buffer used before: a new one would fault in every page, every step)
+            got = out if out is not None and out.nbytes == nbytes else np.empty(nbytes, np.uint8)
             self.comm.Sendrecv([data, MPI.BYTE], dest=nxt, sendtag=_PASS_TAG,
                                recvbuf=[got, MPI.BYTE], source=prev, recvtag=_PASS_TAG)
         return theirs, got

@@ -5,6 +5,7 @@ The loss is played without ULFM: the "survivors" make their store on a split of
 the ranks, and the "lost" rank takes no part in it.
 """
 
+import os
 import types
 
 import numpy as np
@@ -50,13 +51,20 @@ def _train(kv, steps, n):
     assert kv.num_workers == n
 
 
-def _survivors(comm, lost):
-    """The survivors' communicator (ranks in their old order), or None on a lost rank."""
+def _as_survivors(comm, lost, body):
+    """Runs ``body(sub)`` on the survivors' communicator (ranks in their old order);
+    then every rank, lost ones included, learns whether it failed anywhere (a
+    failure on some ranks must not leave the others waiting)."""
     sub = comm.Split(1 if comm.rank in lost else 0, comm.rank)
-    if comm.rank in lost:
-        sub.Free()
-        return None
-    return sub
+    failure = None
+    if comm.rank not in lost:
+        try:
+            body(sub)
+        except BaseException as exc:  # noqa: BLE001 - reported on every rank below
+            failure = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
+    sub.Free()
+    failures = [f for f in comm.allgather(failure) if f]
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("which", ["first", "middle", "last"])
@@ -71,8 +79,8 @@ def test_the_survivors_write_the_last_step_and_go_on_exactly(comm, shared_dir, w
     kv.push(list(SHAPES), list(_grads(4, comm.rank).values()))
     expected = _values(kv)
     survivors = [r for r in range(n) if r != lost]
-    sub = _survivors(comm, [lost])
-    if sub is not None:
+
+    def survive(sub):
         new = _store(sub)
         loss = types.SimpleNamespace(lost=[lost], survivors=survivors)
         written = []
@@ -93,12 +101,11 @@ def test_the_survivors_write_the_last_step_and_go_on_exactly(comm, shared_dir, w
         new.push(list(SHAPES), [total[k] if new.rank == 0 else np.zeros_like(total[k])
                                 for k in SHAPES])
         got = _values(new)
+        new.close()
         for k in SHAPES:
             np.testing.assert_array_equal(got[k], expected[k])
             assert got[k].dtype == expected[k].dtype
-        new.close()
-        sub.Free()
-    comm.Barrier()
+    _as_survivors(comm, [lost], survive)
     kv.close()
 
 
@@ -109,8 +116,8 @@ def test_a_rank_lost_with_its_buddy_is_one_error_on_every_survivor(comm, shared_
     kv = _store()
     _train(kv, 2, n)
     lost = [1, 2]
-    sub = _survivors(comm, lost)
-    if sub is not None:
+
+    def survive(sub):
         new = _store(sub)
         loss = types.SimpleNamespace(lost=lost, survivors=[r for r in range(n) if r not in lost])
         message = raises_everywhere(sub, mpikv.MPIKVError, lambda: new.restore_copies(
@@ -118,11 +125,9 @@ def test_a_rank_lost_with_its_buddy_is_one_error_on_every_survivor(comm, shared_
         assert message == ("MPIKVError: redundancy='memory': rank 1 and its buddy rank 2 "
                            "(which held its copy) were both lost: no survivor holds what "
                            "they owned"), message
-        import os
-        assert not os.listdir(shared_dir)   # nothing written
         new.close()
-        sub.Free()
-    comm.Barrier()
+        assert not os.listdir(shared_dir)   # nothing written
+    _as_survivors(comm, lost, survive)
     kv.close()
 
 
@@ -132,12 +137,12 @@ def test_no_copy_yet_writes_nothing(comm, shared_dir):
         pytest.skip("needs two ranks")
     kv = _store()
     kv.init("w", np.zeros(3))
-    sub = _survivors(comm, [n - 1])
-    if sub is not None:
+
+    def survive(sub):
         new = _store(sub)
         loss = types.SimpleNamespace(lost=[n - 1], survivors=list(range(n - 1)))
-        assert new.restore_copies(kv, loss, lambda s: f"{shared_dir}/step-{s}") is None
+        written = new.restore_copies(kv, loss, lambda s: f"{shared_dir}/step-{s}")
         new.close()
-        sub.Free()
-    comm.Barrier()
+        assert written is None
+    _as_survivors(comm, [n - 1], survive)
     kv.close()
