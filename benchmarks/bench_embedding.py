@@ -311,6 +311,15 @@ def _agree(comm, failure):
     return next((f for f in failures if f is not None), None)
 
 
+def _attempt(comm, fn):
+    """``fn()`` on every rank: ``(its result or None, this rank's exception or None,
+    the first rank's failure or None)``."""
+    try:
+        return fn(), None, _agree(comm, None)
+    except Exception as exc:  # noqa: BLE001 - sorted out by the caller
+        return None, exc, _agree(comm, _failure(exc))
+
+
 def memory_child(args, comm):
     """In a spawned job: one variant (``args.child``), alone; returns what it did."""
     from mpi4py import MPI
@@ -334,37 +343,23 @@ def memory_child(args, comm):
                              f"start-up ({start_data:.0f} MiB of private memory)")
         hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
         resource.setrlimit(resource.RLIMIT_DATA, (cap << 20, hard))
-    failure, phase, variant, steps, losses = None, "building the model", None, 0, []
-    before = after = None
-    try:
-        variant = Variant(name, args, comm, ex)
-    except Exception as exc:  # noqa: BLE001 - sorted out below
-        failure = exc
-    failed = _agree(comm, _failure(failure))
+    phase, steps, losses, before, after = "building the model", 0, [], None, None
+    variant, failure, failed = _attempt(comm, lambda: Variant(name, args, comm, ex))
     if failed is None:
         phase = "the held-out loss before training"
-        try:
-            before = ex.evaluate(variant.model, test)[0]
-        except Exception as exc:  # noqa: BLE001
-            failure = exc
-        failed = _agree(comm, _failure(failure))
+        before, failure, failed = _attempt(comm, lambda: ex.evaluate(variant.model, test)[0])
     for i in range(args.warmup + args.steps):
         if failed is not None:
             break
         phase = f"step {i + 1}"
-        try:
-            losses.append(float(variant.step(*batch_of(train, i, batch, comm.rank, comm.size))))
+        loss, failure, failed = _attempt(comm, lambda: float(
+            variant.step(*batch_of(train, i, batch, comm.rank, comm.size))))
+        if failure is None:
+            losses.append(loss)
             steps += 1
-        except Exception as exc:  # noqa: BLE001
-            failure = exc
-        failed = _agree(comm, _failure(failure))
     if failed is None:
         phase = "the held-out loss after training"
-        try:
-            after = ex.evaluate(variant.model, test)[0]
-        except Exception as exc:  # noqa: BLE001
-            failure = exc
-        failed = _agree(comm, _failure(failure))
+        after, failure, failed = _attempt(comm, lambda: ex.evaluate(variant.model, test)[0])
     if failure is not None and not out_of_memory(failure):
         raise failure   # a bug, not the memory: the job fails, the run says why
     if failed is not None and failed["oom"] is False:
