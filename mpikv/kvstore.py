@@ -854,7 +854,7 @@ class KVStore(ClosesAfterWith):
                 self._mirror = mirror.Mirror(self._engine, self._rows)
             self._mirror.step(step, extra, (call.op, []))
         # Not in the background: a rank that died before its copy left would take
-        # the step back with it (measured: a loss in the next step went back two).
+        # that step with it (tried: a loss in the next step went back one further).
         self._protocol.collective(call, keep)
 
     def restore_copies(self, lost_store, lost, path_of, write_extra=None):

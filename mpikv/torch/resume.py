@@ -300,5 +300,5 @@ class Resumer:
                 self.directory, self._state is not None)[:self.keep]})
 
 
-__all__ = ["EXIT_STATUS", "Resumer", "checkpoint_path", "is_complete", "write_copy_extra", "name_of", "newest_first", "remove",
-           "steps_in", "state_path"]
+__all__ = ["EXIT_STATUS", "Resumer", "checkpoint_path", "is_complete", "name_of", "newest_first",
+           "remove", "steps_in", "state_path", "write_copy_extra"]
