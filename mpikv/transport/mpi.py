@@ -48,6 +48,19 @@ class MPITransport(Transport):
         comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(comm, MPI.Intracomm):
             raise TypeError(f"comm must be an mpi4py intra-communicator, not {type(comm).__name__}")
+        try:
+            self._make(comm, options, node_of)
+        except MPI.Exception as exc:
+            # A rank of ``comm`` lost while the store was being made (the survivors'
+            # communicator of an earlier loss, say): the same RankLostError on every
+            # survivor, whose .comm makes the next try.
+            if not (getattr(options, "fault_tolerant", False) and ulfm.is_failure(exc)):
+                raise
+            ulfm.lost_while_making(comm, exc, options.timeout,
+                                   [c for c in (getattr(self, "comm", None),
+                                                getattr(self, "agree_comm", None)) if c])
+
+    def _make(self, comm, options, node_of):
         self.comm = comm.Dup()
         # Agreement runs in the caller's thread while the store's worker thread
         # may be inside a data collective: separate communicators keep them apart.

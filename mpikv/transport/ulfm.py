@@ -291,6 +291,21 @@ class Recovery:
                     comm=shrunk, call=first, completed_on=ahead, completed_here=me in ahead)
 
 
+def lost_while_making(comm, exc, timeout, made=()):
+    """Raises the agreed :class:`RankLostError` of a rank of ``comm`` lost while a
+    store was being made on it (``made``: the communicators made so far, revoked
+    with it). Collective over the survivors."""
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    world_ranks = group.Translate_ranks(list(range(comm.Get_size())), world)
+    group.Free()
+    world.Free()
+    recovery = Recovery(lambda: [comm, *made], comm,
+                        lambda r: None if world_ranks[r] == MPI.UNDEFINED else world_ranks[r],
+                        timeout, describe=lambda what: what[0])
+    recovery.check(exc, ("the store's creation", []))
+    raise exc   # (not a failure: check returned)
+
+
 # -- the survivors' end -----------------------------------------------------------------
 #: the latest survivors' communicator of this process, once a rank was lost
 _SURVIVORS = {}

@@ -216,6 +216,24 @@ def test_survivors_go_on_with_the_right_sums_on_a_new_store(n, dead, launcher_ar
     assert "Traceback" not in out, out
 
 
+def test_a_rank_lost_while_the_survivors_make_their_store():
+    # Rank 1 dies in step 20; rank 2 is killed as the two others make their store:
+    # their creation raises one RankLostError (the store's creation) on both, and
+    # the next try, on its .comm, goes on with the right sums.
+    rc, out = run_survive(4, "20:1", env={"DIE_BY": "sigkill", "DIE_IN_RECOVERY": "2"})
+    assert rc == 0, out
+    assert "rank 2: dying while the survivors make their store" in out, out
+    for new_rank, r in enumerate((0, 3)):
+        said = re.findall(rf"^rank {r}: making the store: (.*)$", out, re.M)
+        assert said == ["rank 1 of 3 lost (COMM_WORLD rank 2) during the store's creation: "
+                        "the process died; "
+                        "2 survive (0, 2). This store is unusable now; a store made on the "
+                        "survivors' communicator (this error's .comm) goes on"], out
+        assert f"rank {r}: new store: rank {new_rank} of 2, " in out, out
+        assert f"rank {r}: finished 60 steps on 2 ranks [0, 3]; last sum 300\n" in out, out
+    assert "Traceback" not in out, out
+
+
 def test_a_survivor_computing_long_after_a_loss_is_not_lost():
     # After a loss only mpikv's heartbeat thread turns MPI's progress engine while a
     # rank computes (without it, this rank 2 was taken for dead at step 40).

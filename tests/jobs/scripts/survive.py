@@ -15,6 +15,9 @@ TOKEN is ignored: it marks the processes, for the test's look for leftovers.
 DIE_BY=sigkill in the environment: the dying ranks get SIGKILL (kill -9) instead.
 SLOW=STEP:RANK in the environment: that rank computes (sleeps) 6 s before that
 step, 3 x the failure detector's timeout: it must not be taken for dead.
+DIE_IN_RECOVERY=RANK in the environment: that rank is killed (SIGKILL) right after
+its first RankLostError, while the others make the survivors' store: they get
+a RankLostError from ``create`` and make it again on its ``.comm``.
 """
 
 import os
@@ -62,8 +65,18 @@ def main(deaths):
                       f"going back to it", flush=True)
             print(f"rank {me}: step {step}: lost store ranks {exc.lost}; "
                   f"survivors now {alive}", flush=True)
+            if os.environ.get("DIE_IN_RECOVERY") == str(me):
+                print(f"rank {me}: dying while the survivors make their store", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
             start = time.monotonic()
-            kv = mpikv.create("dist_sync", comm=exc.comm, **OPTIONS)
+            while True:
+                try:
+                    kv = mpikv.create("dist_sync", comm=exc.comm, **OPTIONS)
+                    break
+                except mpikv.RankLostError as again:   # lost while making it
+                    alive = [alive[r] for r in again.survivors]
+                    print(f"rank {me}: making the store: {again}", flush=True)
+                    exc = again
             kv.init(keys, weights)            # the last values, rank 0 of the survivors'
             back = [np.empty(n) for n in SIZES.values()]
             kv.pull(keys, out=back)
