@@ -12,24 +12,32 @@ import re
 import sys
 import uuid
 
+import pytest
+
 from .conftest import MPIRUN, launch
 from .test_rank_lost import DETECTOR, SEEN_WITHIN, leftovers
 
 SCRIPT = "tests/jobs/scripts/elastic_train.py"
 
 
-def run_job(directory, redundancy):
-    """Rank 0 killed in step 3, rank 1 in step 10: the output and when each died."""
+def launch_job(directory, redundancy, kills="0@3,1@10", n=3, env=None):
+    """The job's output, once it checked that the job ended well."""
     token = f"mpikv-ft-{uuid.uuid4().hex[:12]}"
-    cmd = ["timeout", "-k", "5", "90", str(MPIRUN), "--ft", "-n", "3", sys.executable,
-           SCRIPT, str(directory), "0@3,1@10", "1", token, redundancy]
+    cmd = ["timeout", "-k", "5", "90", str(MPIRUN), "--ft", "-n", str(n), sys.executable,
+           SCRIPT, str(directory), kills, "1", token, redundancy]
     env = dict(os.environ, PYTHONUNBUFFERED="1", MPIKV_AUTOTUNE="0",
-               MPIKV_FT_DETECTOR_TIMEOUT=str(DETECTOR))
+               MPIKV_FT_DETECTOR_TIMEOUT=str(DETECTOR), **(env or {}))
     rc, out = launch(cmd, env)
     assert rc != 124, f"the job hung:\n{out}"
     assert leftovers(token) == [], out
     assert rc in (0, 9), out   # (survivors of a SIGKILL end with status 0)
     assert "Traceback" not in out, out
+    return out
+
+
+def run_job(directory, redundancy):
+    """Rank 0 killed in step 3, rank 1 in step 10: the output and when each died."""
+    out = launch_job(directory, redundancy)
     died = {int(r): (int(s), float(t))
             for r, s, t in re.findall(r"rank (\d): dying in step (\d+) at ([\d.]+)", out)}
     assert sorted(died) == [0, 1] and died[0][0] == 3 and died[1][0] == 10, out
@@ -74,3 +82,21 @@ def test_with_buddy_copies_killed_ranks_cost_only_the_step_in_flight(tmp_path):
             == ["3"], out
     assert re.findall(r"rank 2: step (\d+) on 1 workers as rank 0 at ", out) == ["10"], out
     finished_exactly(out)
+
+
+@pytest.mark.parametrize("redundancy", ["checkpoint", "memory"])
+def test_a_rank_lost_during_the_recovery_is_recovered_from_in_turn(tmp_path, redundancy):
+    # 4 ranks: rank 1 killed in step 5; rank 2 as the recovery starts making the
+    # survivors' store: the two left recover again and end with the exact weights.
+    out = launch_job(tmp_path / "ckpt", redundancy, kills="1@5", n=4,
+                     env={"DIE_IN_RECOVERY": "2"})
+    assert "rank 2: dying in the recovery at " in out, out
+    # From the checkpoint of 3 steps (every 3; buddy copies of the first store
+    # are of its ranks, so a second loss in the recovery goes back to the disk).
+    for r, as_rank in ((0, 0), (3, 1)):
+        assert re.findall(rf"rank {r}: step (\d+) on 2 workers as rank {as_rank} at ", out) \
+            == ["3"], out
+    final = re.findall(r"rank (\d): finished (\d+) updates on (\d) workers as rank (\d); "
+                       r"max difference ([\d.e+-]+)", out)
+    assert sorted(f[:4] for f in final) == [("0", "14", "2", "0"), ("3", "14", "2", "1")], out
+    assert all(float(f[4]) <= 1e-10 for f in final), out

@@ -13,6 +13,9 @@ each survivor compares its weights with plain torch's on the whole batches
 (an uninterrupted one-process run) and checks that every checkpoint in DIR
 with a Trainer file is complete. TOKEN is ignored (it marks the processes).
 REDUNDANCY is the Trainer's ``redundancy`` (default "checkpoint").
+DIE_IN_RECOVERY=RANK in the environment: that rank is killed (SIGKILL) when the
+first recovery starts making the survivors' store: the others' recovery meets
+a second loss and recovers from it in turn.
 """
 
 import os
@@ -64,6 +67,14 @@ def main(directory, kills, min_workers, redundancy="checkpoint"):
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, fault_tolerant=True,
                                   min_workers=min_workers, redundancy=redundancy)
     me = trainer.rank   # the rank at the start (this process's name in the output)
+    if os.environ.get("DIE_IN_RECOVERY") == str(me):
+        remake = mpikv.torch.Trainer._remake
+
+        def dying_remake(self, made, lost):
+            print(f"rank {me}: dying in the recovery at {time.time():.6f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return remake(self, made, lost)
+        mpikv.torch.Trainer._remake = dying_remake
     trainer.resume(directory, every=EVERY)
     seen = [trainer.num_workers]
     reported = [trainer.num_workers]
