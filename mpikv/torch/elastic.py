@@ -84,10 +84,9 @@ def _recover(trainer, lost, min_workers):
     if resumed is None:
         raise MPIKVError(f"trainer.run cannot go on after a lost rank with {where}: "
                          f"{lost}") from lost
-    if trainer.shard == "parameters" or trainer._sparse is not None:
-        raise MPIKVError(f"trainer.run does not recover a Trainer with "
-                         f"{'shard=parameters' if trainer.shard == 'parameters' else 'sparse weights'}"
-                         f" yet ({lost}); {where}") from lost
+    if trainer._sparse is not None:
+        raise MPIKVError(f"trainer.run does not recover a Trainer with sparse weights yet "
+                         f"({lost}); {where}") from lost
     _rebuild(trainer, lost)
 
 
@@ -98,6 +97,8 @@ def _let_go(trainer):
         hook.remove()
     for hook in getattr(trainer, "_forward_hooks", ()):
         hook.remove()
+    if getattr(trainer, "_shards", None) is not None:   # shard="parameters": its hooks
+        trainer._shards.remove()
     trainer._detach_sync_bn()
     try:
         trainer._launcher.close()

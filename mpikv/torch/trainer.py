@@ -199,7 +199,6 @@ class Trainer(ClosesAfterWith):
             # (one rank: nothing to lose, as a local store ignores fault_tolerant)
             why = ("a store that is not fault tolerant (fault_tolerant=True)"
                    if not self._kv.fault_tolerant and self._kv.num_workers > 1 else
-                   "shard='parameters'" if shard == "parameters" else
                    "sparse embedding weights" if sparse_named else None)
             if why:   # (the same on every rank: fault tolerance is agreed at creation)
                 raise errors.InputError(f"redundancy='memory' is not supported with {why}")

@@ -65,9 +65,10 @@ def test_run_calls_the_steps_left_and_returns_the_update_count(tmp_path):
     trainer.close()
 
 
-def test_a_loss_goes_on_from_the_latest_checkpoint_with_exact_weights(tmp_path):
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
+def test_a_loss_goes_on_from_the_latest_checkpoint_with_exact_weights(tmp_path, shard):
     net = _net()
-    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, "local")
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, "local", shard=shard)
     trainer.resume(tmp_path, every=2, background=False)
     calls = []
     step_fn = _stepper(trainer, net, calls)
@@ -126,8 +127,6 @@ def test_trainer_takes_fault_tolerant_and_refuses_it_without_ulfm(monkeypatch):
 @pytest.mark.parametrize("redundancy, kwargs, message", [
     ("disk", {}, "redundancy must be 'checkpoint' or 'memory', not 'disk'"),
     (None, {}, "redundancy must be 'checkpoint' or 'memory', not None"),
-    ("memory", {"shard": "parameters"},
-     "redundancy='memory' is not supported with shard='parameters'"),
 ])
 def test_the_trainer_refuses_a_redundancy_it_cannot_keep(redundancy, kwargs, message):
     net = _net()

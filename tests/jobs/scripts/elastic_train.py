@@ -13,6 +13,7 @@ each survivor compares its weights with plain torch's on the whole batches
 (an uninterrupted one-process run) and checks that every checkpoint in DIR
 with a Trainer file is complete. TOKEN is ignored (it marks the processes).
 REDUNDANCY is the Trainer's ``redundancy`` (default "checkpoint").
+SHARD in the environment: the Trainer's ``shard`` (default its own).
 DIE_IN_RECOVERY=RANK in the environment: that rank is killed (SIGKILL) when the
 first recovery starts making the survivors' store: the others' recovery meets
 a second loss and recovers from it in turn.
@@ -65,7 +66,8 @@ def main(directory, kills, min_workers, redundancy="checkpoint"):
                                      (k.split("@") for k in kills.split(","))}
     net = model()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, fault_tolerant=True,
-                                  min_workers=min_workers, redundancy=redundancy)
+                                  min_workers=min_workers, redundancy=redundancy,
+                                  shard=os.environ.get("SHARD"))
     me = trainer.rank   # the rank at the start (this process's name in the output)
     if os.environ.get("DIE_IN_RECOVERY") == str(me):
         remake = mpikv.torch.Trainer._remake
