@@ -84,9 +84,6 @@ def _recover(trainer, lost, min_workers):
     if resumed is None:
         raise MPIKVError(f"trainer.run cannot go on after a lost rank with {where}: "
                          f"{lost}") from lost
-    if trainer._sparse is not None:
-        raise MPIKVError(f"trainer.run does not recover a Trainer with sparse weights yet "
-                         f"({lost}); {where}") from lost
     _rebuild(trainer, lost)
 
 

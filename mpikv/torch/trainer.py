@@ -195,13 +195,11 @@ class Trainer(ClosesAfterWith):
                                private=shard == "parameters", fault_tolerant=fault_tolerant)
         self.min_workers = min_workers
         self._copies = redundancy == "memory"
-        if self._copies:
-            # (one rank: nothing to lose, as a local store ignores fault_tolerant)
-            why = ("a store that is not fault tolerant (fault_tolerant=True)"
-                   if not self._kv.fault_tolerant and self._kv.num_workers > 1 else
-                   "sparse embedding weights" if sparse_named else None)
-            if why:   # (the same on every rank: fault tolerance is agreed at creation)
-                raise errors.InputError(f"redundancy='memory' is not supported with {why}")
+        # (the same on every rank: fault tolerance is agreed at creation; one rank has
+        # nothing to lose, as a local store ignores fault_tolerant)
+        if self._copies and not self._kv.fault_tolerant and self._kv.num_workers > 1:
+            raise errors.InputError("redundancy='memory' needs a fault-tolerant store "
+                                    "(fault_tolerant=True)")
         self._launcher = _launcher_for(self._kv, bool(self._devices))
         # The user's own calls on this store (between backward and step, say) come
         # after the launcher's too.

@@ -35,9 +35,13 @@ def launch_job(directory, redundancy, kills="0@3,1@10", n=3, env=None):
     return out
 
 
-def run_job(directory, redundancy, shard=None):
+#: the Trainers recovered: the default, shard="parameters", a sparse embedding's row tables
+KINDS = [{}, {"SHARD": "parameters"}, {"MODEL": "embedding"}]
+
+
+def run_job(directory, redundancy, kind=None):
     """Rank 0 killed in step 3, rank 1 in step 10: the output and when each died."""
-    out = launch_job(directory, redundancy, env={"SHARD": shard} if shard else None)
+    out = launch_job(directory, redundancy, env=kind)
     died = {int(r): (int(s), float(t))
             for r, s, t in re.findall(r"rank (\d): dying in step (\d+) at ([\d.]+)", out)}
     assert sorted(died) == [0, 1] and died[0][0] == 3 and died[1][0] == 10, out
@@ -54,10 +58,10 @@ def finished_exactly(out):
     assert listed and "12" in listed.group(1).split(", "), out
 
 
-@pytest.mark.parametrize("shard", [None, "parameters"])
+@pytest.mark.parametrize("kind", KINDS, ids=["default", "parameters", "embedding"])
 def test_killed_ranks_cost_the_steps_since_the_checkpoint_and_the_weights_are_exact(tmp_path,
-                                                                                   shard):
-    out, died = run_job(tmp_path / "ckpt", "checkpoint", shard)
+                                                                                   kind):
+    out, died = run_job(tmp_path / "ckpt", "checkpoint", kind)
     # Rank 0 died while the checkpoint of step 3 was being written: it was never
     # committed, and the survivors went back to the one trainer.run made at the start.
     for r, as_rank in ((1, 0), (2, 1)):
@@ -75,9 +79,9 @@ def test_killed_ranks_cost_the_steps_since_the_checkpoint_and_the_weights_are_ex
     finished_exactly(out)
 
 
-@pytest.mark.parametrize("shard", [None, "parameters"])
-def test_with_buddy_copies_killed_ranks_cost_only_the_step_in_flight(tmp_path, shard):
-    out, _ = run_job(tmp_path / "ckpt", "memory", shard)
+@pytest.mark.parametrize("kind", KINDS, ids=["default", "parameters", "embedding"])
+def test_with_buddy_copies_killed_ranks_cost_only_the_step_in_flight(tmp_path, kind):
+    out, _ = run_job(tmp_path / "ckpt", "memory", kind)
     # Each survivor goes on with the step its lost peer died in: no step lost
     # (the checkpoints on disk were of 0 and 9 steps).
     for r, as_rank in ((1, 0), (2, 1)):

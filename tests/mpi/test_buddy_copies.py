@@ -146,3 +146,16 @@ def test_no_copy_yet_writes_nothing(comm, shared_dir):
         assert written is None
     _as_survivors(comm, [n - 1], survive)
     kv.close()
+
+
+def test_a_trainer_with_buddy_copies_needs_a_fault_tolerant_store(comm):
+    torch = pytest.importorskip("torch")
+    import mpikv.torch
+    net = torch.nn.Linear(3, 2)
+    if comm.size == 1:   # one rank: nothing to lose, nothing refused
+        mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, redundancy="memory").close()
+        return
+    message = raises_everywhere(comm, mpikv.InputError, lambda: mpikv.torch.Trainer(
+        net, torch.optim.SGD, {"lr": 0.1}, redundancy="memory"))
+    assert message == ("InputError: redundancy='memory' needs a fault-tolerant store "
+                       "(fault_tolerant=True)"), message

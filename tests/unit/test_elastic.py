@@ -147,3 +147,49 @@ def test_buddy_copies_on_one_rank_hold_each_step_and_change_nothing(tmp_path):
     assert copies.steps() == ([3, 4], [3, 4])
     kept = copies.own[4].extra
     assert kept["trainer"]["num_update"] == 4 and kept["user"] is None
+
+
+class _Embedded(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(10, 4, sparse=True).double()
+        self.out = torch.nn.Linear(4, 2).double()
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+
+def _ids(i):
+    g = torch.Generator().manual_seed(200 + i)
+    return torch.randint(0, 10, (6,), generator=g), torch.randn(6, 2, generator=g,
+                                                                 dtype=torch.float64)
+
+
+@pytest.mark.parametrize("redundancy", ["checkpoint", "memory"])
+def test_a_loss_recovers_sparse_embedding_weights_exactly(tmp_path, redundancy):
+    plain = _Embedded()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.05)
+    for i in range(7):
+        opt.zero_grad()
+        ids, y = _ids(i)
+        ((plain(ids) - y) ** 2).mean().backward()
+        opt.step()
+    net = _Embedded()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.05}, "local",
+                                  redundancy=redundancy)
+    trainer.resume(tmp_path, every=3, background=False)
+    lose = {"at": 5}
+
+    def step_fn(i):
+        if lose.get("at") == i:
+            del lose["at"]
+            raise _lost()
+        ids, y = _ids(i)
+        trainer.zero_grad()
+        ((net(ids) - y) ** 2).mean().backward()
+        trainer.step()
+    assert trainer.run(step_fn, 7) == 7
+    for got, want in zip(net.parameters(), plain.parameters()):
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=0, atol=1e-12)
+    trainer.close()

@@ -13,7 +13,8 @@ each survivor compares its weights with plain torch's on the whole batches
 (an uninterrupted one-process run) and checks that every checkpoint in DIR
 with a Trainer file is complete. TOKEN is ignored (it marks the processes).
 REDUNDANCY is the Trainer's ``redundancy`` (default "checkpoint").
-SHARD in the environment: the Trainer's ``shard`` (default its own).
+SHARD in the environment: the Trainer's ``shard`` (default its own); MODEL=embedding:
+a model with an ``nn.Embedding(sparse=True)`` (its rows in row tables), plain SGD.
 DIE_IN_RECOVERY=RANK in the environment: that rank is killed (SIGKILL) when the
 first recovery starts making the survivors' store: the others' recovery meets
 a second loss and recovers from it in turn.
@@ -31,11 +32,28 @@ import mpikv.torch
 from mpikv.torch import resume
 
 STEPS, BATCH, EVERY = 14, 12, 3
-HYPER = {"lr": 0.05, "momentum": 0.9}
+#: MODEL=embedding in the environment: a sparse embedding (row tables) and plain SGD
+EMBEDDING = os.environ.get("MODEL") == "embedding"
+HYPER = {"lr": 0.05} if EMBEDDING else {"lr": 0.05, "momentum": 0.9}
+
+
+class Embedded(torch.nn.Module):
+    """Rows of an ``nn.Embedding(sparse=True)`` picked by the input, and a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 4, sparse=True)
+        self.out = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        ids = (x[:, 0].abs() * 7).long() % 20
+        return self.out(torch.cat([self.emb(ids), x], dim=1))
 
 
 def model():
     torch.manual_seed(0)
+    if EMBEDDING:
+        return Embedded().double()
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
                                torch.nn.Linear(8, 2)).double()
 
