@@ -268,7 +268,10 @@ def _watched_now():
 def _check_all():
     now = time.monotonic()
     for dog in _watched_now():
-        dog._check(now)
+        try:
+            dog._check(now)
+        except Exception:  # noqa: BLE001 - one store's failure must not end the others' watch
+            traceback.print_exc()
 
 
 def _shortest_period():
@@ -283,8 +286,8 @@ class Watchdog:
 
     Blocking MPI calls cannot be interrupted, so a daemon thread (one for all
     the watchdogs of the process) checks the deadline that :meth:`watch` arms
-    around each call. Arming costs two attribute writes; the thread wakes a few times
-    per timeout period.
+    around each call. Arming costs two attribute writes; the thread wakes a few
+    times per timeout period.
 
     Args:
         timeout: seconds (``math.inf``: never).

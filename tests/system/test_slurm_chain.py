@@ -25,15 +25,22 @@ def _state(job):
     return m.group(1) if m else None
 
 
-def _requeued_or_done(job):
-    """Whether the job is pending again after its requeue (then made eligible at
-    once) or has completed.
+#: slurm/slurm.conf.in's AuthInfo=cred_expire: how long a job's credential lives
+CRED_EXPIRE = 10
 
-    SLURM holds a requeued job back for about two minutes (its begin time); its
-    owner may make it eligible now, as this test, which checks the chain and not
-    SLURM's delay, does."""
+
+def _requeued_or_done(job, submitted):
+    """Whether the job is pending again after its requeue (then made eligible as
+    soon as it may start) or has completed.
+
+    SLURM holds a requeued job back for the credential's lifetime (its begin
+    time): the first run's credential was revoked when it was cancelled, and a
+    run started before it expires is killed at once ("Job credential revoked",
+    seen when this test made the job eligible 7 s after the submission). Its
+    owner may make it eligible once that lifetime has passed, as this test, which
+    checks the chain and not SLURM's delay, does."""
     state = _state(job)
-    if state == "PENDING":
+    if state == "PENDING" and time.monotonic() - submitted > CRED_EXPIRE + 2:
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"],
                        capture_output=True, timeout=30)
     return state in ("PENDING", "COMPLETED")
@@ -59,6 +66,7 @@ def test_a_signalled_job_checkpoints_requeues_and_ends_with_the_straight_weights
     log = tmp_path / "chain.out"
     env = job_env(MPIKV_CHAIN_DIR=str(tmp_path / "chain"), MPIKV_CHAIN_ARGS=ARGS,
                   MPIKV_AUTOTUNE="0")
+    submitted = time.monotonic()
     sub = subprocess.run(["sbatch", "--parsable", "-n", "2", f"--output={log}", str(JOB)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert sub.returncode == 0, sub.stdout + sub.stderr
@@ -68,8 +76,10 @@ def test_a_signalled_job_checkpoints_requeues_and_ends_with_the_straight_weights
         assert _wait_for(lambda: (tmp_path / "chain" / "step-000000005.trainer.json").exists(),
                          240), log.read_text() if log.exists() else "(no output)"
         subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, timeout=30)
-        assert _wait_for(lambda: _requeued_or_done(job), 300), (_state(job), log.read_text())
-        assert _wait_for(lambda: _state(job) == "COMPLETED", 300), (
+        assert _wait_for(lambda: _requeued_or_done(job, submitted), 300), (
+            _state(job), log.read_text())
+        assert _wait_for(lambda: _requeued_or_done(job, submitted)
+                         and _state(job) == "COMPLETED", 300), (
             _state(job), log.read_text())
     finally:
         subprocess.run(["scancel", job], capture_output=True, timeout=30)
