@@ -44,9 +44,15 @@ def test_the_port_trains_to_ddps_weights(n, tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
                 "--master-addr", "127.0.0.1", "--master-port", str(port)]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    proc = subprocess.run(["timeout", "-k", "5", "180", *torchrun, str(DDP),
-                           str(tmp_path / "ddp.pt")], cwd=ROOT, env=env, capture_output=True,
-                          text=True)
+    for _ in range(2):
+        proc = subprocess.run(["timeout", "-k", "5", "180", *torchrun, str(DDP),
+                               str(tmp_path / "ddp.pt")], cwd=ROOT, env=env,
+                              capture_output=True, text=True)
+        # The reference is torch's own DDP and gloo, not mpikv: once in a fresh clone's
+        # suite one of its ranks aborted ("terminate called without an active
+        # exception", SIGABRT). That crash alone is retried, once.
+        if "terminate called without an active exception" not in proc.stdout + proc.stderr:
+            break
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rc, out, _ = run_job(n, str(PORTED), str(tmp_path / "mpikv.pt"), timeout=180)
     assert rc == 0, out
