@@ -47,3 +47,12 @@ def test_a_bad_argument_on_one_rank_raises_on_every_rank(comm, shared_dir):
                              lambda: kv.run(lambda kv, i: None, 3, shared_dir, every=every))
     assert "kv.run: every must be a positive int, not 0" in said
     kv.close()
+
+
+def test_a_bad_redundancy_on_one_rank_raises_on_every_rank(comm, shared_dir):
+    kv = _store()
+    redundancy = "disk" if comm.rank == comm.size - 1 else "memory"
+    said = raises_everywhere(comm, mpikv.InputError, lambda: kv.run(
+        lambda kv, i: None, 3, shared_dir, every=2, redundancy=redundancy))
+    assert "kv.run: redundancy must be 'checkpoint' or 'memory', not 'disk'" in said
+    kv.close()

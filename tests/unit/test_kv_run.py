@@ -42,6 +42,8 @@ def test_run_saves_every_k_steps_and_a_new_run_goes_on_from_the_newest(tmp_path)
     ({"every": 0}, "every must be a positive int, not 0"),
     ({"every": 2, "keep": 0}, "keep must be a positive int, not 0"),
     ({"every": 2, "min_workers": None}, "min_workers must be a positive int, not None"),
+    ({"every": 2, "redundancy": "disk"},
+     "redundancy must be 'checkpoint' or 'memory', not 'disk'"),
 ])
 def test_run_refuses_bad_arguments(tmp_path, kwargs, says):
     with pytest.raises(mpikv.InputError, match=f"^barrier: kv.run: {says}; nothing was applied$"):
