@@ -9,7 +9,7 @@ must be launched with ``scripts/mpirun.sh --ft`` (ULFM)::
     scripts/mpirun.sh --ft -n 3 python -m mpikv bench ft --blocks 0 --kill 0@25 --json
     scripts/mpirun.sh --ft -n 2 python -m mpikv bench ft --variants off     # one variant's RSS
 
-**The cost when nothing fails.** Three ``mpikv.torch.Trainer`` of ResNet-18
+**The cost when nothing fails.** Up to four ``mpikv.torch.Trainer`` of ResNet-18
 (``benchmarks/bench_train.py``'s model and synthetic batches, 16 x 3x32x32 per rank,
 SGD with momentum) live in the same ``--ft`` job and take turns, one block of
 ``--every`` steps each, each block through ``trainer.run``:
@@ -21,12 +21,14 @@ SGD with momentum) live in the same ``--ft`` job and take turns, one block of
 - ``checkpoint``: ``fault_tolerant=True`` and ``trainer.resume(dir, every=K)``
   (background checkpoints, issue 28's ``redundancy="checkpoint"``): each timed block
   holds exactly one checkpoint, as in ``bench saves`` (which measures the checkpoints'
-  own cost against no checkpoints, without fault tolerance).
+  own cost against no checkpoints, without fault tolerance);
+- ``memory``: ``fault_tolerant=True, redundancy="memory"`` and ``trainer.resume(dir)``
+  without periodic checkpoints (buddy copies after every step).
 
 Each round starts with another variant; a block's time is the slowest rank's, a
 variant's figure the median over blocks (the first ``--warmup`` untimed), per step;
-"ratio" is ``block(X) / block(off)``. Issue 28's goals: ``redundancy="memory"`` (not
-built) at most 1.05 x; ``"checkpoint"``: no per-step cost beyond the checkpoints. The
+"ratio" is ``block(X) / block(off)``. Issue 28's goals: ``redundancy="memory"`` at
+most 1.05 x; ``"checkpoint"``: no per-step cost beyond the checkpoints. The
 peak RSS per rank (``ru_maxrss``) is of the whole process (all the variants it made);
 ``--variants off`` (or ``on``, ``checkpoint``) makes only that one: its own peak. The
 RSS growth while each variant was made is shown too.

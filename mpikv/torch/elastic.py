@@ -44,7 +44,7 @@ def run(trainer, step_fn, steps, min_workers):
                 lost, survived = None, lost
                 _recover(trainer, survived, min_workers)
             resumer = trainer._resumer
-            if resumer is not None and resumer.since is None and _fault_tolerant(trainer):
+            if resumer is not None and resumer.since is None and trainer._kv.fault_tolerant:
                 # (the same on every rank: resume's load is collective) A loss before
                 # the first periodic checkpoint goes back to this start, not to the
                 # weights some survivor holds then.
@@ -61,10 +61,6 @@ def _todo(steps, done):
     if isinstance(steps, int):
         return range(done, steps)
     return [i for i in steps if i >= done]
-
-
-def _fault_tolerant(trainer):
-    return trainer._kv.fault_tolerant
 
 
 def _recover(trainer, lost, min_workers):

@@ -25,11 +25,6 @@ class Ticker:
         self._stopped = threading.Event()
         self._thread = None
 
-    @property
-    def running(self):
-        """Whether the thread was started and not stopped."""
-        return self._thread is not None
-
     def start(self):
         """Starts the thread (once)."""
         if self._thread is not None:
