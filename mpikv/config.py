@@ -9,7 +9,7 @@
 | zero-copy buffers in node-local shared memory | ``shared_memory`` | ``MPIKV_SHARED_MEMORY`` | 1 |
 | reduction strategy: ``auto`` (the tuning table) or a name | ``reducer`` | ``MPIKV_REDUCER`` | auto |
 | probe the strategies at creation when no tuning cache exists | ``autotune`` | ``MPIKV_AUTOTUNE`` | 1 |
-| keys of at least this many bytes are not fused | ``direct_bytes`` | ``MPIKV_DIRECT_BYTES`` | 262144 |
+| host keys of at least this many bytes are not fused | ``direct_bytes`` | ``MPIKV_DIRECT_BYTES`` | 262144 |
 | pieces of a staged device buffer, bytes (0: whole) | ``staging_piece`` | ``MPIKV_STAGING_PIECE`` | 4194304 |
 | a lost rank is a `RankLostError` on every survivor (needs a ULFM launch) | ``fault_tolerant`` | ``MPIKV_FAULT_TOLERANT`` | 0 |
 """

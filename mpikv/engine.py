@@ -15,7 +15,7 @@ from . import backends, reducers, tuning
 from ._arrays import accumulate_dtype, wire_view
 from .dtypes import is_floating
 from .errors import DTypeError
-from .fusion import DEFAULT_BUCKET_BYTES, plan_buckets
+from .fusion import DEFAULT_BUCKET_BYTES, plan_buckets, sizes
 from .owners import Owners
 from .plan import OwnershipPlan, sort_key
 
@@ -238,8 +238,8 @@ class Engine:
         found = self._layouts.get(sig)
         if found is None:
             items = [(k, self._entries[k].array.dtype, self._entries[k].placement) for k in keys]
-            buckets = plan_buckets(items, self.transport.size, self.bucket_bytes,
-                                   self.direct_bytes)
+            buckets = plan_buckets(items, self.transport.size,
+                                   *sizes(self.device, self.bucket_bytes, self.direct_bytes))
             found = self._layouts[sig] = _Layout(buckets, None)
         if found.stored is None:  # after stored values moved (see _moved)
             found.stored = [self._stored_view(b) for b in found.buckets]
@@ -320,7 +320,7 @@ class Engine:
                                  i.dtype.itemsize) for i in items])
         by_key = {i.key: i for i in items}
         buckets = plan_buckets([(i.key, i.dtype, placed[i.key]) for i in items],
-                               t.size, self.bucket_bytes, self.direct_bytes)
+                               t.size, *sizes(self.device, self.bucket_bytes, self.direct_bytes))
         for bucket in buckets:
             # A key lives on the GPU of its first value, not on the current GPU
             # (model.to(f"cuda:{local_rank}") sets no current device); keys fused

@@ -118,3 +118,31 @@ def test_ranks_with_the_key_on_gpu_and_on_host_make_the_same_calls(cp, comm, red
     got = out.get() if r == 0 else out
     want = sum((np.arange(size) % 7 + q).astype(np.float32) for q in range(n))
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("reducer", ["allreduce", "reduce_bcast", "reduce_scatter"])
+def test_ranks_with_keys_on_gpu_and_on_host_cut_the_same_buckets(cp, comm, reducer):
+    """A device store packs its keys in big buckets, with no key alone (``fusion.sizes``);
+    rank 0 holds GPU values, the others host values: the buckets must be the same on
+    every rank, or the calls would not match. Keys small and large (above ``direct_bytes``)."""
+    n, r = comm.size, comm.rank
+    sizes = [3, 700, 50, 2000, 9]
+    keys = list(range(len(sizes)))
+    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, staging_piece=PIECE,
+                      reducer=reducer, autotune=False, direct_bytes=1024)
+    mine = [(np.arange(s) % 5 + r).astype(np.float32) for s in sizes]
+    values = [cp.asarray(m) for m in mine] if r == 0 else [m.copy() for m in mine]
+    kv.init(keys, values)
+    layout = kv._engine.layout(keys)
+    # all fused, the 2000-element key too, on every rank (gathered before any assert)
+    assert comm.allgather(len(layout.buckets)) == [1] * n
+    outs = [cp.zeros(s, cp.float32) if r == 0 else np.zeros(s, np.float32) for s in sizes]
+    for _ in range(2):
+        kv.pushpull(keys, values, out=outs)
+        for s, o in zip(sizes, outs):
+            got = o.get() if r == 0 else o
+            want = sum((np.arange(s) % 5 + q).astype(np.float32) for q in range(n))
+            np.testing.assert_array_equal(got, want)
+    host = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, autotune=False, direct_bytes=1024)
+    host.init(keys, mine)
+    assert len(host._engine.layout(keys).buckets) == 3   # 700 and 2000 elements alone

@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpikv.fusion import plan_buckets
+from mpikv.fusion import DEVICE_BUCKET_BYTES, plan_buckets, sizes
 from mpikv.plan import OwnershipPlan
 
 
@@ -62,3 +62,15 @@ def test_dtypes_do_not_mix():
     items = _items([10, 10, 10], ["float32", "float64", "float32"], ranks=1, bound=100)
     buckets = plan_buckets(items, 1)
     assert [(b.dtype.name, b.keys) for b in buckets] == [("float32", (0, 2)), ("float64", (1,))]
+
+
+def test_gpu_keys_are_packed_in_big_buckets_and_host_keys_keep_the_options():
+    assert sizes(False, 4 << 20, 256 << 10) == (4 << 20, 256 << 10)
+    assert sizes(True, 4 << 20, 256 << 10) == (DEVICE_BUCKET_BYTES, None)
+    assert sizes(True, 64 << 20, 256 << 10) == (64 << 20, None)   # a bigger choice is kept
+    # ResNet-50-like: 40 keys of 1 MiB (float32), below the split bound.
+    items = _items([1 << 18] * 40, ["float32"] * 40, ranks=2, bound=1 << 20)
+    host = plan_buckets(items, 2, *sizes(False, 4 << 20, 256 << 10))
+    gpu = plan_buckets(items, 2, *sizes(True, 4 << 20, 256 << 10))
+    assert len(host) == 40                                   # each at least direct_bytes: alone
+    assert [len(b.segments) for b in gpu] == [32, 8]         # 32 MiB buckets
