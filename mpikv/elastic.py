@@ -19,6 +19,9 @@ import shutil
 from pathlib import Path
 
 from . import errors, statefile
+from ._logging import get_logger
+
+log = get_logger(__name__)
 
 _NAME = re.compile(r"^step-(\d+)(?:$|\.)")
 
@@ -106,7 +109,7 @@ def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, create,
     directory = Path(directory)
     steps = steps if isinstance(steps, int) else list(steps)
     memory = redundancy == "memory"
-    lost = None
+    lost = survived = None
     while True:
         try:
             if lost is not None:   # (a loss during a recovery: recovered again)
@@ -117,6 +120,8 @@ def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, create,
                 if memory:   # the last step every survivor completed, as a checkpoint
                     kv.restore_copies(lost_kv, survived, lambda s: str(directory / name_of(s)))
             done = _start(kv, directory, keep)
+            if survived is not None:
+                say_recovered("kv.run", survived, done, kv.num_workers)
             for i in _todo(steps, done):
                 step_fn(kv, i)
                 done = i + 1
@@ -128,6 +133,17 @@ def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, create,
             return kv
         except errors.RankLostError as exc:
             lost = exc
+
+
+def say_recovered(what, lost, step, workers):
+    """Logs on each survivor what a recovery lost and the step it goes on from."""
+    size = len(lost.lost) + len(lost.survivors)
+    ranks = ", ".join(map(str, lost.lost))
+    if list(lost.lost_world) != list(lost.lost):   # (a store over some of the ranks)
+        ranks += f" (world {', '.join(map(str, lost.lost_world))})"
+    log.warning("%s: lost rank%s %s of %d; going on from step %d on %d rank%s", what,
+                "s" if len(lost.lost) > 1 else "", ranks, size, step, workers,
+                "s" if workers > 1 else "")
 
 
 def _survivors_store(kv, lost, min_workers, directory, create):
@@ -146,4 +162,4 @@ def _survivors_store(kv, lost, min_workers, directory, create):
     return create(kv.type, comm=lost.comm, **options)
 
 
-__all__ = ["name_of", "newest_first", "run"]
+__all__ = ["name_of", "newest_first", "run", "say_recovered"]

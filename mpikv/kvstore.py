@@ -802,14 +802,13 @@ class KVStore(ClosesAfterWith):
                 ``"memory"``: after each step every rank also passes a copy of
                 what it owns to the next rank (:meth:`keep_copy`), and the
                 survivors go on from the last step they all completed (a rank
-                lost with the next rank is one MPIKVError).
+                lost with the next rank: from the newest checkpoint).
 
         Returns:
             The store in use at the end: this one, or the survivors' after a loss.
 
         Raises:
-            MPIKVError: on every survivor, when fewer than ``min_workers`` survive
-                (or a rank and its buddy were lost, with ``redundancy="memory"``).
+            MPIKVError: on every survivor, when fewer than ``min_workers`` survive.
         """
         from .elastic import run
         return run(self, step_fn, steps, directory, every, keep, min_workers, setup, create,
@@ -871,11 +870,8 @@ class KVStore(ClosesAfterWith):
 
         Returns:
             The step written (load it with :meth:`load_checkpoint`), or None
-            where no step is held whole (no copy was taken yet).
-
-        Raises:
-            MPIKVError: on every survivor, where a lost rank's buddy (the next
-                rank) was lost too.
+            where no step is held whole: no copy was taken yet, or a lost
+            rank's buddy (the next rank) was lost too (a warning says so).
         """
         result = []
         self._protocol.collective(Call("restore_copies"), lambda: result.append(

@@ -13,14 +13,18 @@ holds the lost rank's; each writes those copies as the part files of a
 checkpoint of that step, which then loads on the survivors as any checkpoint
 does (:mod:`mpikv.checkpoint`). No step is lost: the survivors go on from
 the last step they all completed. A rank lost with its buddy leaves a part
-nobody holds: one :class:`~mpikv.errors.MPIKVError` on every survivor.
+nobody holds: nothing is written, and the survivors go on from the newest
+periodic checkpoint instead, as after a loss before the first copy (a warning
+on every survivor names the ranks).
 """
 
 import numpy as np
 
 from . import statefile
+from ._logging import get_logger
 from .checkpoint import _exchange, _on_host, manifest_meta, owned_entries
-from .errors import MPIKVError
+
+log = get_logger(__name__)
 
 #: copies kept of each kind (own, the predecessor's)
 KEPT = 2
@@ -113,6 +117,11 @@ def buddy(rank, size):
     return (rank + 1) % size
 
 
+def lost_with_buddy(size, lost):
+    """``[(rank, its buddy)]`` for each lost rank whose buddy was lost too."""
+    return [(r, buddy(r, size)) for r in sorted(lost) if size > 1 and buddy(r, size) in lost]
+
+
 def common_step(size, lost, held):
     """The newest step every part of the store is held for, after a loss.
 
@@ -122,18 +131,10 @@ def common_step(size, lost, held):
         held: ``{survivor's old rank: (own steps, predecessor's steps)}``.
 
     Returns:
-        The step, or None when no step is held whole (no copy taken yet).
-
-    Raises:
-        MPIKVError: a lost rank's buddy was lost too (its copies are gone).
+        The step, or None when no step is held whole: no copy taken yet, or a
+        lost rank's buddy was lost too (its copies are gone).
     """
-    gone = [(r, buddy(r, size)) for r in sorted(lost) if buddy(r, size) in lost]
-    if gone and size > 1:
-        raise MPIKVError(
-            "redundancy='memory': " + "; ".join(
-                f"rank {r} and its buddy rank {b} (which held its copy) were both lost"
-                for r, b in gone) + ": no survivor holds what they owned")
-    if not held:
+    if lost_with_buddy(size, lost) or not held:
         return None
     steps = set.intersection(*(set(own) for own, _ in held.values()))
     for r in lost:
@@ -156,14 +157,21 @@ def restore(mirror, transport, lost, survivors, path_of, write_extra=None):
             manifest makes the checkpoint visible).
 
     Returns:
-        The step written, or None where no step is held whole (nothing written).
+        The step written, or None where no step is held whole (nothing written):
+        no copy taken yet, or a lost rank's buddy lost too (a warning says so).
 
     Raises:
-        MPIKVError: a lost rank's buddy was lost too (on every survivor).
         StateFileError: some survivor could not write (on every survivor).
     """
     what = ("restore copies", [])
     size, me = len(lost) + len(survivors), survivors[transport.rank]
+    gone = lost_with_buddy(size, lost)
+    if gone:   # (decided from the agreed loss alone: alike on every survivor)
+        log.warning("redundancy='memory': %s: no survivor holds what they owned; going on "
+                    "from the newest periodic checkpoint", "; ".join(
+                        f"rank {r} and its buddy rank {b} (which held its copy) were both lost"
+                        for r, b in gone))
+        return None
     if mirror is not None and mirror.size != size:
         mirror = None   # the loss is of another store's ranks (one lost during a recovery)
     own, prev = mirror.steps() if mirror is not None else ([], [])
@@ -195,4 +203,4 @@ def restore(mirror, transport, lost, survivors, path_of, write_extra=None):
     return step
 
 
-__all__ = ["Copy", "Mirror", "buddy", "common_step", "restore", "take"]
+__all__ = ["Copy", "Mirror", "buddy", "common_step", "lost_with_buddy", "restore", "take"]

@@ -24,6 +24,7 @@ uninterrupted run, at the cost of the steps since the checkpoint.
 
 import torch
 
+from ..elastic import say_recovered
 from ..errors import InputError, MPIKVError, RankLostError
 
 
@@ -43,6 +44,7 @@ def run(trainer, step_fn, steps, min_workers):
             if lost is not None:   # (a loss during a recovery: recovered again)
                 lost, survived = None, lost
                 _recover(trainer, survived, min_workers)
+                say_recovered("trainer.run", survived, trainer.num_update, trainer.num_workers)
             resumer = trainer._resumer
             if resumer is not None and resumer.since is None and trainer._kv.fault_tolerant:
                 # (the same on every rank: resume's load is collective) A loss before

@@ -18,11 +18,12 @@ from .test_rank_lost import DETECTOR, SEEN_WITHIN, leftovers
 SCRIPT = "tests/jobs/scripts/elastic_store.py"
 
 
-def run_job(directory, kill, min_workers, redundancy="checkpoint"):
+def run_job(directory, kill, min_workers, redundancy="checkpoint", n=3, env=None):
     token = f"mpikv-ft-{uuid.uuid4().hex[:12]}"
-    cmd = ["timeout", "-k", "5", "60", str(MPIRUN), "--ft", "-n", "3", sys.executable,
+    cmd = ["timeout", "-k", "5", "60", str(MPIRUN), "--ft", "-n", str(n), sys.executable,
            SCRIPT, str(directory), kill, str(min_workers), token, redundancy]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MPIKV_FT_DETECTOR_TIMEOUT=str(DETECTOR))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MPIKV_FT_DETECTOR_TIMEOUT=str(DETECTOR),
+               **(env or {}))
     rc, out = launch(cmd, env)
     assert rc != 124, f"the job hung:\n{out}"
     assert leftovers(token) == [], out
@@ -62,6 +63,9 @@ def test_with_buddy_copies_the_survivors_lose_only_the_step_in_flight(tmp_path, 
         said = re.search(rf"rank {r}: finished on 2 workers as rank {new_rank}; "
                          rf"max difference ([\d.e+-]+)", out)
         assert said and float(said.group(1)) <= 1e-10, out   # every batch summed once
+    # Each survivor says what it lost and where it went on (the log, on stderr).
+    assert len(re.findall(rf"kv.run: lost rank {dead} of 3; going on from step 7 on 2 ranks",
+                          out)) == 2, out
     # The survivors wrote step 7 from the copies; then 9 and 12 came.
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "step-000000009", "step-000000009.parts", "step-000000012", "step-000000012.parts"]
@@ -87,3 +91,22 @@ def test_fewer_survivors_than_min_workers_is_one_error_on_every_survivor(tmp_pat
     assert said[0][0].endswith(f"the latest complete checkpoint is in {tmp_path / 'ckpt'} "
                                f"(load_checkpoint loads it on any number of ranks)"), out
     assert "finished" not in out, out
+
+
+@pytest.mark.parametrize("redundancy", ["checkpoint", "memory"])
+def test_a_rank_lost_during_the_recovery_is_recovered_from_in_turn(tmp_path, redundancy):
+    # 4 ranks: rank 1 killed in step 7; rank 2 in setup, on the survivors' first new
+    # store. The two left recover again, from the checkpoint of 6 steps (the copies
+    # are of the first store's ranks: a second loss goes back to the disk).
+    out, _ = run_job(tmp_path / "ckpt", "1@7", 1, redundancy, n=4,
+                     env={"DIE_IN_RECOVERY": "2"})
+    assert "rank 2: dying in the recovery at " in out, out
+    for new_rank, r in enumerate((0, 3)):
+        went_on = re.findall(rf"rank {r}: step (\d+) on 2 workers as rank {new_rank} at", out)
+        assert went_on == ["6"], out
+        said = re.search(rf"rank {r}: finished on 2 workers as rank {new_rank}; "
+                         rf"max difference ([\d.e+-]+)", out)
+        assert said and float(said.group(1)) <= 1e-10, out   # every batch summed once
+    # (rank 1 of the 3 left: world rank 2)
+    assert len(re.findall(r"kv.run: lost rank 1 \(world 2\) of 3; going on from step 6 on "
+                          r"2 ranks", out)) == 2, out

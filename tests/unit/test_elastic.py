@@ -7,6 +7,7 @@ torch = pytest.importorskip("torch")
 
 import mpikv  # noqa: E402
 import mpikv.torch  # noqa: E402
+from mpikv import elastic  # noqa: E402
 
 HYPER = {"lr": 0.05, "momentum": 0.9}
 
@@ -66,7 +67,10 @@ def test_run_calls_the_steps_left_and_returns_the_update_count(tmp_path):
 
 
 @pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
-def test_a_loss_goes_on_from_the_latest_checkpoint_with_exact_weights(tmp_path, shard):
+def test_a_loss_goes_on_from_the_latest_checkpoint_with_exact_weights(tmp_path, shard,
+                                                                     monkeypatch):
+    said = []
+    monkeypatch.setattr(elastic.log, "warning", lambda msg, *args: said.append(msg % args))
     net = _net()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, "local", shard=shard)
     trainer.resume(tmp_path, every=2, background=False)
@@ -85,6 +89,7 @@ def test_a_loss_goes_on_from_the_latest_checkpoint_with_exact_weights(tmp_path, 
     # again on the new store, and the steps after it.
     assert [c[0] for c in calls] == [0, 1, 2, 3, 4, 4, 5, 6, 7]
     assert calls[5][1] == 4
+    assert said == ["trainer.run: lost rank 1 of 2; going on from step 4 on 1 rank"]
     assert trainer.optimizer is not first_optimizer   # the Trainer was made again
     for p, want in zip(net.parameters(), _plain(8)):
         assert torch.allclose(p.detach(), want, rtol=0, atol=1e-10)

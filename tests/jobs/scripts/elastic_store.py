@@ -9,6 +9,8 @@ rows (taken from ``kv.rank`` and ``kv.num_workers``), so "w" ends as the sum of
 every batch, once each, whatever the rank count: a step applied twice or lost
 would show. Checkpoints every 3 steps; the process that was KILL_RANK at the
 start kills itself (SIGKILL) in step KILL_STEP. TOKEN marks the processes.
+DIE_IN_RECOVERY=RANK in the environment: that rank kills itself in ``setup``, on the
+survivors' new store, so the others' recovery meets a second loss.
 """
 
 import os
@@ -50,9 +52,15 @@ def main(directory, kill, min_workers, redundancy="checkpoint"):
             os.kill(os.getpid(), signal.SIGKILL)
         kv.push("w", batch(i)[r * BATCH // n:(r + 1) * BATCH // n].sum(axis=0))
 
+    def setup(new):
+        if os.environ.get("DIE_IN_RECOVERY") == str(me):
+            print(f"rank {me}: dying in the recovery at {time.time():.6f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        new.set_updater(accumulate)
+
     try:
         kv = kv.run(step_fn, STEPS, directory, every=EVERY, min_workers=min_workers,
-                    setup=lambda new: new.set_updater(accumulate), redundancy=redundancy)
+                    setup=setup, redundancy=redundancy)
     except mpikv.MPIKVError as exc:
         print(f"rank {me}: {type(exc).__name__}: {exc}", flush=True)
         return
