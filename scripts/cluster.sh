@@ -6,8 +6,9 @@
 #
 #   scripts/cluster.sh up [--hosts H] [--rate RATE]   # 2-4 hosts (default: as now, else 2);
 #                                                     # RATE 10gbit, 1gbit, ..., none (default)
-#   scripts/cluster.sh run [--ranks-per-host R] [--timeout S] [--] [COMMAND...]
-#                                                     # one MPI job, R ranks on each host
+#   scripts/cluster.sh run [--ranks-per-host R] [--timeout S] [--ft] [--] [COMMAND...]
+#                                                     # one MPI job, R ranks on each host;
+#                                                     # --ft: fault tolerant, as mpirun.sh --ft
 #   scripts/cluster.sh down                           # kill what runs in them, delete them
 #   scripts/cluster.sh status                         # hosts, links, rates, processes
 #   scripts/cluster.sh slurm-up                       # a SLURM cluster on the hosts (below)
@@ -279,15 +280,16 @@ slurm_up() {
 }
 
 run() {
-  local per=1 limit=${MPIKV_CLUSTER_TIMEOUT:-${MPIKV_NETNS_TIMEOUT:-600}} n i hostlist=
+  local per=1 limit=${MPIKV_CLUSTER_TIMEOUT:-${MPIKV_NETNS_TIMEOUT:-600}} n i hostlist= ft=0
   while [ $# -gt 0 ]; do
     case $1 in
+      --ft) ft=1; shift ;;
       --ranks-per-host) per=${2:?--ranks-per-host needs a number}; shift 2 ;;
       --ranks-per-host=*) per=${1#*=}; shift ;;
       --timeout) limit=${2:?--timeout needs seconds}; shift 2 ;;
       --timeout=*) limit=${1#*=}; shift ;;
       --) shift; break ;;
-      -*) die "run: unknown option '$1' (--ranks-per-host R, --timeout S, then -- COMMAND)" ;;
+      -*) die "run: unknown option '$1' (--ranks-per-host R, --timeout S, --ft, then -- COMMAND)" ;;
       *) break ;;
     esac
   done
@@ -307,6 +309,7 @@ run() {
   export MPIKV_CLUSTER_MASTER=$net.1 MPIKV_CLUSTER_IFNAME=$ifname MPIKV_CLUSTER_HOSTS=$n \
          MPIKV_CLUSTER_RANKS_PER_HOST=$per MPIKV_CLUSTER_RATE=$(rate_of 1)
   [ $# -gt 0 ] || set -- python slurm/check_job.py --expect $((n * per))
+  [ "$ft" = 1 ] && set -- "${ft_args[@]}" "$@"
   for i in $(seq "$n"); do hostlist+=${hostlist:+,}$net.$i:$per; done
   cd "$top"
   # --bind-to none: the hosts share the same cores; binding each host's ranks to

@@ -10,3 +10,14 @@ export OMPI_MCA_btl=${OMPI_MCA_btl:-^ofi}
 export OMPI_MCA_osc=${OMPI_MCA_osc:-^ucx}
 # Oversubscribed ranks must yield the core while they wait, or 4 ranks on 2 cores crawl.
 export OMPI_MCA_mpi_yield_when_idle=${OMPI_MCA_mpi_yield_when_idle:-1}
+# The launcher's options for a fault-tolerant (ULFM) job, in the array ft_args:
+# scripts/mpirun.sh --ft and scripts/cluster.sh run --ft (docs/fault-tolerance.md).
+#   MPIKV_FT_DETECTOR_TIMEOUT  seconds without a heartbeat before a rank is declared
+#                              dead (default 2; Open MPI's own is 10)
+#   MPIKV_FT_DETECTOR_PERIOD   seconds between heartbeats (default: a quarter of the
+#                              timeout; Open MPI wants timeout > 3 x period)
+ft_timeout=${MPIKV_FT_DETECTOR_TIMEOUT:-2}
+ft_args=(--with-ft ulfm --mca mpi_ft_detector true
+         --mca mpi_ft_detector_timeout "$ft_timeout"
+         --mca mpi_ft_detector_period
+         "${MPIKV_FT_DETECTOR_PERIOD:-$(awk -v t="$ft_timeout" 'BEGIN { print t / 4 }')}")

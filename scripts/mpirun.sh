@@ -7,10 +7,8 @@
 # launcher no longer ends the job when a rank dies, and Open MPI reports the
 # loss as MPI_ERR_PROC_FAILED) and the failure detector on, which shared
 # memory needs to notice a dead peer at all (docs/fault-tolerance.md):
-#   MPIKV_FT_DETECTOR_TIMEOUT  seconds without a heartbeat before a rank is
-#                              declared dead (default 2; Open MPI's own is 10)
-#   MPIKV_FT_DETECTOR_PERIOD   seconds between heartbeats (default: a quarter
-#                              of the timeout; Open MPI wants timeout > 3 x period)
+# MPIKV_FT_DETECTOR_TIMEOUT and MPIKV_FT_DETECTOR_PERIOD set the detector (see
+# scripts/env.sh, which makes the options).
 set -euo pipefail
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=env.sh
@@ -19,12 +17,6 @@ venv=${MPIKV_VENV:-$top/.venv}
 [ -d "$venv/bin" ] && export PATH="$venv/bin:$PATH"
 if [ "${1:-}" = --ft ]; then
   shift
-  ft_timeout=${MPIKV_FT_DETECTOR_TIMEOUT:-2}
-  ft_period=${MPIKV_FT_DETECTOR_PERIOD:-$(awk -v t="$ft_timeout" 'BEGIN { print t / 4 }')}
-  exec mpiexec --with-ft ulfm \
-    --mca mpi_ft_detector true \
-    --mca mpi_ft_detector_timeout "$ft_timeout" \
-    --mca mpi_ft_detector_period "$ft_period" \
-    "$@"
+  exec mpiexec "${ft_args[@]}" "$@"
 fi
 exec mpiexec "$@"

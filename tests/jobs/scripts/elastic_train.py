@@ -17,7 +17,8 @@ SHARD in the environment: the Trainer's ``shard`` (default its own); MODEL=embed
 a model with an ``nn.Embedding(sparse=True)`` (its rows in row tables), plain SGD.
 DIE_IN_RECOVERY=RANK in the environment: that rank is killed (SIGKILL) when the
 first recovery starts making the survivors' store: the others' recovery meets
-a second loss and recovers from it in turn.
+a second loss and recovers from it in turn. KILL_PARENT=1: a dying rank first kills
+its parent, its host's launcher daemon (tests/system/test_cluster_ft.py).
 """
 
 import os
@@ -110,6 +111,8 @@ def main(directory, kills, min_workers, redundancy="checkpoint"):
         trainer.zero_grad()
         if kills.get(me) == i:
             print(f"rank {me}: dying in step {i} at {time.time():.6f}", flush=True)
+            if os.environ.get("KILL_PARENT"):   # the host's daemon (prted) too
+                os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         loss_of(net, x[lo:hi], y[lo:hi]).backward()
         trainer.step(batch_size=1)   # the sum of the slices' gradients: the batch's
