@@ -13,7 +13,6 @@ after it. Fewer than ``min_workers`` survivors: one
 :class:`mpikv.MPIKVError` on every survivor.
 """
 
-import dataclasses
 import re
 import shutil
 from pathlib import Path
@@ -156,7 +155,7 @@ def _survivors_store(kv, lost, min_workers, directory, create):
             f"min_workers={min_workers} ({lost}); the latest complete checkpoint is in "
             f"{directory} (load_checkpoint loads it on any number of ranks)") from lost
     kv.abandon()
-    options = dataclasses.asdict(kv._options)
+    options = kv.options
     # No probing of the strategies for the new rank count: seconds lost at each loss.
     options.update(fault_tolerant=True, autotune=False)
     return create(kv.type, comm=lost.comm, **options)

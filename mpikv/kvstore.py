@@ -10,6 +10,7 @@ rank and changes nothing.
 
 import atexit
 import contextlib
+import dataclasses
 
 import numpy as np
 
@@ -826,6 +827,13 @@ class KVStore(ClosesAfterWith):
         for handle in self._saves:
             handle.abandon()
         self._saves.clear()
+
+    @property
+    def options(self):
+        """The options :func:`create` resolved for this store (its keywords, ``comm``
+        aside: keyword -> value), a copy: ``create(kv.type, comm=c, **kv.options)``
+        makes a store like this one."""
+        return dataclasses.asdict(self._options)
 
     @property
     def fault_tolerant(self):

@@ -310,12 +310,13 @@ class Trainer(ClosesAfterWith):
         survivors of ``lost``, then resumed from the newest complete checkpoint."""
         directory, every, resume_options = self._resume_args
         lost_store = self._kv
-        kvstore = made["kvstore"]
+        kvstore, like = made["kvstore"], None
         if kvstore is not None and not isinstance(kvstore, str):
-            kvstore = kvstore.type   # a store passed in: one of its type (default options)
+            # a store passed in: one of its type, with its options
+            kvstore, like = kvstore.type, kvstore.options
         store = _make_store(kvstore, self._params, made["compression"] is not None,
                             whole=not self.split_parameters, fault_tolerant=True,
-                            survivors=lost)
+                            survivors=lost, options=like)
         self.__init__(**dict(made, kvstore=store))
         self._made_with = made
         self._owns_store = True
@@ -1286,15 +1287,16 @@ def _launcher_for(kv, on_gpu):
     asynchronous calls do."""
     transport = kv._transport
     threaded = transport.threaded and transport.size > 1 and (on_gpu or LAUNCH_HOST_BUCKETS)
-    return Launcher(threaded, kv._options.abort_on_exception)
+    return Launcher(threaded, kv.options["abort_on_exception"])
 
 
 def _make_store(kvstore, params, compressed=False, whole=False, private=False,
-                fault_tolerant=None, survivors=None):
+                fault_tolerant=None, survivors=None, options=None):
     """The Trainer's store: ``kvstore`` if one, else a new one (keys kept whole
     on one owner each where ``whole``; gradient buffers in private memory, whose
     pages can be given back, where ``private``; fault tolerant as asked; over the
-    survivors of ``survivors``, a :class:`mpikv.RankLostError`, if given)."""
+    survivors of ``survivors``, a :class:`mpikv.RankLostError`, if given; with the
+    :func:`mpikv.create` keywords ``options`` under these)."""
     import mpikv
     if kvstore is not None and not isinstance(kvstore, str):
         if whole and kvstore.num_workers > 1:
@@ -1307,7 +1309,9 @@ def _make_store(kvstore, params, compressed=False, whole=False, private=False,
                     f"{bound} elements or more over its owners ({len(cut)} parameter(s) here): "
                     f"make the store with a larger bigarray_bound, or let the Trainer make it")
         return kvstore
-    options = {"bigarray_bound": _WHOLE} if whole else {}
+    options = dict(options or {})
+    if whole:
+        options["bigarray_bound"] = max(options.get("bigarray_bound", 0), _WHOLE)
     if private:
         options["shared_memory"] = False
     if fault_tolerant is not None:

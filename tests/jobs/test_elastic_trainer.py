@@ -146,3 +146,19 @@ def test_with_buddy_copies_a_rank_lost_with_its_buddy_goes_back_to_the_checkpoin
                        r"max difference ([\d.e+-]+)", out)
     assert sorted(f[:4] for f in final) == [("0", "14", "2", "0"), ("3", "14", "2", "1")], out
     assert all(float(f[4]) <= 1e-10 for f in final), out
+
+
+@pytest.mark.parametrize("redundancy, step", [("checkpoint", "3"), ("memory", "5")])
+def test_a_rank_killed_inside_backward_while_buckets_are_reduced(tmp_path, redundancy, step):
+    # 3 ranks, one bucket per parameter: rank 1 dies in step 5 when its first layer's
+    # gradient is made, the other buckets' reductions under way on every rank.
+    out = launch_job(tmp_path / "ckpt", redundancy, kills="1@5", n=3,
+                     env={"KILL_IN": "backward"})
+    assert "rank 1: dying in step 5 in backward at " in out, out
+    for r, as_rank in ((0, 0), (2, 1)):
+        assert re.findall(rf"rank {r}: step (\d+) on 2 workers as rank {as_rank} at ", out) \
+            == [step], out
+    final = re.findall(r"rank (\d): finished (\d+) updates on (\d) workers as rank (\d); "
+                       r"max difference ([\d.e+-]+)", out)
+    assert sorted(f[:4] for f in final) == [("0", "14", "2", "0"), ("2", "14", "2", "1")], out
+    assert all(float(f[4]) <= 1e-10 for f in final), out

@@ -96,6 +96,32 @@ def test_a_loss_goes_on_from_the_latest_checkpoint_with_exact_weights(tmp_path, 
     trainer.close()
 
 
+def test_a_store_passed_in_is_made_again_with_its_options(tmp_path):
+    net = _net()
+    given = mpikv.create("local", timeout=77, bucket_bytes=12345, direct_bytes=999,
+                         reducer="allreduce")
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, given)
+    trainer.resume(tmp_path, every=2, background=False)
+    calls = []
+    step_fn = _stepper(trainer, net, calls)
+    lose = {"at": 3}
+
+    def once(i):
+        if lose.get("at") == i:
+            del lose["at"]
+            raise _lost()
+        step_fn(i)
+    assert trainer.run(once, 4) == 4
+    remade = trainer.kvstore
+    assert remade is not given and remade.type == "local"
+    want = dict(given.options, fault_tolerant=True, autotune=False)
+    assert remade.options == want, (remade.options, want)
+    for p, want in zip(net.parameters(), _plain(4)):
+        assert torch.allclose(p.detach(), want, rtol=0, atol=1e-10)
+    trainer.close()
+    given.close()
+
+
 def test_fewer_survivors_than_min_workers_is_one_clear_error(tmp_path):
     net = _net()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, "local", min_workers=2)

@@ -19,6 +19,9 @@ DIE_IN_RECOVERY=RANK in the environment: that rank is killed (SIGKILL) when the
 first recovery starts making the survivors' store: the others' recovery meets
 a second loss and recovers from it in turn. KILL_PARENT=1: a dying rank first kills
 its parent, its host's launcher daemon (tests/system/test_cluster_ft.py).
+KILL_IN=backward: a dying rank dies inside its backward instead, when the first
+layer's gradient is made, the other layers' buckets (one per parameter then) being
+reduced in the background.
 """
 
 import os
@@ -84,9 +87,11 @@ def main(directory, kills, min_workers, redundancy="checkpoint"):
     kills = {} if kills == "-" else {int(r): int(s) for r, s in
                                      (k.split("@") for k in kills.split(","))}
     net = model()
+    in_backward = os.environ.get("KILL_IN") == "backward"
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, fault_tolerant=True,
                                   min_workers=min_workers, redundancy=redundancy,
-                                  shard=os.environ.get("SHARD"))
+                                  shard=os.environ.get("SHARD"),
+                                  bucket_bytes=8 if in_backward else 8 << 20)
     me = trainer.rank   # the rank at the start (this process's name in the output)
     if os.environ.get("DIE_IN_RECOVERY") == str(me):
         remake = mpikv.torch.Trainer._remake
@@ -109,11 +114,17 @@ def main(directory, kills, min_workers, redundancy="checkpoint"):
         x, y = batch(i)
         lo, hi = r * BATCH // n, (r + 1) * BATCH // n
         trainer.zero_grad()
-        if kills.get(me) == i:
-            print(f"rank {me}: dying in step {i} at {time.time():.6f}", flush=True)
+        def die(*_):
+            print(f"rank {me}: dying in step {i}{' in backward' if in_backward else ''} "
+                  f"at {time.time():.6f}", flush=True)
             if os.environ.get("KILL_PARENT"):   # the host's daemon (prted) too
                 os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
+        if kills.get(me) == i:
+            if in_backward:   # the first layer's gradient comes last
+                next(net.parameters()).register_hook(die)
+            else:
+                die()
         loss_of(net, x[lo:hi], y[lo:hi]).backward()
         trainer.step(batch_size=1)   # the sum of the slices' gradients: the batch's
         if reported[-1] != n:
