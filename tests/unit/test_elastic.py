@@ -52,6 +52,18 @@ def _stepper(trainer, net, calls, lose_at=None):
     return step_fn
 
 
+def _losing_once(step_fn, at):
+    """``step_fn`` whose first call of step ``at`` is a lost rank instead."""
+    lose = {"at": at}
+
+    def once(i):
+        if lose.get("at") == i:
+            del lose["at"]
+            raise _lost()
+        step_fn(i)
+    return once
+
+
 def test_run_calls_the_steps_left_and_returns_the_update_count(tmp_path):
     net = _net()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, "local")
@@ -75,16 +87,8 @@ def test_a_loss_goes_on_from_the_latest_checkpoint_with_exact_weights(tmp_path, 
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, "local", shard=shard)
     trainer.resume(tmp_path, every=2, background=False)
     calls = []
-    step_fn = _stepper(trainer, net, calls)
-    lose = {"at": 5}
-
-    def once(i):
-        if lose.get("at") == i:
-            del lose["at"]
-            raise _lost()
-        step_fn(i)
     first_optimizer = trainer.optimizer
-    assert trainer.run(once, 8) == 8
+    assert trainer.run(_losing_once(_stepper(trainer, net, calls), 5), 8) == 8
     # The loss in step 5 (4 updates made, the checkpoint of step 4 complete): step 4
     # again on the new store, and the steps after it.
     assert [c[0] for c in calls] == [0, 1, 2, 3, 4, 4, 5, 6, 7]
@@ -102,16 +106,7 @@ def test_a_store_passed_in_is_made_again_with_its_options(tmp_path):
                          reducer="allreduce")
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, HYPER, given)
     trainer.resume(tmp_path, every=2, background=False)
-    calls = []
-    step_fn = _stepper(trainer, net, calls)
-    lose = {"at": 3}
-
-    def once(i):
-        if lose.get("at") == i:
-            del lose["at"]
-            raise _lost()
-        step_fn(i)
-    assert trainer.run(once, 4) == 4
+    assert trainer.run(_losing_once(_stepper(trainer, net, []), 3), 4) == 4
     remade = trainer.kvstore
     assert remade is not given and remade.type == "local"
     want = dict(given.options, fault_tolerant=True, autotune=False)
@@ -210,17 +205,13 @@ def test_a_loss_recovers_sparse_embedding_weights_exactly(tmp_path, redundancy):
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.05}, "local",
                                   redundancy=redundancy)
     trainer.resume(tmp_path, every=3, background=False)
-    lose = {"at": 5}
 
     def step_fn(i):
-        if lose.get("at") == i:
-            del lose["at"]
-            raise _lost()
         ids, y = _ids(i)
         trainer.zero_grad()
         ((net(ids) - y) ** 2).mean().backward()
         trainer.step()
-    assert trainer.run(step_fn, 7) == 7
+    assert trainer.run(_losing_once(step_fn, 5), 7) == 7
     for got, want in zip(net.parameters(), plain.parameters()):
         torch.testing.assert_close(got.detach(), want.detach(), rtol=0, atol=1e-12)
     trainer.close()
