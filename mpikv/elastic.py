@@ -17,7 +17,7 @@ import re
 import shutil
 from pathlib import Path
 
-from . import errors, statefile
+from . import errors, mirror, statefile
 from ._logging import get_logger
 
 log = get_logger(__name__)
@@ -108,17 +108,21 @@ def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, create,
     directory = Path(directory)
     steps = steps if isinstance(steps, int) else list(steps)
     memory = redundancy == "memory"
-    lost = survived = None
+    lost = survived = chain = None   # chain: see recovery_chain
     while True:
         try:
             if lost is not None:   # (a loss during a recovery: recovered again)
                 lost, survived, lost_kv = None, lost, kv
+                older, chain = chain, chain or (lost_kv, mirror.Loss(survived.lost,
+                                                                     survived.survivors))
                 kv = _survivors_store(kv, survived, min_workers, directory, create)
                 if setup is not None:
                     setup(kv)
                 if memory:   # the last step every survivor completed, as a checkpoint
-                    kv.restore_copies(lost_kv, survived, lambda s: str(directory / name_of(s)))
+                    kv.restore_copies(lost_kv, survived, lambda s: str(directory / name_of(s)),
+                                      older=older)
             done = _start(kv, directory, keep)
+            chain = None   # (the recovery is done)
             if survived is not None:
                 say_recovered("kv.run", survived, done, kv.num_workers)
             for i in _todo(steps, done):
@@ -131,7 +135,23 @@ def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, create,
                     _prune(kv, directory, keep)
             return kv
         except errors.RankLostError as exc:
-            lost = exc
+            lost, chain = exc, recovery_chain(chain, exc)
+
+
+def recovery_chain(chain, lost):
+    """What a loss during a recovery leaves of the copies that recovery still needs.
+
+    ``chain`` is ``(store, loss)`` while a recovery is under way (None otherwise):
+    the store whose buddy copies that recovery restores, and its loss. A second loss
+    in the recovery is numbered as the survivors are: the same store then lost both
+    (:func:`mpikv.mirror.combine`), and its copies may still cover them. Every
+    survivor keeps the chain from the agreed losses alone; where one does not (a
+    survivor that had finished the recovery), :func:`mpikv.mirror.restore` finds
+    that copy missing on every survivor alike.
+    """
+    if chain is None:
+        return None
+    return chain[0], mirror.combine(chain[1], lost)
 
 
 def say_recovered(what, lost, step, workers):
@@ -161,4 +181,4 @@ def _survivors_store(kv, lost, min_workers, directory, create):
     return create(kv.type, comm=lost.comm, **options)
 
 
-__all__ = ["name_of", "newest_first", "run", "say_recovered"]
+__all__ = ["name_of", "newest_first", "recovery_chain", "run", "say_recovered"]

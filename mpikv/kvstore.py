@@ -865,7 +865,7 @@ class KVStore(ClosesAfterWith):
         # that step with it (tried: a loss in the next step went back one further).
         self._protocol.collective(call, keep)
 
-    def restore_copies(self, lost_store, lost, path_of, write_extra=None):
+    def restore_copies(self, lost_store, lost, path_of, write_extra=None, older=None):
         """Writes the copies ``lost_store`` kept (:meth:`keep_copy`) as a checkpoint of
         the newest step held whole; collective over this store, the survivors'.
 
@@ -875,16 +875,22 @@ class KVStore(ClosesAfterWith):
             path_of: ``step -> path`` of the checkpoint.
             write_extra: ``(path, extra)`` run on the survivor holding the lost
                 store's rank 0's ``extra``, before the checkpoint is committed.
+            older: ``(store, loss)``: an older store whose copies serve where
+                ``lost_store``'s hold no step whole (it was made by a recovery
+                that a second loss cut short), and everything it lost
+                (:func:`mpikv.mirror.combine`), the same on every survivor.
 
         Returns:
             The step written (load it with :meth:`load_checkpoint`), or None
             where no step is held whole: no copy was taken yet, or a lost
             rank's buddy (the next rank) was lost too (a warning says so).
         """
+        candidates = [(lost_store._mirror, lost)]
+        if older is not None:
+            candidates.append((older[0]._mirror, older[1]))
         result = []
         self._protocol.collective(Call("restore_copies"), lambda: result.append(
-            mirror.restore(lost_store._mirror, self._transport, lost.lost, lost.survivors,
-                           path_of, write_extra)))
+            mirror.restore(self._transport, candidates, path_of, write_extra)))
         return result[0]
 
     def save_checkpoint(self, fname):

@@ -142,49 +142,85 @@ def common_step(size, lost, held):
     return max(steps) if steps else None
 
 
-def restore(mirror, transport, lost, survivors, path_of, write_extra=None):
+class Loss:
+    """The ranks a store lost, in its numbering: ``lost`` and ``survivors`` (sorted)."""
+
+    __slots__ = ("lost", "survivors")
+
+    def __init__(self, lost, survivors):
+        self.lost, self.survivors = sorted(lost), list(survivors)
+
+    def __eq__(self, other):
+        return (self.lost, self.survivors) == (other.lost, other.survivors)
+
+    def __repr__(self):
+        return f"Loss(lost={self.lost}, survivors={self.survivors})"
+
+
+def combine(first, then):
+    """One :class:`Loss` of the store that lost ``first``: ``first``, then ``then`` (a
+    loss among ``first``'s survivors, numbered in their order, as their new store or
+    communicator numbers them)."""
+    return Loss(list(first.lost) + [first.survivors[i] for i in then.lost],
+                [first.survivors[i] for i in then.survivors])
+
+
+def restore(transport, candidates, path_of, write_extra=None):
     """Writes the newest step that the survivors' copies hold whole as a checkpoint;
     collective over the survivors' new store.
 
     Args:
-        mirror: the lost store's :class:`Mirror` on this rank, or None (no copies).
-        transport: the survivors' store's transport (its ranks: ``survivors``, in order).
-        lost, survivors: the lost store's ranks (the agreed
-            :class:`~mpikv.errors.RankLostError`'s).
+        transport: the survivors' store's transport (its ranks: each candidate's
+            ``survivors``, in order).
+        candidates: ``[(mirror, loss)]``, newest store first: this rank's
+            :class:`Mirror` of a lost store (or None: no copies) and that store's
+            loss (``.lost``, ``.survivors``, in its numbering). After a second loss
+            during a recovery, the store that took the copies lost both: the loss
+            of the newest store, then :func:`combine` of the older one's.
         path_of: ``step -> path`` of the checkpoint to write.
         write_extra: ``(path, extra)``: writes what the lost store's rank 0 kept
             with its copy (run on the one survivor that holds it, before the
             manifest makes the checkpoint visible).
 
     Returns:
-        The step written, or None where no step is held whole (nothing written):
-        no copy taken yet, or a lost rank's buddy lost too (a warning says so).
+        The step written, from the first candidate that holds a step whole; None
+        where none does (nothing written): no copy taken yet, or a lost rank's
+        buddy lost too (a warning says so).
 
     Raises:
         StateFileError: some survivor could not write (on every survivor).
     """
     what = ("restore copies", [])
-    size, me = len(lost) + len(survivors), survivors[transport.rank]
-    gone = lost_with_buddy(size, lost)
-    if gone:   # (decided from the agreed loss alone: alike on every survivor)
-        log.warning("redundancy='memory': %s: no survivor holds what they owned; going on "
-                    "from the newest periodic checkpoint", "; ".join(
-                        f"rank {r} and its buddy rank {b} (which held its copy) were both lost"
-                        for r, b in gone))
-        return None
-    if mirror is not None and mirror.size != size:
-        mirror = None   # the loss is of another store's ranks (one lost during a recovery)
-    own, prev = mirror.steps() if mirror is not None else ([], [])
+    usable, held = [], []
+    for mirror, loss in candidates:
+        size = len(loss.lost) + len(loss.survivors)
+        if mirror is not None and mirror.size != size:
+            mirror = None   # the loss is of another store's ranks
+        usable.append((mirror, loss, size))
+        held.append(mirror.steps() if mirror is not None else ([], []))
     records = transport.allgather_records(
-        {"own": own, "prev": prev,
+        {"held": held,
          "generation": statefile.new_generation() if transport.rank == 0 else None}, what)
-    step = common_step(size, lost, {survivors[i]: (r["own"], r["prev"])
-                                    for i, r in enumerate(records)})
-    if step is None:
+    for index, (mirror, loss, size) in enumerate(usable):
+        # (from the gathered records alone: alike on every survivor)
+        step = common_step(size, loss.lost, {
+            loss.survivors[i]: tuple(r["held"][index]) if index < len(r["held"]) else ((), ())
+            for i, r in enumerate(records)})
+        if step is not None:
+            break
+    else:
+        gone = next((lost_with_buddy(size, loss.lost) for _, loss, size in usable
+                     if lost_with_buddy(size, loss.lost)), None)
+        if gone:
+            log.warning("redundancy='memory': %s: no survivor holds what they owned; going "
+                        "on from the newest periodic checkpoint", "; ".join(
+                            f"rank {r} and its buddy rank {b} (which held its copy) were "
+                            f"both lost" for r, b in gone))
         return None
+    me = loss.survivors[transport.rank]
     path, generation = path_of(step), records[0]["generation"]
-    mine = [mirror.own[step]] + [mirror.prev[step] for r in lost if buddy(r, size) == me]
-    holder = buddy(0, size) if 0 in lost else 0
+    mine = [mirror.own[step]] + [mirror.prev[step] for r in loss.lost if buddy(r, size) == me]
+    holder = buddy(0, size) if 0 in loss.lost else 0
 
     def write_mine():
         if write_extra is not None and me == holder:
@@ -203,4 +239,5 @@ def restore(mirror, transport, lost, survivors, path_of, write_extra=None):
     return step
 
 
-__all__ = ["Copy", "Mirror", "buddy", "common_step", "lost_with_buddy", "restore", "take"]
+__all__ = ["Copy", "Loss", "Mirror", "buddy", "combine", "common_step", "lost_with_buddy",
+           "restore", "take"]

@@ -24,7 +24,8 @@ uninterrupted run, at the cost of the steps since the checkpoint.
 
 import torch
 
-from ..elastic import say_recovered
+from .. import mirror
+from ..elastic import recovery_chain, say_recovered
 from ..errors import InputError, MPIKVError, RankLostError
 
 
@@ -38,12 +39,15 @@ def run(trainer, step_fn, steps, min_workers):
         kv.barrier()
     if not isinstance(steps, int):
         steps = list(steps)
-    lost = None
+    lost = chain = None   # chain: see mpikv.elastic.recovery_chain
     while True:
         try:
             if lost is not None:   # (a loss during a recovery: recovered again)
                 lost, survived = None, lost
-                _recover(trainer, survived, min_workers)
+                older, chain = chain, chain or (trainer._kv, mirror.Loss(survived.lost,
+                                                                         survived.survivors))
+                _recover(trainer, survived, min_workers, older)
+                chain = None   # (the recovery is done)
                 say_recovered("trainer.run", survived, trainer.num_update, trainer.num_workers)
             resumer = trainer._resumer
             if resumer is not None and resumer.since is None and trainer._kv.fault_tolerant:
@@ -55,7 +59,7 @@ def run(trainer, step_fn, steps, min_workers):
                 step_fn(i)
             return trainer.num_update
         except RankLostError as exc:
-            lost = exc
+            lost, chain = exc, recovery_chain(chain, exc)
 
 
 def _todo(steps, done):
@@ -65,9 +69,11 @@ def _todo(steps, done):
     return [i for i in steps if i >= done]
 
 
-def _recover(trainer, lost, min_workers):
+def _recover(trainer, lost, min_workers, older=None):
     """Every survivor alike: the Trainer made again over the survivors, from the
-    latest complete checkpoint; or one MPIKVError where it cannot go on."""
+    latest complete checkpoint (or buddy copies: ``older`` as
+    :meth:`mpikv.KVStore.restore_copies` takes it); or one MPIKVError where it
+    cannot go on."""
     n = len(lost.survivors)
     resumed = getattr(trainer, "_resume_args", None)
     where = ("no checkpoints (call trainer.resume(directory, every=K) before trainer.run)"
@@ -82,7 +88,7 @@ def _recover(trainer, lost, min_workers):
     if resumed is None:
         raise MPIKVError(f"trainer.run cannot go on after a lost rank with {where}: "
                          f"{lost}") from lost
-    _rebuild(trainer, lost)
+    _rebuild(trainer, lost, older)
 
 
 def _let_go(trainer):
@@ -109,11 +115,11 @@ def _let_go(trainer):
             p.grad = None
 
 
-def _rebuild(trainer, lost):
+def _rebuild(trainer, lost, older=None):
     """The Trainer made again on a new store over the survivors, then resumed."""
     made = dict(trainer._made_with)
     _let_go(trainer)
-    trainer._remake(made, lost)
+    trainer._remake(made, lost, older)
 
 
 __all__ = ["run"]

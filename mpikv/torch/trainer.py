@@ -304,10 +304,12 @@ class Trainer(ClosesAfterWith):
         return run(self, step_fn, steps,
                    self.min_workers if min_workers is None else min_workers)
 
-    def _remake(self, made, lost):
+    def _remake(self, made, lost, older=None):
         """After a lost rank (:mod:`.elastic`, once the lost store was let go): this
         Trainer made again with the arguments ``made`` on a new store over the
-        survivors of ``lost``, then resumed from the newest complete checkpoint."""
+        survivors of ``lost``, then resumed from the newest complete checkpoint
+        (with buddy copies: first written from them, ``older`` as
+        :meth:`mpikv.KVStore.restore_copies` takes it)."""
         directory, every, resume_options = self._resume_args
         lost_store = self._kv
         kvstore, like = made["kvstore"], None
@@ -323,7 +325,7 @@ class Trainer(ClosesAfterWith):
         if self._copies:   # the last step every survivor completed, as a checkpoint
             from .resume import checkpoint_path, write_copy_extra
             store.restore_copies(lost_store, lost, lambda step: checkpoint_path(directory, step),
-                                 write_copy_extra)
+                                 write_copy_extra, older=older)
         self.resume(directory, every, **resume_options)
 
     # -- setup -------------------------------------------------------------

@@ -95,23 +95,28 @@ def test_fewer_survivors_than_min_workers_is_one_error_on_every_survivor(tmp_pat
     assert "finished" not in out, out
 
 
-@pytest.mark.parametrize("redundancy", ["checkpoint", "memory"])
-def test_a_rank_lost_during_the_recovery_is_recovered_from_in_turn(tmp_path, redundancy):
-    # 4 ranks: rank 1 killed in step 7; rank 2 in setup, on the survivors' first new
-    # store. The two left recover again, from the checkpoint of 6 steps (the copies
-    # are of the first store's ranks: a second loss goes back to the disk).
+@pytest.mark.parametrize("redundancy, second, step", [
+    ("checkpoint", 2, 6), ("memory", 2, 6),   # rank 2 held rank 1's copy
+    ("memory", 3, 7),                         # the first store's copies cover 1 and 3
+])
+def test_a_rank_lost_during_the_recovery_is_recovered_from_in_turn(tmp_path, redundancy,
+                                                                   second, step):
+    # 4 ranks: rank 1 killed in step 7; rank `second` in setup, on the survivors'
+    # first new store. The two left recover again: from the checkpoint of 6 steps,
+    # or from step 7 where the first store's copies hold both lost ranks' parts.
     out, _ = run_job(tmp_path / "ckpt", "1@7", 1, redundancy, n=4,
-                     env={"DIE_IN_RECOVERY": "2"})
-    assert "rank 2: dying in the recovery at " in out, out
-    for new_rank, r in enumerate((0, 3)):
+                     env={"DIE_IN_RECOVERY": str(second)})
+    assert f"rank {second}: dying in the recovery at " in out, out
+    alive = [r for r in range(4) if r not in (1, second)]
+    for new_rank, r in enumerate(alive):
         went_on = re.findall(rf"rank {r}: step (\d+) on 2 workers as rank {new_rank} at", out)
-        assert went_on == ["6"], out
+        assert went_on == [str(step)], out
         said = re.search(rf"rank {r}: finished on 2 workers as rank {new_rank}; "
                          rf"max difference ([\d.e+-]+)", out)
         assert said and float(said.group(1)) <= 1e-10, out   # every batch summed once
-    # (rank 1 of the 3 left: world rank 2)
-    assert len(re.findall(r"kv.run: lost rank 1 \(world 2\) of 3; going on from step 6 on "
-                          r"2 ranks", out)) == 2, out
+    # (the survivors' numbering: `second` is one less among the 3 left)
+    assert len(re.findall(rf"kv.run: lost rank {second - 1} \(world {second}\) of 3; going "
+                          rf"on from step {step} on 2 ranks", out)) == 2, out
 
 
 #: The kill points of this run: drawn at random (4 jobs), the seed in each test's name;

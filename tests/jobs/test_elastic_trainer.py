@@ -108,21 +108,28 @@ def test_two_ranks_killed_at_once_each_with_a_living_buddy(tmp_path):
     assert all(float(f[4]) <= 1e-10 for f in final), out
 
 
-@pytest.mark.parametrize("redundancy", ["checkpoint", "memory"])
-def test_a_rank_lost_during_the_recovery_is_recovered_from_in_turn(tmp_path, redundancy):
-    # 4 ranks: rank 1 killed in step 5; rank 2 as the recovery starts making the
-    # survivors' store: the two left recover again and end with the exact weights.
+@pytest.mark.parametrize("redundancy, second, step", [
+    ("checkpoint", 2, "3"), ("checkpoint", 3, "3"),
+    # rank 2 held rank 1's copy: as a rank lost with its buddy, the checkpoint
+    ("memory", 2, "3"),
+    # rank 3's and rank 1's buddies (0 and 2) live: the first store's copies serve
+    ("memory", 3, "5"),
+])
+def test_a_rank_lost_during_the_recovery_is_recovered_from_in_turn(tmp_path, redundancy,
+                                                                   second, step):
+    # 4 ranks: rank 1 killed in step 5; rank `second` as the recovery starts making
+    # the survivors' store: the two left recover again and end with the exact weights.
     out = launch_job(tmp_path / "ckpt", redundancy, kills="1@5", n=4,
-                     env={"DIE_IN_RECOVERY": "2"})
-    assert "rank 2: dying in the recovery at " in out, out
-    # From the checkpoint of 3 steps (every 3; buddy copies of the first store
-    # are of its ranks, so a second loss in the recovery goes back to the disk).
-    for r, as_rank in ((0, 0), (3, 1)):
+                     env={"DIE_IN_RECOVERY": str(second)})
+    assert f"rank {second}: dying in the recovery at " in out, out
+    alive = [r for r in range(4) if r not in (1, second)]
+    for as_rank, r in enumerate(alive):
         assert re.findall(rf"rank {r}: step (\d+) on 2 workers as rank {as_rank} at ", out) \
-            == ["3"], out
+            == [step], out
     final = re.findall(r"rank (\d): finished (\d+) updates on (\d) workers as rank (\d); "
                        r"max difference ([\d.e+-]+)", out)
-    assert sorted(f[:4] for f in final) == [("0", "14", "2", "0"), ("3", "14", "2", "1")], out
+    assert sorted(f[:4] for f in final) == [(str(r), "14", "2", str(i))
+                                            for i, r in enumerate(alive)], out
     assert all(float(f[4]) <= 1e-10 for f in final), out
 
 

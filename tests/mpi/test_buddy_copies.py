@@ -52,6 +52,21 @@ def _train(kv, steps, n):
     assert kv.num_workers == n
 
 
+def _load_and_step_as_before(new, path, n, expected):
+    """Loads ``path`` into the survivors' store ``new``, pushes step 4's total gradient
+    of ``n`` ranks from fewer (the step every rank would have made), closes ``new``,
+    and checks the values against the uninterrupted store's ``expected``."""
+    new.load_checkpoint(path)
+    total = _total(4, n)
+    new.push(list(SHAPES), [total[k] if new.rank == 0 else np.zeros_like(total[k])
+                            for k in SHAPES])
+    got = _values(new)
+    new.close()
+    for k in SHAPES:
+        np.testing.assert_array_equal(got[k], expected[k])
+        assert got[k].dtype == expected[k].dtype
+
+
 def _as_survivors(comm, lost, body):
     """Runs ``body(sub)`` on the survivors' communicator (ranks in their old order);
     then every rank, lost ones included, learns whether it failed anywhere (a
@@ -96,17 +111,35 @@ def test_the_survivors_write_the_last_step_and_go_on_exactly(comm, shared_dir, w
         assert [w for w in everyone if w] == [[(f"{shared_dir}/step-3",
                                                 {"made by": 0, "step": 3})]]
         assert everyone[survivors.index(holder)]
-        new.load_checkpoint(f"{shared_dir}/step-3")
-        # The same total gradient from fewer ranks: the step every rank would have made.
-        total = _total(4, n)
-        new.push(list(SHAPES), [total[k] if new.rank == 0 else np.zeros_like(total[k])
-                                for k in SHAPES])
-        got = _values(new)
-        new.close()
-        for k in SHAPES:
-            np.testing.assert_array_equal(got[k], expected[k])
-            assert got[k].dtype == expected[k].dtype
+        _load_and_step_as_before(new, f"{shared_dir}/step-3", n, expected)
     _as_survivors(comm, [lost], survive)
+    kv.close()
+
+
+def test_a_second_loss_during_the_recovery_is_covered_by_the_first_stores_copies(
+        comm, shared_dir):
+    """Rank 1 lost, then, while the survivors' store (0, 2, 3) recovers, its rank 2
+    (the first store's 3): the first store's copies still hold both parts (their
+    buddies 2 and 0 live), and the two left write step 3 from them, exact."""
+    n = comm.size
+    if n != 4:
+        pytest.skip("needs 4 ranks")
+    kv = _store()
+    _train(kv, 3, n)
+    kv.push(list(SHAPES), list(_grads(4, comm.rank).values()))
+    expected = _values(kv)
+    first = mirror.Loss([1], [0, 2, 3])
+    then = types.SimpleNamespace(lost=[2], survivors=[0, 1])   # in the survivors' numbering
+
+    def survive(sub):
+        recovering = _store(sub)   # (the recovery's own store: it had taken no copy)
+        new = _store(sub)
+        step = new.restore_copies(recovering, then, lambda s: f"{shared_dir}/step-{s}",
+                                  older=(kv, mirror.combine(first, then)))
+        recovering.close()
+        assert step == 3
+        _load_and_step_as_before(new, f"{shared_dir}/step-3", n, expected)
+    _as_survivors(comm, [1, 3], survive)
     kv.close()
 
 

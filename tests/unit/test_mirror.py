@@ -78,3 +78,15 @@ def test_keep_copy_takes_a_step_count(tmp_path):
         with pytest.raises(mpikv.InputError, match="step must be an int >= 0"):
             kv.keep_copy(bad)
     assert kv._mirror is None
+
+
+def test_a_loss_among_the_survivors_combines_with_the_first():
+    first = mirror.Loss([1], [0, 2, 3])
+    # the survivors' rank 2 (the first store's rank 3) lost next
+    both = mirror.combine(first, mirror.Loss([2], [0, 1]))
+    assert both == mirror.Loss([1, 3], [0, 2])
+    # and once more: the survivors' rank 0 (the first store's rank 0)
+    assert mirror.combine(both, mirror.Loss([0], [1])) == mirror.Loss([0, 1, 3], [2])
+    # a rank and its buddy lost one after the other: no step held whole, as at once
+    assert mirror.lost_with_buddy(4, mirror.combine(first, mirror.Loss([1], [0, 2])).lost) \
+        == [(1, 2)]

@@ -96,10 +96,10 @@ def main(directory, kills, min_workers, redundancy="checkpoint"):
     if os.environ.get("DIE_IN_RECOVERY") == str(me):
         remake = mpikv.torch.Trainer._remake
 
-        def dying_remake(self, made, lost):
+        def dying_remake(self, *args):
             print(f"rank {me}: dying in the recovery at {time.time():.6f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-            return remake(self, made, lost)
+            return remake(self, *args)
         mpikv.torch.Trainer._remake = dying_remake
     trainer.resume(directory, every=EVERY)
     seen = [trainer.num_workers]
