@@ -30,7 +30,7 @@ VALUE = "value"
 _STATE = "opt."  # prefix of optimizer state arrays in a file
 
 
-def _exchange(transport, what, fn):
+def exchange(transport, what, fn):
     """Runs ``fn()`` on every rank and returns every rank's result.
 
     Raises the same StateFileError (or OptimizerError) on every rank if ``fn``
@@ -56,7 +56,7 @@ def _exchange(transport, what, fn):
     return [o["result"] for o in outcomes]
 
 
-def _on_host(array):
+def on_host(array):
     """``array`` itself if it is on the host, else a host copy."""
     if isinstance(array, np.ndarray):
         return array
@@ -68,7 +68,7 @@ def _copy_on_host(array):
     """A host copy of ``array`` that nothing else writes."""
     if isinstance(array, np.ndarray):
         return array.copy()
-    return _on_host(array)   # (a GPU array's host copy is new already)
+    return on_host(array)   # (a GPU array's host copy is new already)
 
 
 def _new_keys_on_gpu(store, meta):
@@ -172,7 +172,7 @@ class Snapshot:
         self._generation = t.allgather_records(
             statefile.new_generation() if t.rank == 0 else None, self._what)[0]
         self._record, self._error, self._written = None, None, False
-        self._entries = owned_entries(store, with_values, _copy_on_host if copy else _on_host,
+        self._entries = owned_entries(store, with_values, _copy_on_host if copy else on_host,
                                       rows)
         self.nbytes = sum(e[5].nbytes for e in self._entries)
         self._meta = manifest_meta(store, kind, dump_optimizer, rows)
@@ -209,7 +209,7 @@ class Snapshot:
             return self._record
 
         try:
-            records = _exchange(t, self._what, outcome)
+            records = exchange(t, self._what, outcome)
         except MPIKVError:  # some rank could not write: no manifest will name this save's parts
             statefile.discard_part(self.fname, self._generation, t.rank)
             raise
@@ -221,7 +221,7 @@ class Snapshot:
                 if then is not None:
                     then()
 
-        _exchange(t, self._what, commit)
+        exchange(t, self._what, commit)
 
 
 def load(store, fname, kind, with_values, rows=None):
@@ -307,7 +307,7 @@ def load(store, fname, kind, with_values, rows=None):
             local["prepared"][1], with_values, statefile.read_slices)
         return None
 
-    _exchange(t, what, read_local)
+    exchange(t, what, read_local)
     _apply(store, plan, local["prepared"], local["got"], local["meta"], local["saved"],
            with_values)
     if rows is not None:

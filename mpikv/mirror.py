@@ -22,7 +22,7 @@ import numpy as np
 
 from . import statefile
 from ._logging import get_logger
-from .checkpoint import _exchange, _on_host, manifest_meta, owned_entries
+from .checkpoint import exchange, manifest_meta, on_host, owned_entries
 
 log = get_logger(__name__)
 
@@ -64,7 +64,7 @@ class Copy:
 
 def take(store, rows, step, extra, reuse=None):
     """This rank's :class:`Copy` of ``step``; ``reuse``: a dropped copy's buffer."""
-    arrays = owned_entries(store, True, _on_host, rows)
+    arrays = owned_entries(store, True, on_host, rows)
     layout, offset = [], 0
     for key, name, start, stop, shape, array in arrays:
         layout.append((key, name, start, stop, tuple(shape), array.dtype.str, offset,
@@ -228,14 +228,14 @@ def restore(transport, candidates, path_of, write_extra=None):
         return [statefile.write_part(path, generation, c.rank, c.entries())
                 for c in mine if c.layout]
 
-    records = [r for part in _exchange(transport, what, write_mine) for r in part]
+    records = [r for part in exchange(transport, what, write_mine) for r in part]
     meta = mine[0].meta
 
     def commit():
         if transport.rank == 0:
             statefile.commit(path, generation, records, meta)
 
-    _exchange(transport, what, commit)
+    exchange(transport, what, commit)
     return step
 
 
