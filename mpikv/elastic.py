@@ -122,9 +122,9 @@ def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, create,
                     kv.restore_copies(lost_kv, survived, lambda s: str(directory / name_of(s)),
                                       older=older)
             done = _start(kv, directory, keep)
+            if survived is not None:   # (everything this recovery lost: see recovery_chain)
+                say_recovered("kv.run", older[1] if older else survived, done, kv.num_workers)
             chain = None   # (the recovery is done)
-            if survived is not None:
-                say_recovered("kv.run", survived, done, kv.num_workers)
             for i in _todo(steps, done):
                 step_fn(kv, i)
                 done = i + 1
@@ -155,11 +155,14 @@ def recovery_chain(chain, lost):
 
 
 def say_recovered(what, lost, step, workers):
-    """Logs on each survivor what a recovery lost and the step it goes on from."""
+    """Logs on each survivor what a recovery lost (a :class:`~mpikv.RankLostError`,
+    or the :class:`~mpikv.mirror.Loss` of a store that lost more during the
+    recovery) and the step it goes on from."""
     size = len(lost.lost) + len(lost.survivors)
     ranks = ", ".join(map(str, lost.lost))
-    if list(lost.lost_world) != list(lost.lost):   # (a store over some of the ranks)
-        ranks += f" (world {', '.join(map(str, lost.lost_world))})"
+    world = getattr(lost, "lost_world", lost.lost)
+    if list(world) != list(lost.lost):   # (a store over some of the ranks)
+        ranks += f" (world {', '.join(map(str, world))})"
     log.warning("%s: lost rank%s %s of %d; going on from step %d on %d rank%s", what,
                 "s" if len(lost.lost) > 1 else "", ranks, size, step, workers,
                 "s" if workers > 1 else "")

@@ -69,12 +69,15 @@ class Engine:
         direct_bytes: keys of at least this many bytes are not fused: they
             move straight from the caller's array.
         table: the :class:`mpikv.tuning.Table` that picks each bucket's strategy.
+        device_buckets: plan buckets as a device store (:func:`mpikv.fusion.sizes`),
+            agreed by the ranks (default: ``device``).
     """
 
     def __init__(self, transport, bigarray_bound, bucket_bytes=DEFAULT_BUCKET_BYTES,
-                 device=False, direct_bytes=None, table=None):
+                 device=False, direct_bytes=None, table=None, device_buckets=None):
         self.transport = transport
         self.direct_bytes = direct_bytes
+        self.device_buckets = device if device_buckets is None else device_buckets
         self.chooser = reducers.Chooser(transport, table or tuning.forced("allreduce", "default"),
                                         bucket_bytes)
         self.device = device  # keep GPU values on the GPU (device, dist_sync_device)
@@ -239,7 +242,7 @@ class Engine:
         if found is None:
             items = [(k, self._entries[k].array.dtype, self._entries[k].placement) for k in keys]
             buckets = plan_buckets(items, self.transport.size,
-                                   *sizes(self.device, self.bucket_bytes, self.direct_bytes))
+                                   *sizes(self.device_buckets, self.bucket_bytes, self.direct_bytes))
             found = self._layouts[sig] = _Layout(buckets, None)
         if found.stored is None:  # after stored values moved (see _moved)
             found.stored = [self._stored_view(b) for b in found.buckets]
@@ -320,7 +323,7 @@ class Engine:
                                  i.dtype.itemsize) for i in items])
         by_key = {i.key: i for i in items}
         buckets = plan_buckets([(i.key, i.dtype, placed[i.key]) for i in items],
-                               t.size, *sizes(self.device, self.bucket_bytes, self.direct_bytes))
+                               t.size, *sizes(self.device_buckets, self.bucket_bytes, self.direct_bytes))
         for bucket in buckets:
             # A key lives on the GPU of its first value, not on the current GPU
             # (model.to(f"cuda:{local_rank}") sets no current device); keys fused

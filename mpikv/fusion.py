@@ -132,11 +132,12 @@ def plan_buckets(items, num_ranks, bucket_bytes=DEFAULT_BUCKET_BYTES, direct_byt
 def sizes(device, bucket_bytes, direct_bytes):
     """The ``(bucket_bytes, direct_bytes)`` to plan a call's keys with.
 
-    The keys of a ``device`` store (one that keeps GPU values on the GPU) are
-    all packed (``direct_bytes`` is for host stores, whose packing is a host
+    The unsplit keys of a ``device`` store (one that keeps GPU values on the GPU)
+    are all packed (``direct_bytes`` is for host stores, whose packing is a host
     copy), in buckets of at least :data:`DEVICE_BUCKET_BYTES`. The store's type
-    decides, not where this rank's values are: ranks may keep a key in different
-    places, and every rank must cut the same buckets.
+    decides, agreed at ``create`` (a device store on any rank), not where this
+    rank's values are: ranks may keep a key in different places, and every rank
+    must cut the same buckets.
     """
     if not device:
         return bucket_bytes, direct_bytes

@@ -23,6 +23,7 @@ from ._protocol import Protocol, ReplayedCall
 from .agreement import format_ranks
 from .calls import Call, CallReader
 from .engine import Engine
+from .fusion import sizes
 from .row_tables import RowTables
 from .rowsparse import RowSparse
 from .saving import SaveHandle
@@ -96,6 +97,7 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
                                  shared_memory, reducer, autotune, direct_bytes, staging_piece,
                                  fault_tolerant=fault_tolerant)
         transport = make_transport(kind, comm, options)
+        device_buckets = "device" in name.lower()
     else:
         # A bad option on one rank must not leave the others waiting in the
         # collectives below: every rank raises, after they compared notes.
@@ -108,17 +110,20 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
             options, failure = config.Options(), str(exc)
         transport = make_transport(kind, comm, options)
         _drain_at_exit()
-        _agree_on_options(transport, options, failure)
+        device_buckets = _agree_on_options(transport, options, failure,
+                                           "device" in name.lower())
     table = tuning.resolve(transport, options.reducer, options.autotune)
-    store = KVStore(name.lower(), transport, options, table)
+    store = KVStore(name.lower(), transport, options, table, device_buckets)
     if kind == "mpi":
         _OPEN.append(store)
+        bucket, direct = sizes(device_buckets, options.bucket_bytes, options.direct_bytes)
         get_logger().info(
             "store %s: %d ranks; strategies from %s (4 MiB in place: %s, out of place: %s); "
-            "buckets of %d bytes; keys of %d bytes or more unfused; timeout %g s; "
+            "buckets of %d bytes; %s; timeout %g s; "
             "arrays of %d elements or more split; background calls %s", name, transport.size,
             table.source, table.choose(4 << 20, True), table.choose(4 << 20, False),
-            options.bucket_bytes, options.direct_bytes, options.timeout,
+            bucket, "every key fused" if direct is None else
+            f"keys of {direct} bytes or more unfused", options.timeout,
             options.bigarray_bound, "on a worker thread" if transport.threaded
             else "run inline (MPI is not THREAD_MULTIPLE)")
     return store
@@ -174,9 +179,16 @@ AGREED_OPTIONS = ("bigarray_bound", "bucket_bytes", "direct_bytes", "shared_memo
                   "autotune", "staging_piece")
 
 
-def _agree_on_options(transport, options, failure):
-    """Raises the same error on every rank if an option was bad, or differs, on any rank."""
-    mine = {"error": failure, **{name: getattr(options, name) for name in AGREED_OPTIONS}}
+def _agree_on_options(transport, options, failure, device):
+    """Raises the same error on every rank if an option was bad, or differs, on any rank.
+
+    Returns whether the store packs keys as a ``device`` store does
+    (:func:`mpikv.fusion.sizes`): where any rank's type is a device one. Ranks may
+    make different types (a Trainer picks one by where its parameters are); their
+    buckets must still be the same.
+    """
+    mine = {"error": failure, "device": device,
+            **{name: getattr(options, name) for name in AGREED_OPTIONS}}
     everyone = transport.allgather_records(mine, ("create", []))
     bad = [(r, o["error"]) for r, o in enumerate(everyone) if o["error"]]
     if bad:
@@ -193,18 +205,19 @@ def _agree_on_options(transport, options, failure):
     if differ:
         raise errors.MismatchError("create: ranks gave different store options: "
                                    + "; ".join(differ) + "; no store was created")
+    return any(o["device"] for o in everyone)
 
 
 class KVStore(ClosesAfterWith):
     """A key-value store for data-parallel training (use :func:`create`)."""
 
-    def __init__(self, name, transport, options, table):
+    def __init__(self, name, transport, options, table, device_buckets=None):
         self._type = name
         self._transport = transport
         self._options = options
         self._engine = Engine(transport, options.bigarray_bound, options.bucket_bytes,
                               device="device" in name, direct_bytes=options.direct_bytes,
-                              table=table)
+                              table=table, device_buckets=device_buckets)
         self._protocol = Protocol(transport, self._engine)
         self._reader = CallReader(self._engine.lookup, lambda: self._engine.key_type)
         self._rows = RowTables(transport)

@@ -48,7 +48,8 @@ def run(trainer, step_fn, steps, min_workers):
                                                                          survived.survivors))
                 _recover(trainer, survived, min_workers, older)
                 chain = None   # (the recovery is done)
-                say_recovered("trainer.run", survived, trainer.num_update, trainer.num_workers)
+                say_recovered("trainer.run", older[1] if older else survived,
+                              trainer.num_update, trainer.num_workers)
             resumer = trainer._resumer
             if resumer is not None and resumer.since is None and trainer._kv.fault_tolerant:
                 # (the same on every rank: resume's load is collective) A loss before

@@ -319,8 +319,10 @@ class Trainer(ClosesAfterWith):
         store = _make_store(kvstore, self._params, made["compression"] is not None,
                             whole=not self.split_parameters, fault_tolerant=True,
                             survivors=lost, options=like)
-        self.__init__(**dict(made, kvstore=store))
-        self._made_with = made
+        try:
+            self.__init__(**dict(made, kvstore=store))
+        finally:   # (a loss inside __init__: the next recovery needs the first arguments)
+            self._made_with = made
         self._owns_store = True
         if self._copies:   # the last step every survivor completed, as a checkpoint
             from .resume import checkpoint_path, write_copy_extra

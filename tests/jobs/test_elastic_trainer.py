@@ -93,15 +93,15 @@ def test_with_buddy_copies_killed_ranks_cost_only_the_step_in_flight(tmp_path, k
 
 def test_two_ranks_killed_at_once_each_with_a_living_buddy(tmp_path):
     # 4 ranks: ranks 1 and 3 killed in step 7; their buddies (2 and 0) hold their
-    # copies: the two left go on from step 7, no step lost. (Should the two deaths
-    # fall into two losses, the second in the recovery, the newest checkpoint is used.)
+    # copies: the two left go on from step 7, no step lost, whether both deaths fall
+    # into one loss or the second into the recovery (the first store's copies serve).
     out = launch_job(tmp_path / "ckpt", "memory", kills="1@7,3@7", n=4)
     assert sorted(re.findall(r"rank (\d): dying in step 7 at", out)) == ["1", "3"], out
-    back = {r: re.findall(rf"rank {r}: step (\d+) on 2 workers as rank {as_rank} at ", out)
-            for r, as_rank in ((0, 0), (2, 1))}
-    one_loss = "trainer.run: lost ranks 1, 3 of 4; going on from step 7 on 2 ranks"
-    assert back[0] == back[2] == (["7"] if one_loss in out else back[0]), out
-    assert back[0] in (["3"], ["6"], ["7"]), out
+    for r, as_rank in ((0, 0), (2, 1)):
+        assert re.findall(rf"rank {r}: step (\d+) on 2 workers as rank {as_rank} at ", out) \
+            == ["7"], out
+    assert out.count("trainer.run: lost ranks 1, 3 of 4; going on from step 7 on 2 ranks") \
+        == 2, out
     final = re.findall(r"rank (\d): finished (\d+) updates on (\d) workers as rank (\d); "
                        r"max difference ([\d.e+-]+)", out)
     assert sorted(f[:4] for f in final) == [("0", "14", "2", "0"), ("2", "14", "2", "1")], out
@@ -109,7 +109,7 @@ def test_two_ranks_killed_at_once_each_with_a_living_buddy(tmp_path):
 
 
 @pytest.mark.parametrize("redundancy, second, step", [
-    ("checkpoint", 2, "3"), ("checkpoint", 3, "3"),
+    ("checkpoint", 2, "3"),
     # rank 2 held rank 1's copy: as a rank lost with its buddy, the checkpoint
     ("memory", 2, "3"),
     # rank 3's and rank 1's buddies (0 and 2) live: the first store's copies serve

@@ -146,3 +146,22 @@ def test_ranks_with_keys_on_gpu_and_on_host_cut_the_same_buckets(cp, comm, reduc
     host = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, autotune=False, direct_bytes=1024)
     host.init(keys, mine)
     assert len(host._engine.layout(keys).buckets) == 3   # 700 and 2000 elements alone
+
+
+def test_ranks_that_make_different_store_types_cut_the_same_buckets(comm):
+    """A Trainer makes a device store where its parameters are on a GPU, a host store
+    elsewhere: one rank's device type makes every rank pack as a device store."""
+    n, r = comm.size, comm.rank
+    sizes = [3, 700, 50, 2000, 9]
+    keys = list(range(len(sizes)))
+    kind = "dist_sync_device" if r == n - 1 else "dist_sync"
+    kv = mpikv.create(kind, timeout=TEST_TIMEOUT, autotune=False, direct_bytes=1024)
+    values = [(np.arange(s) % 5 + r).astype(np.float32) for s in sizes]
+    kv.init(keys, values)
+    assert comm.allgather(len(kv._engine.layout(keys).buckets)) == [1] * n
+    outs = [np.zeros(s, np.float32) for s in sizes]
+    kv.pushpull(keys, values, out=outs)
+    for s, o in zip(sizes, outs):
+        np.testing.assert_array_equal(o, sum((np.arange(s) % 5 + q).astype(np.float32)
+                                             for q in range(n)))
+    kv.close()
