@@ -241,12 +241,15 @@ class Engine:
         found = self._layouts.get(sig)
         if found is None:
             items = [(k, self._entries[k].array.dtype, self._entries[k].placement) for k in keys]
-            buckets = plan_buckets(items, self.transport.size,
-                                   *sizes(self.device_buckets, self.bucket_bytes, self.direct_bytes))
+            buckets = plan_buckets(items, self.transport.size, *self._sizes())
             found = self._layouts[sig] = _Layout(buckets, None)
         if found.stored is None:  # after stored values moved (see _moved)
             found.stored = [self._stored_view(b) for b in found.buckets]
         return found
+
+    def _sizes(self):
+        """``(bucket_bytes, direct_bytes)`` of this store's bucket plans."""
+        return sizes(self.device_buckets, self.bucket_bytes, self.direct_bytes)
 
     def _moved(self):
         """Stored values changed arenas: cached stored views must be recomputed."""
@@ -323,7 +326,7 @@ class Engine:
                                  i.dtype.itemsize) for i in items])
         by_key = {i.key: i for i in items}
         buckets = plan_buckets([(i.key, i.dtype, placed[i.key]) for i in items],
-                               t.size, *sizes(self.device_buckets, self.bucket_bytes, self.direct_bytes))
+                               t.size, *self._sizes())
         for bucket in buckets:
             # A key lives on the GPU of its first value, not on the current GPU
             # (model.to(f"cuda:{local_rank}") sets no current device); keys fused

@@ -19,8 +19,9 @@ import numpy as np
 #: than as one (``python -m mpikv bench chunks``).
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
-#: The smallest bucket of a ``device`` store's keys. Packing GPU keys costs a device copy, while
-#: each bucket staged through host memory costs a wait for the GPU and two copies:
+#: The smallest bucket of a ``device`` store's keys. Packing GPU keys costs a device
+#: copy, while each bucket staged through host memory costs a wait for the GPU and two
+#: copies:
 #: an H200 shared by 2 ranks summed ResNet-50's gradients in place in 50 ms with
 #: the host's sizes and in 38 ms fused in 32 MiB buckets (``bench gpu``,
 #: docs/gpu.md). DDP's buckets are 25 MiB.

@@ -69,7 +69,8 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
         direct_bytes: keys of at least this many bytes are summed straight
             from the caller's arrays rather than packed into buckets (default
             ``MPIKV_DIRECT_BYTES`` or 256 KiB). ``device`` stores pack every
-            key, in buckets of at least 32 MiB (:func:`mpikv.fusion.sizes`).
+            key they do not split, in buckets of at least 32 MiB
+            (:func:`mpikv.fusion.sizes`).
         staging_piece: device buffers staged through host memory (MPI not
             CUDA-aware) for an ``Allreduce``, ``Reduce`` or ``Bcast`` move in
             pieces of this many bytes, their copies overlapping MPI (default
