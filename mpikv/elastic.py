@@ -108,13 +108,13 @@ def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, create,
     directory = Path(directory)
     steps = steps if isinstance(steps, int) else list(steps)
     memory = redundancy == "memory"
-    lost = survived = chain = None   # chain: see recovery_chain
+    lost = survived = None
+    chain = RecoveryChain()
     while True:
         try:
             if lost is not None:   # (a loss during a recovery: recovered again)
                 lost, survived, lost_kv = None, lost, kv
-                older, chain = chain, chain or (lost_kv, mirror.Loss(survived.lost,
-                                                                     survived.survivors))
+                older = chain.begin(lost_kv, survived)
                 kv = _survivors_store(kv, survived, min_workers, directory, create)
                 if setup is not None:
                     setup(kv)
@@ -122,9 +122,9 @@ def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, create,
                     kv.restore_copies(lost_kv, survived, lambda s: str(directory / name_of(s)),
                                       older=older)
             done = _start(kv, directory, keep)
-            if survived is not None:   # (everything this recovery lost: see recovery_chain)
-                say_recovered("kv.run", older[1] if older else survived, done, kv.num_workers)
-            chain = None   # (the recovery is done)
+            if survived is not None:
+                say_recovered("kv.run", chain.lost(survived), done, kv.num_workers)
+            chain.end()
             for i in _todo(steps, done):
                 step_fn(kv, i)
                 done = i + 1
@@ -135,23 +135,47 @@ def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, create,
                     _prune(kv, directory, keep)
             return kv
         except errors.RankLostError as exc:
-            lost, chain = exc, recovery_chain(chain, exc)
+            lost = exc
+            chain.lost_again(exc)
 
 
-def recovery_chain(chain, lost):
-    """What a loss during a recovery leaves of the copies that recovery still needs.
+class RecoveryChain:
+    """The buddy copies a recovery under way still needs, across losses during it.
 
-    ``chain`` is ``(store, loss)`` while a recovery is under way (None otherwise):
-    the store whose buddy copies that recovery restores, and its loss. A second loss
-    in the recovery is numbered as the survivors are: the same store then lost both
+    A recovery restores the copies of the store that lost ranks. A second loss
+    during it is numbered as the survivors are: that store has then lost both
     (:func:`mpikv.mirror.combine`), and its copies may still cover them. Every
     survivor keeps the chain from the agreed losses alone; where one does not (a
     survivor that had finished the recovery), :func:`mpikv.mirror.restore` finds
     that copy missing on every survivor alike.
     """
-    if chain is None:
-        return None
-    return chain[0], mirror.combine(chain[1], lost)
+
+    def __init__(self):
+        self._chain = None   # (store, mirror.Loss) while a recovery is under way
+        self._combined = False   # whether a loss came during it
+
+    def begin(self, store, lost):
+        """A recovery of ``store``'s loss ``lost`` begins (or begins again after a
+        loss during one); returns the ``older`` of
+        :meth:`mpikv.KVStore.restore_copies`: None, or an earlier store and all it lost."""
+        older = self._chain
+        self._chain = older or (store, mirror.Loss(lost.lost, lost.survivors))
+        self._combined = older is not None
+        return older
+
+    def lost_again(self, lost):
+        """A loss ``lost`` (during the recovery, if one is under way)."""
+        if self._chain is not None:
+            self._chain = (self._chain[0], mirror.combine(self._chain[1], lost))
+
+    def lost(self, last):
+        """Everything the recovery lost: ``last`` (its error), or, after a loss during
+        it, the combined :class:`mpikv.mirror.Loss`."""
+        return self._chain[1] if self._chain is not None and self._combined else last
+
+    def end(self):
+        """The recovery is done."""
+        self._chain = None
 
 
 def say_recovered(what, lost, step, workers):
@@ -184,4 +208,4 @@ def _survivors_store(kv, lost, min_workers, directory, create):
     return create(kv.type, comm=lost.comm, **options)
 
 
-__all__ = ["name_of", "newest_first", "recovery_chain", "run", "say_recovered"]
+__all__ = ["RecoveryChain", "name_of", "newest_first", "run", "say_recovered"]

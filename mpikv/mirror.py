@@ -209,8 +209,8 @@ def restore(transport, candidates, path_of, write_extra=None):
         if step is not None:
             break
     else:
-        gone = next((lost_with_buddy(size, loss.lost) for _, loss, size in usable
-                     if lost_with_buddy(size, loss.lost)), None)
+        gone = next(filter(None, (lost_with_buddy(size, loss.lost)
+                                  for _, loss, size in usable)), None)
         if gone:
             log.warning("redundancy='memory': %s: no survivor holds what they owned; going "
                         "on from the newest periodic checkpoint", "; ".join(

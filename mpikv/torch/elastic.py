@@ -24,8 +24,7 @@ uninterrupted run, at the cost of the steps since the checkpoint.
 
 import torch
 
-from .. import mirror
-from ..elastic import recovery_chain, say_recovered
+from ..elastic import RecoveryChain, say_recovered
 from ..errors import InputError, MPIKVError, RankLostError
 
 
@@ -39,17 +38,16 @@ def run(trainer, step_fn, steps, min_workers):
         kv.barrier()
     if not isinstance(steps, int):
         steps = list(steps)
-    lost = chain = None   # chain: see mpikv.elastic.recovery_chain
+    lost = None
+    chain = RecoveryChain()
     while True:
         try:
             if lost is not None:   # (a loss during a recovery: recovered again)
                 lost, survived = None, lost
-                older, chain = chain, chain or (trainer._kv, mirror.Loss(survived.lost,
-                                                                         survived.survivors))
-                _recover(trainer, survived, min_workers, older)
-                chain = None   # (the recovery is done)
-                say_recovered("trainer.run", older[1] if older else survived,
-                              trainer.num_update, trainer.num_workers)
+                _recover(trainer, survived, min_workers, chain.begin(trainer._kv, survived))
+                say_recovered("trainer.run", chain.lost(survived), trainer.num_update,
+                              trainer.num_workers)
+                chain.end()
             resumer = trainer._resumer
             if resumer is not None and resumer.since is None and trainer._kv.fault_tolerant:
                 # (the same on every rank: resume's load is collective) A loss before
@@ -60,7 +58,8 @@ def run(trainer, step_fn, steps, min_workers):
                 step_fn(i)
             return trainer.num_update
         except RankLostError as exc:
-            lost, chain = exc, recovery_chain(chain, exc)
+            lost = exc
+            chain.lost_again(exc)
 
 
 def _todo(steps, done):

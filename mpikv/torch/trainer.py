@@ -1315,7 +1315,7 @@ def _make_store(kvstore, params, compressed=False, whole=False, private=False,
         return kvstore
     options = dict(options or {})
     if whole:
-        options["bigarray_bound"] = max(options.get("bigarray_bound", 0), _WHOLE)
+        options["bigarray_bound"] = _WHOLE
     if private:
         options["shared_memory"] = False
     if fault_tolerant is not None:
