@@ -1122,5 +1122,159 @@ class KVStore(ClosesAfterWith):
         return (f"<mpikv.KVStore type={self._type!r} rank={self.rank} "
                 f"num_workers={self.num_workers} keys={len(self._engine.entries)}>")
 
+    # -- operations for the layers above (the torch Trainer) ----------------------
+    @dataclasses.dataclass(frozen=True)
+    class OwnedPart:
+        """One part of a key that this rank owns (see :meth:`KVStore.owned_states`).
+
+        Attributes:
+            start: its first element in the key's flat value.
+            stop: one past its last element.
+            whole: whether the part is the whole key (the key is not split).
+            weight: the stored value of the part: the key's array if whole, else
+                a flat view of elements ``start:stop``.
+            state: its optimizer state (name -> array), or None before its first
+                update.
+        """
+
+        start: int
+        stop: int
+        whole: bool
+        weight: object
+        state: object
+
+    @dataclasses.dataclass(frozen=True)
+    class OwnedKey:
+        """What this rank holds of one key's optimizer side (:meth:`KVStore.owned_states`).
+
+        Attributes:
+            dtype: the key's stored dtype (the same on every rank).
+            parts: the :class:`KVStore.OwnedPart` of each part this rank owns,
+                in order; empty where it owns none.
+        """
+
+        dtype: object
+        parts: tuple
+
+    class CallHook:
+        """The handle of :meth:`KVStore.add_call_hook`: ``remove()`` takes the hook off."""
+
+        def __init__(self, protocol, fn):
+            import weakref   # (the hook is held weakly here too: it keeps nothing alive)
+            self._protocol, self._fn = protocol, weakref.WeakMethod(fn)
+
+        def remove(self):
+            """Stops calling the hook; removing it again does nothing."""
+            self._protocol.remove_settler(self._fn())
+
+    def add_call_hook(self, fn):
+        """Runs ``fn()`` on this rank before each later call on the store; not collective.
+
+        For a layer that makes store calls on a thread of its own (the torch
+        Trainer's launcher): the hook waits for them, so that the store never
+        takes calls from two threads at once. ``fn`` is held weakly, so it must
+        be a bound method; it is dropped once its object is collected.
+
+        Args:
+            fn: a bound method taking no arguments.
+
+        Returns:
+            a handle whose ``remove()`` takes the hook off (torch's
+            ``RemovableHandle`` shape).
+
+        Raises:
+            ValueTypeError: ``fn`` is not a bound method.
+        """
+        if getattr(fn, "__self__", None) is None or not hasattr(fn, "__func__"):
+            raise errors.ValueTypeError(f"add_call_hook takes a bound method, not "
+                                        f"{type(fn).__name__}")
+        self._protocol.add_settler(fn)
+        return KVStore.CallHook(self._protocol, fn)
+
+    def agree(self, op):
+        """A collective call that moves nothing, named ``op``: every rank must make it.
+
+        The ranks agree on it as on any call: a rank making another call (or
+        another ``op``) gets, as the others do, a :class:`~mpikv.errors.MismatchError`
+        that says what each rank was doing (:meth:`set_context`); a failure set by
+        :meth:`fail_next_call` is raised on every rank. A rank that has joined
+        takes no part. Nothing happens on a closed store (closing is collective:
+        the same on every rank).
+
+        Args:
+            op: the call's name, as the ranks' errors give it ("Trainer.close").
+        """
+        if not self._protocol.closed:
+            self._agree_on(op)
+
+    @property
+    def threaded(self):
+        """Whether the store takes calls from threads other than the caller's
+        (MPI's ``THREAD_MULTIPLE``); False for a local store."""
+        return bool(self._transport.threaded)
+
+    def owned_states(self, keys):
+        """What this rank owns of ``keys``: each owned part's stored value and
+        optimizer state; not collective.
+
+        The arrays are the store's own (no copies): read them between calls, and
+        change them only through :meth:`load_owned_states`.
+
+        Args:
+            keys: stored keys.
+
+        Returns:
+            dict: key -> :class:`KVStore.OwnedKey`.
+
+        Raises:
+            UnknownKeyError: for a key the store does not hold.
+        """
+        engine, rank = self._engine, self.rank
+        owned = {}
+        for key in keys:
+            entry = engine.entries.get(key)
+            if entry is None:
+                raise errors.UnknownKeyError(f"owned_states: key {key!r} is not in the store")
+            placement = engine.plan[key]
+            whole = not placement.split
+            owned[key] = KVStore.OwnedKey(entry.array.dtype, tuple(
+                KVStore.OwnedPart(s.start, s.stop, whole,
+                                  entry.array if whole else entry.flat[s.start:s.stop],
+                                  engine.states.get((key, s.start)))
+                for s in placement.shards if s.owner == rank))
+        return owned
+
+    def load_owned_states(self, states):
+        """Replaces the optimizer states of parts this rank owns; collective.
+
+        Every rank calls it, each with the states of its own parts (the others'
+        states and every key's update count stay). The ranks agree first: a
+        part this rank does not own, or a failure set by :meth:`fail_next_call`
+        on any rank (a check of the caller's), raises the same
+        :class:`~mpikv.errors.MPIKVError` on every rank, and nothing is loaded
+        on any.
+
+        Args:
+            states: ``{(key, part start): state}``, each state as
+                :meth:`owned_states` gives them (name -> array).
+
+        Raises:
+            InputError: on every rank, for a part some rank does not own.
+        """
+        call = Call("load_owned_states")
+        engine, rank = self._engine, self.rank
+        for key, start in states:
+            placement = engine.plan[key] if key in engine.plan else None
+            if placement is None or not any(s.start == start and s.owner == rank
+                                            for s in placement.shards):
+                call.fail(errors.InputError, None, f"rank {rank} does not own the part of "
+                                                   f"key {key!r} that starts at {start}")
+                break
+
+        def load():
+            engine.load_optimizer(engine.optimizer, {**engine.states, **states},
+                                  dict(engine.counts))
+        self._protocol.collective(call, load)
+
 
 __all__ = ["create", "KVStore", "Handle", "ReplayedCall", "STORE_TYPES"]

@@ -105,7 +105,8 @@ def _let_go(trainer):
         trainer._launcher.close()
     except MPIKVError:
         pass   # its queued calls met the loss too
-    trainer._kv._protocol.remove_settler(trainer._settle_for_user)
+    if getattr(trainer, "_call_hook", None) is not None:
+        trainer._call_hook.remove()
     if trainer._resumer is not None:
         trainer._resumer.abandon()
     trainer._kv.abandon()

@@ -81,19 +81,17 @@ class ShardedTorchState:
     def _state_dtype(self, rule, key):
         """The dtype of the owners' state of ``key``: float32 with a master copy (a
         16-bit parameter under multi_precision), else the parameter's own."""
-        dtype = self._engine().entries[key].array.dtype
+        dtype = self._owned_key(key).dtype
         return np.dtype(np.float32) if rule.keeps_master(dtype) else np.dtype(dtype)
 
-    def _engine(self):
-        return self._trainer.kvstore._engine
+    def _owned_key(self, key):
+        """The store's :class:`~mpikv.KVStore.OwnedKey` of ``key``."""
+        return self._trainer.kvstore.owned_states([key])[key]
 
     def _owned(self, key):
         """``[(shard start, stop, state or None, whole)]`` of each part of ``key`` this
         rank owns."""
-        engine = self._engine()
-        placement, rank = engine.plan[key], self._trainer.kvstore.rank
-        return [(s.start, s.stop, engine.states.get((key, s.start)), not placement.split)
-                for s in placement.shards if s.owner == rank]
+        return [(p.start, p.stop, p.state, p.whole) for p in self._owned_key(key).parts]
 
     # -- consolidate_state_dict ----------------------------------------------------
     def consolidate(self, to=0):
@@ -274,12 +272,11 @@ class ShardedTorchState:
             failure = f"{type(exc).__name__}: {exc}"
         if failure is not None:
             kv.fail_next_call(OptimizerError, failure)
-        try:
-            kv.allreduce_(np.zeros(1, np.int64), tag="optimizer state check")   # raises on every rank if one failed
+            staged = {}
+        try:   # agreed: raises on every rank if one failed, nothing loaded
+            kv.load_owned_states(staged)
         except OptimizerError as exc:
             raise OptimizerError(_renamed(exc, "trainer.optimizer.load_state_dict")) from None
-        engine = self._engine()
-        engine.load_optimizer(engine.optimizer, {**engine.states, **staged}, dict(engine.counts))
         # In place: the rule and the join's shared hyperparameters read these dicts.
         for group, saved in zip(trainer.optimizer.param_groups, groups):
             group.update({k: v for k, v in saved.items()
@@ -398,17 +395,16 @@ class ShardedTorchState:
             ``{(key, shard start): state}``: each a fresh state (zeros, count 0)
             holding the loaded parts; a 16-bit parameter's float32 master stays.
         """
-        trainer, engine = self._trainer, self._engine()
+        trainer = self._trainer
         staged = {}
         groups = trainer.optimizer.param_groups
         for j, (i, g) in enumerate(self._torch_order()):
             key = trainer._names[i]
-            entry = engine.entries[key]
             count, loaded = entries.get(j, (0, {}))
             scalars = rule.torch_format(groups[g]).scalars
-            for start, stop, old, whole in self._owned(key):
-                weight = entry.array if whole else entry.flat[start:stop]
-                fresh = rule.create_state(key, weight)
+            for part in self._owned_key(key).parts:
+                start, stop, old = part.start, part.stop, part.state
+                fresh = rule.create_state(key, part.weight)
                 if old is not None and MASTER in old:
                     fresh[MASTER] = old[MASTER]   # more exact than the weight it rounds to
                 fresh[COUNT][...] = count
@@ -480,7 +476,7 @@ def _renamed(exc, name):
     """The store's message of a failed agreement, under the caller's name."""
     text = str(exc)
     head, sep, rest = text.partition(": ")
-    return f"{name}: {rest}" if sep and head == "allreduce_" else text
+    return f"{name}: {rest}" if sep and head in ("allreduce_", "load_owned_states") else text
 
 
 __all__ = ["ShardedTorchState", "WINDOW_BYTES"]

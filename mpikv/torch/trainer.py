@@ -203,7 +203,7 @@ class Trainer(ClosesAfterWith):
         self._launcher = _launcher_for(self._kv, bool(self._devices))
         # The user's own calls on this store (between backward and step, say) come
         # after the launcher's too.
-        self._kv._protocol.add_settler(self._settle_for_user)
+        self._call_hook = self._kv.add_call_hook(self._settle_for_user)
         weakref.finalize(self, self._launcher.stop)   # dropped without close()
         kv = SettledStore(self._kv, self._settled)   # the helpers' store: after the launcher
         if compression is not None:
@@ -772,7 +772,7 @@ class Trainer(ClosesAfterWith):
         self._between_steps()
         self._tell_store("close")
         try:
-            self.kvstore._agree_on("Trainer.close")
+            self.kvstore.agree("Trainer.close")
         except BaseException:
             self._tell_store()
             raise
@@ -782,7 +782,7 @@ class Trainer(ClosesAfterWith):
         self._hooks = None
         if self._resumer is not None:
             self._resumer.stop()
-        self._kv._protocol.remove_settler(self._settle_for_user)
+        self._call_hook.remove()
         if self._shards is not None:   # every weight whole again, for the plain model
             self._shards.gather_all()
             self._shards.remove()
@@ -1081,7 +1081,7 @@ class Trainer(ClosesAfterWith):
         self._between_steps()
         self._tell_store(name)
         try:
-            self.kvstore._agree_on(name)
+            self.kvstore.agree(name)
             return action()
         finally:
             self._tell_store()
@@ -1289,8 +1289,7 @@ def _launcher_for(kv, on_gpu):
     to agree with and MPI takes calls from several threads (THREAD_MULTIPLE);
     elsewhere the calls run inline, on autograd's thread, as the store's own
     asynchronous calls do."""
-    transport = kv._transport
-    threaded = transport.threaded and transport.size > 1 and (on_gpu or LAUNCH_HOST_BUCKETS)
+    threaded = kv.threaded and kv.num_workers > 1 and (on_gpu or LAUNCH_HOST_BUCKETS)
     return Launcher(threaded, kv.options["abort_on_exception"])
 
 
