@@ -32,23 +32,23 @@ class _Distributed:
     @property
     def trainer(self):
         """The :class:`~mpikv.torch.Trainer` that runs this optimizer on the owners."""
-        return self._mpikv_trainer
+        return self.mpikv_trainer
 
     def step(self, closure=None):
         """Waits for the gradients' reduction and lets the owners update their parts;
         the weights come back into the parameters (``trainer.optimizer.step``)."""
-        return self._mpikv_trainer.optimizer.step(closure)
+        return self.mpikv_trainer.optimizer.step(closure)
 
     def zero_grad(self, set_to_none=True):
         """Zeroes the gradients (they stay the store's buffers: never None)."""
-        self._mpikv_trainer.zero_grad(set_to_none)
+        self.mpikv_trainer.zero_grad(set_to_none)
 
     def synchronize(self):
         """Horovod's: the averaged gradients in ``.grad`` now (before clipping, say).
 
         With the default ``shard="optimizer"`` backward has already done it.
         """
-        self._mpikv_trainer.allreduce_grads()
+        self.mpikv_trainer.allreduce_grads()
 
     def skip_synchronize(self):
         """Horovod's: a context for ``step()`` after :meth:`synchronize`; a step never
@@ -58,16 +58,16 @@ class _Distributed:
     def consolidate_state_dict(self, to=0):
         """Gathers the owners' state onto rank ``to``; collective
         (``ZeroRedundancyOptimizer``'s)."""
-        self._mpikv_trainer.optimizer.consolidate_state_dict(to)
+        self.mpikv_trainer.optimizer.consolidate_state_dict(to)
 
     def state_dict(self):
         """The state :meth:`consolidate_state_dict` gathered, in this class's torch format."""
-        return self._mpikv_trainer.optimizer.state_dict()
+        return self.mpikv_trainer.optimizer.state_dict()
 
     def load_state_dict(self, state_dict):
         """Puts a torch state of this class on the owners; collective (every rank, the
         whole dict)."""
-        self._mpikv_trainer.optimizer.load_state_dict(state_dict)
+        self.mpikv_trainer.optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group):
         # torch's constructor calls it before the class is swapped; afterwards the
@@ -78,7 +78,7 @@ class _Distributed:
     def close(self):
         """Closes the Trainer (collective): the model and optimizer become plain
         torch ones again, without their state."""
-        self._mpikv_trainer.close()
+        self.mpikv_trainer.close()
 
 
 class _nothing:
@@ -146,7 +146,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, *, module=None, kvsto
                 mine.setdefault(key, value)
     optimizer.param_groups = trainer.optimizer.param_groups
     optimizer.state = trainer.optimizer.state
-    optimizer._mpikv_trainer = trainer
+    optimizer.mpikv_trainer = trainer
     optimizer.__class__ = _subclass(cls)
     _repatch_scheduler_step(optimizer)
     return optimizer

@@ -22,14 +22,35 @@ and ``trainer.num_workers`` therefore ends with the weights of an
 uninterrupted run, at the cost of the steps since the checkpoint.
 """
 
-import torch
+import dataclasses
 
 from ..elastic import RecoveryChain, say_recovered
 from ..errors import InputError, MPIKVError, RankLostError
 
 
-def run(trainer, step_fn, steps, min_workers):
-    """:meth:`mpikv.torch.Trainer.run` (see there)."""
+@dataclasses.dataclass(frozen=True)
+class Recovery:
+    """What the loop needs of a Trainer to go on after a loss.
+
+    Attributes:
+        store: gives the Trainer's store as is (the lost one, once lost).
+        resumer: gives the :class:`~.resume.Resumer`, or None.
+        directory: gives ``trainer.resume``'s directory, or None before it.
+        let_go: ends what the Trainer holds on the lost store, on this rank alone.
+        remake: ``remake(lost, older)``: the Trainer's pieces made again on a new
+            store over the survivors, then resumed.
+    """
+
+    store: object
+    resumer: object
+    directory: object
+    let_go: object
+    remake: object
+
+
+def run(trainer, step_fn, steps, min_workers, recovery):
+    """:meth:`mpikv.torch.Trainer.run` (see there); ``recovery``: the
+    Trainer's :class:`Recovery`."""
     if not isinstance(min_workers, int) or isinstance(min_workers, bool) or min_workers < 1:
         # (on every rank, through the next call's agreement: not here alone)
         kv = trainer.kvstore
@@ -44,12 +65,13 @@ def run(trainer, step_fn, steps, min_workers):
         try:
             if lost is not None:   # (a loss during a recovery: recovered again)
                 lost, survived = None, lost
-                _recover(trainer, survived, min_workers, chain.begin(trainer._kv, survived))
+                _recover(recovery, survived, min_workers,
+                         chain.begin(recovery.store(), survived))
                 say_recovered("trainer.run", chain.lost(survived), trainer.num_update,
                               trainer.num_workers)
                 chain.end()
-            resumer = trainer._resumer
-            if resumer is not None and resumer.since is None and trainer._kv.fault_tolerant:
+            resumer = recovery.resumer()
+            if resumer is not None and resumer.since is None and recovery.store().fault_tolerant:
                 # (the same on every rank: resume's load is collective) A loss before
                 # the first periodic checkpoint goes back to this start, not to the
                 # weights some survivor holds then.
@@ -69,58 +91,27 @@ def _todo(steps, done):
     return [i for i in steps if i >= done]
 
 
-def _recover(trainer, lost, min_workers, older=None):
+def _recover(recovery, lost, min_workers, older=None):
     """Every survivor alike: the Trainer made again over the survivors, from the
     latest complete checkpoint (or buddy copies: ``older`` as
     :meth:`mpikv.KVStore.restore_copies` takes it); or one MPIKVError where it
     cannot go on."""
     n = len(lost.survivors)
-    resumed = getattr(trainer, "_resume_args", None)
+    directory = recovery.directory()
     where = ("no checkpoints (call trainer.resume(directory, every=K) before trainer.run)"
-             if resumed is None else
-             f"the latest complete checkpoint is in {trainer._resume_args[0]} "
+             if directory is None else
+             f"the latest complete checkpoint is in {directory} "
              f"(trainer.resume loads it on any number of ranks)")
     # Each test reads only what every survivor holds alike (the agreed error, the
     # Trainer's arguments): every survivor raises, or none.
     if n < min_workers:
         raise MPIKVError(f"trainer.run: {n} rank{'s survive' if n > 1 else ' survives'}, fewer than "
                          f"min_workers={min_workers} ({lost}); {where}") from lost
-    if resumed is None:
+    if directory is None:
         raise MPIKVError(f"trainer.run cannot go on after a lost rank with {where}: "
                          f"{lost}") from lost
-    _rebuild(trainer, lost, older)
+    recovery.let_go()
+    recovery.remake(lost, older)
 
 
-def _let_go(trainer):
-    """Ends what the Trainer holds on the lost store, on this rank alone."""
-    # (after a loss during a recovery, a remade Trainer may be half made)
-    for hook in getattr(trainer, "_hooks", None) or ():
-        hook.remove()
-    for hook in getattr(trainer, "_forward_hooks", ()):
-        hook.remove()
-    if getattr(trainer, "_shards", None) is not None:   # shard="parameters": its hooks
-        trainer._shards.remove()
-    trainer._detach_sync_bn()
-    try:
-        trainer._launcher.close()
-    except MPIKVError:
-        pass   # its queued calls met the loss too
-    if getattr(trainer, "_call_hook", None) is not None:
-        trainer._call_hook.remove()
-    if trainer._resumer is not None:
-        trainer._resumer.abandon()
-    trainer._kv.abandon()
-    with torch.no_grad():   # the parameters were views of the lost store's buffers
-        for p in trainer._params:
-            p.data = p.data.clone()
-            p.grad = None
-
-
-def _rebuild(trainer, lost, older=None):
-    """The Trainer made again on a new store over the survivors, then resumed."""
-    made = dict(trainer._made_with)
-    _let_go(trainer)
-    trainer._remake(made, lost, older)
-
-
-__all__ = ["run"]
+__all__ = ["Recovery", "run"]

@@ -8,7 +8,43 @@ and an owners' update between the last sum and the pulls.
 """
 
 from .. import _xp, errors
-from . import buffers, syncbn
+from . import buffers, syncbn, tensors
+
+
+def join(pieces):
+    """:meth:`mpikv.torch.Trainer.join` (see there), over the Trainer's
+    :class:`~._pieces.Pieces`."""
+    context, step, devices = pieces.context, pieces.step, pieces.wiring.devices
+    context.between_steps()
+    activity = f"called trainer.join() after step {step.num_update}"
+    if pieces.sparse is not None:
+        context.refuse(errors.InputError, (
+            "trainer.join() is not supported with sparse embedding weights (their "
+            "rows are pushed and pulled at each step): give every rank the same "
+            "number of batches"), activity)
+    if pieces.shards is not None:
+        # The others gather weights unit by unit in their forwards, which a joined
+        # rank cannot replay: a call of its own fails, on every rank, with this.
+        context.refuse(errors.InputError, (
+            "trainer.join() is not supported with shard='parameters' (every rank "
+            "must run every step's forward): give every rank the same number of "
+            "batches"), activity)
+    step.joined = step.num_update + 1   # nonzero: its status row says "joined"
+    context.tell("join")   # what the others' errors say of this rank meanwhile
+    try:
+        # The hyperparameters come with each step (SharedHyperparameters): the
+        # store must not replace the rule with a plain optimizer of the others'.
+        # (on the parameters' GPU: the replayed calls zero its buffers there)
+        with tensors.device_scope(devices[0] if len(devices) == 1 else None):
+            return context.settled().join(on_call=JoinedSteps(
+                pieces.reduction, pieces.update, step, pieces.wiring, pieces.buffers,
+                pieces.hyper), follow_optimizer=False)
+    finally:
+        step.joined = 0
+        step.discard()
+        # Every rank leaves join() here: the next forward shares the buffers on
+        # every rank alike, whatever forwards ran while this rank waited.
+        step.share_next = True
 
 
 class JoinedSteps:
@@ -28,26 +64,32 @@ class JoinedSteps:
     training ranks do.
 
     Args:
-        trainer: the joined :class:`Trainer`.
+        reduction: the Trainer's :class:`~._reduction.GradientReduction`.
+        update: its :class:`~._update.OwnerUpdate`.
+        step: its :class:`~._step.StepState`.
+        wiring: its :class:`~._wiring.ParamWiring`.
+        buffers: its :class:`~.buffers.SharedBuffers`, or None.
+        hyper: its :class:`~.hyper.SharedHyperparameters`.
     """
 
-    def __init__(self, trainer):
-        self._trainer = trainer
-        self._first_bucket = frozenset(trainer._bucket_keys[0]) if trainer._bucket_keys else None
+    def __init__(self, reduction, update, step, wiring, buffers, hyper):
+        self._reduction, self._update, self._step = reduction, update, step
+        self._wiring, self._buffers, self._hyper = wiring, buffers, hyper
+        self._first_bucket = frozenset(wiring.bucket_keys[0]) if wiring.bucket_keys else None
         self._scale = None
         self._new_step()
 
     def _new_step(self):
         # (this rank's array, what to do with the sum) of each sum still to come
-        t = self._trainer
-        self._sums = [(lambda: t._status_row(False), self._after_status)]
-        if t._averaging and t._half:
+        r = self._reduction
+        self._sums = [(lambda: r.status_row(False), self._after_status)]
+        if r.averaging and r.half:
             # shard="optimizer": the 16-bit sums come before the status (allreduce_grads
             # at the end of backward); this rank's .grad comes with the shared gradients.
-            self._sums.insert(0, (t._half.owned_flat, _ignore))
+            self._sums.insert(0, (r.half.owned_flat, _ignore))
 
     def __call__(self, call):
-        t = self._trainer
+        s = self._step
         if call.op == "allreduce_" and call.settings.get("tag") == buffers.TAG:
             return self._buffer_sum(call)
         if call.op == "allreduce_" and call.settings.get("tag") == syncbn.TAG:
@@ -55,8 +97,7 @@ class JoinedSteps:
         if call.op == "push" and not call.done and frozenset(call.keys) == self._first_bucket:
             # A step's reduction starts with its first bucket: the parts an abandoned
             # step recorded go, as the training ranks' zero_grad drops theirs.
-            t._rule.discard()
-            t._start_step()
+            s.discard()
             self._new_step()
         if call.op != "allreduce_":
             return None
@@ -70,49 +111,47 @@ class JoinedSteps:
             self._new_step()
             return None
         if not self._sums:
-            t._update_owned(self._scale)
-            t.num_update += 1
-            t._start_step()
+            self._update.update_owned(self._scale)
+            s.num_update += 1
+            s.reset()
             self._new_step()
         return None
 
     def _buffer_sum(self, call):
         """A sum of the buffers' bytes before a forward (see :mod:`.buffers`): this
         rank sends nothing and takes the sender's buffers, as DDP's joined ranks do."""
-        t = self._trainer
         if not call.done:
-            return t._buffers.rows(None)
+            return self._buffers.rows(None)
         # None: taken; else the sender had joined, and this rank sends the next sum.
-        again = t._buffers.take(t._sender)
+        again = self._buffers.take(self._step.sender)
         if again is not None:
-            t._sender = again
+            self._step.sender = again
         return None
 
     def _after_status(self, _):
-        t = self._trainer
-        t._read_status()
+        r, s = self._reduction, self._step
+        r.read_status()
         sums = []
-        if t._gathering:
-            t._scaled = True   # the update takes .grad back, as after allreduce_grads
-            if t._half and not t._averaging:
+        if s.gathering:
+            s.scaled = True   # the update takes .grad back, as after allreduce_grads
+            if r.half and not r.averaging:
                 # This rank's sums of its 16-bit parts; its .grad comes with the
                 # shared gradients below.
-                sums.append((t._half.owned_flat, _ignore))
-        sums.append((t._hyper.rows, self._take_hyperparameters))
-        if t._gathering:
-            sums.extend((self._zeroed(bits), _ignore) for bits in t._gradient_bits())
+                sums.append((r.half.owned_flat, _ignore))
+        sums.append((self._hyper.rows, self._take_hyperparameters))
+        if s.gathering:
+            sums.extend((self._zeroed(bits), _ignore) for bits in self._wiring.gradient_bits())
         self._sums = sums
 
     def _take_hyperparameters(self, _):
-        t = self._trainer
-        self._scale = t._hyper.take(t._first_training_rank())
+        self._scale = self._hyper.take(self._reduction.first_training_rank())
 
     def _zeroed(self, bits):
         """Gives ``bits`` zeroed: the sum writes the first training rank's gradient into it."""
         def give():
             with _xp.on(bits):
                 bits[...] = 0
-            self._trainer._cuda_ready()   # MPI reads the memory directly
+            self._wiring.cuda_ready()   # MPI reads the memory directly
             return bits
         return give
 
@@ -121,4 +160,4 @@ def _ignore(_):
     pass
 
 
-__all__ = ["JoinedSteps"]
+__all__ = ["JoinedSteps", "join"]

@@ -37,7 +37,7 @@ class Launcher:
 
     def __init__(self, threaded, abort_on_exception=True):
         self.threaded = bool(threaded)
-        self._abort = abort_on_exception
+        self.abort_on_exception = abort_on_exception
         self._queue = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._pending = 0
@@ -46,6 +46,12 @@ class Launcher:
         if self.threaded:
             _live.add(self)
             _end_at_exit()
+
+    @property
+    def thread(self):
+        """A threaded launcher's thread, from its first call until :meth:`close`; else
+        None."""
+        return self._thread
 
     def submit(self, fn):
         """Queues ``fn()`` behind the calls queued before it (inline: calls it now).
@@ -170,7 +176,7 @@ def _end_of_process():
             launcher.close()
         except Exception as exc:  # noqa: BLE001 - the process must end, not hang
             from ..transport.watchdog import exit_failed
-            exit_failed(exc, launcher._abort)
+            exit_failed(exc, launcher.abort_on_exception)
 
 
 __all__ = ["Launcher", "SettledStore"]

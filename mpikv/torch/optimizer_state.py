@@ -39,38 +39,44 @@ _MXNET = ("trainer.optimizer runs an mpikv optimizer (MXNet's rules), whose stat
           "trainer.load_checkpoint(path) (collective)")
 
 
-def _describe(trainer, index, trainer_index):
-    return f"parameter {index} ({trainer._names[trainer_index]!r})"
+def _describe(names, index, trainer_index):
+    return f"parameter {index} ({names[trainer_index]!r})"
 
 
 class ShardedTorchState:
     """The torch face of the owners' optimizer state, for :class:`Trainer.optimizer`.
 
     Args:
-        trainer: the :class:`mpikv.torch.Trainer`.
+        wiring: the Trainer's :class:`~._wiring.ParamWiring` (names, parameters).
+        rule: the owners' rule.
+        context: the Trainer's :class:`~._context.StoreContext`.
+        step: the Trainer's :class:`~._step.StepState` (``num_update``).
+        optimizer: ``trainer.optimizer`` (its ``param_groups``).
     """
 
-    def __init__(self, trainer):
-        self._trainer = trainer
+    def __init__(self, wiring, rule, context, step, optimizer):
+        self._names, self._params = wiring.names, wiring.params
+        self._rule, self._context, self._step = rule, context, step
+        self._optimizer = optimizer
         self._consolidated = None   # (state, trainer.num_update at consolidation), on `to`
         self._scalar_segments = set()   # (torch index, name) of the scalars being gathered
         self._to = None
 
     # -- what belongs where ------------------------------------------------------
-    def _rule(self):
-        rule = self._trainer._rule
+    def _checked_rule(self):
+        rule = self._rule
         if isinstance(rule, MXNetRule) or not hasattr(rule, "torch_format"):
             raise OptimizerError(_MXNET)
-        for group in self._trainer.optimizer.param_groups:
+        for group in self._optimizer.param_groups:
             rule.torch_format(group)   # raises where the state has no torch format
         return rule
 
     def _torch_order(self):
         """``[(trainer parameter index, group index)]`` in torch's numbering: parameters
         counted over ``param_groups``, group by group."""
-        position = {id(p): i for i, p in enumerate(self._trainer._params)}
+        position = {id(p): i for i, p in enumerate(self._params)}
         return [(position[id(p)], g)
-                for g, group in enumerate(self._trainer.optimizer.param_groups)
+                for g, group in enumerate(self._optimizer.param_groups)
                 for p in group["params"]]
 
     def _names_of(self, rule, group):
@@ -86,7 +92,7 @@ class ShardedTorchState:
 
     def _owned_key(self, key):
         """The store's :class:`~mpikv.KVStore.OwnedKey` of ``key``."""
-        return self._trainer.kvstore.owned_states([key])[key]
+        return self._context.settled().owned_states([key])[key]
 
     def _owned(self, key):
         """``[(shard start, stop, state or None, whole)]`` of each part of ``key`` this
@@ -101,9 +107,9 @@ class ShardedTorchState:
             OptimizerError: on every rank, for an mpikv optimizer, a ``to`` that
                 is not a rank, or ranks that gave different ``to``.
         """
-        trainer, kv = self._trainer, self._trainer.kvstore
-        rule = self._rule()   # the same on every rank: raises on all of them
-        trainer._between_steps()
+        kv = self._context.settled()
+        rule = self._checked_rule()   # the same on every rank: raises on all of them
+        self._context.between_steps()
         self._consolidated, self._to = None, None
         order = self._torch_order()
         size, rank = kv.num_workers, kv.rank
@@ -114,7 +120,7 @@ class ShardedTorchState:
         # rank's `to`: what every rank needs to lay out the same buffer.
         head = np.zeros(len(order) + size, np.int64)
         for j, (i, _) in enumerate(order):
-            for start, _, state, _ in self._owned(trainer._names[i]):
+            for start, _, state, _ in self._owned(self._names[i]):
                 if start == 0 and state is not None:
                     head[j] = int(state[COUNT].reshape(-1)[0])
         head[len(order) + rank] = int(to) if valid else -1
@@ -128,19 +134,19 @@ class ShardedTorchState:
             raise OptimizerError("trainer.optimizer.consolidate_state_dict: ranks gave "
                                  "different `to`: " + ", ".join(
                                      f"rank {r}: {t}" for r, t in enumerate(targets)))
-        groups = trainer.optimizer.param_groups
+        groups = self._optimizer.param_groups
         # (torch index, state name, dtype, shape, first byte) of every array to gather.
         segments, total = [], 0
         self._scalar_segments = set()
         for j, (i, g) in enumerate(order):
             if head[j] < 1:   # never updated: torch holds no state for it
                 continue
-            key = trainer._names[i]
+            key = self._names[i]
             scalars = rule.torch_format(groups[g]).scalars
             for name in self._names_of(rule, groups[g]):
                 # A scalar is kept as an array filled with it: its first element will do.
                 dtype, shape = ((np.dtype(np.float64), (1,)) if name in scalars else
-                                (self._state_dtype(rule, key), tuple(trainer._params[i].shape)))
+                                (self._state_dtype(rule, key), tuple(self._params[i].shape)))
                 if name in scalars:
                     self._scalar_segments.add((j, name))
                 segments.append((j, name, dtype, shape, total))
@@ -172,7 +178,7 @@ class ShardedTorchState:
             return
         state = {}
         for j, (i, g) in enumerate(order):
-            p = trainer._params[i]
+            p = self._params[i]
             fmt = rule.torch_format(groups[g], p.device)
             if head[j] < 1:   # never updated: torch holds no state, or its constructor's
                 if fmt.initial is not None:
@@ -188,16 +194,15 @@ class ShardedTorchState:
                     entry[name] = tensors.from_native(out[(j, name)]).reshape(p.shape).to(
                         p.device)
             state[j] = entry
-        self._consolidated = (state, trainer.num_update)
+        self._consolidated = (state, self._step.num_update)
 
     def _owned_pieces(self, order, segments):
         """``[(first byte, end byte, bytes)]`` of the state this rank owns, in the
         consolidation's buffer (host bytes, in the segment's dtype)."""
-        trainer = self._trainer
         pieces = []
         for j, name, dtype, _, base in segments:
             i = order[j][0]
-            for start, stop, state, _ in self._owned(trainer._names[i]):
+            for start, stop, state, _ in self._owned(self._names[i]):
                 if state is None:
                     continue
                 if (j, name) in self._scalar_segments:   # a scalar, kept filled
@@ -218,8 +223,8 @@ class ShardedTorchState:
             OptimizerError: for an mpikv optimizer; on a rank other than the last
                 consolidation's ``to``, before any, or after a step since it.
         """
-        rule = self._rule()
-        trainer = self._trainer
+        rule = self._checked_rule()
+        num_update = self._step.num_update
         if self._to is None:
             raise OptimizerError(
                 "trainer.optimizer's state lives on the owners, in parts (ZeRO-1): call "
@@ -228,15 +233,15 @@ class ShardedTorchState:
         if self._consolidated is None:
             raise OptimizerError(
                 f"trainer.optimizer.consolidate_state_dict gathered the state onto rank "
-                f"{self._to}, not this rank ({trainer.kvstore.rank}): call state_dict() there")
+                f"{self._to}, not this rank ({self._context.settled().rank}): call state_dict() there")
         state, at = self._consolidated
-        if at != trainer.num_update:
+        if at != num_update:
             raise OptimizerError(
                 f"trainer.optimizer.consolidate_state_dict was called at update {at}, and the "
-                f"Trainer has made {trainer.num_update - at} more since: call it again (on "
+                f"Trainer has made {num_update - at} more since: call it again (on "
                 f"every rank) before state_dict()")
         groups, index = [], 0
-        for group in trainer.optimizer.param_groups:
+        for group in self._optimizer.param_groups:
             cls = rule.torch_format(group).cls
             # The user's class's full set of hyperparameters (flags too), the Trainer's values.
             full = {k: v for k, v in _probe(cls).param_groups[0].items() if k != "params"}
@@ -259,9 +264,9 @@ class ShardedTorchState:
                 mapped on any rank (another optimizer's state, other shapes, another
                 number of parameters or groups, a flag the owners do not run).
         """
-        trainer, kv = self._trainer, self._trainer.kvstore
-        rule = self._rule()   # the same on every rank: raises on all of them
-        trainer._between_steps()
+        kv = self._context.settled()
+        rule = self._checked_rule()   # the same on every rank: raises on all of them
+        self._context.between_steps()
         try:
             groups, entries = self._read(rule, state_dict)
             staged = self._stage(rule, entries)
@@ -278,7 +283,7 @@ class ShardedTorchState:
         except OptimizerError as exc:
             raise OptimizerError(_renamed(exc, "trainer.optimizer.load_state_dict")) from None
         # In place: the rule and the join's shared hyperparameters read these dicts.
-        for group, saved in zip(trainer.optimizer.param_groups, groups):
+        for group, saved in zip(self._optimizer.param_groups, groups):
             group.update({k: v for k, v in saved.items()
                           if k not in ("params", "param_names") and k not in _FLAGS})
         self._consolidated, self._to = None, None
@@ -291,8 +296,7 @@ class ShardedTorchState:
             torch class completes them), and per torch index ``(count, {name:
             tensor})`` of the parameters it holds state for.
         """
-        trainer = self._trainer
-        ours = trainer.optimizer.param_groups
+        ours = self._optimizer.param_groups
         if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
                 and isinstance(state_dict.get("param_groups"), (list, tuple))):
             raise OptimizerError("load_state_dict takes a torch optimizer's state_dict: a dict "
@@ -352,14 +356,14 @@ class ShardedTorchState:
                                      f"group lists")
             j = id_map[saved_id]
             i, g = order[j]
-            what = _describe(trainer, j, i)
+            what = _describe(self._names, j, i)
             if not isinstance(entry, dict):
                 raise OptimizerError(f"the state of {what} is not a dict")
             entry = {k: v for k, v in entry.items()
                      if not (k == "momentum_buffer" and v is None)}   # older torch: no buffer
             if not entry:
                 continue   # nothing yet: as torch, the parameter starts afresh
-            fmt = rule.torch_format(groups[g], trainer._params[i].device)
+            fmt = rule.torch_format(groups[g], self._params[i].device)
             names = fmt.names
             expected = (("step",) if fmt.step is not None else ()) + names
             if set(entry) != set(expected):
@@ -369,7 +373,7 @@ class ShardedTorchState:
                     f"the state of {what} has {sorted(entry)}; torch.optim.{cls.__name__} "
                     f"with its param group's hyperparameters keeps {keeps}: a state of "
                     f"another optimizer or setting")
-            p = trainer._params[i]
+            p = self._params[i]
             loaded = {}
             for name in names:
                 t = entry[name]
@@ -395,11 +399,10 @@ class ShardedTorchState:
             ``{(key, shard start): state}``: each a fresh state (zeros, count 0)
             holding the loaded parts; a 16-bit parameter's float32 master stays.
         """
-        trainer = self._trainer
         staged = {}
-        groups = trainer.optimizer.param_groups
+        groups = self._optimizer.param_groups
         for j, (i, g) in enumerate(self._torch_order()):
-            key = trainer._names[i]
+            key = self._names[i]
             count, loaded = entries.get(j, (0, {}))
             scalars = rule.torch_format(groups[g]).scalars
             for part in self._owned_key(key).parts:
@@ -408,7 +411,7 @@ class ShardedTorchState:
                 if old is not None and MASTER in old:
                     fresh[MASTER] = old[MASTER]   # more exact than the weight it rounds to
                 fresh[COUNT][...] = count
-                tensors.store_before_torch(tensors.device_index(trainer._params[i]))
+                tensors.store_before_torch(tensors.device_index(self._params[i]))
                 with torch.no_grad():
                     for name, t in loaded.items():
                         target = tensors.from_native(fresh[name])

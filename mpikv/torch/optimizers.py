@@ -171,13 +171,14 @@ class _TorchRule(Deferred):
             raise OptimizerError("param_groups do not match the optimizer's groups")
         self._live = param_groups
 
-    def _group(self, index):
+    def group_hyper(self, index):
+        """The hyperparameters of param group ``index`` (as plain values), now."""
         source = self._live[index] if self._live is not None else self._groups[index]
         return {name: _plain(source[name]) for name in self.hyper}
 
     def get_config(self):
         return {"name": self.name, "begin_num_update": int(self.begin_num_update),
-                "groups": ([self._group(i) for i in range(len(self._groups))]
+                "groups": ([self.group_hyper(i) for i in range(len(self._groups))]
                            if self.hyper_agreed else None),
                 "key_groups": [[k, g] for k, g in self._key_group.items()],
                 **({"multi_precision": True} if self.multi_precision else {})}
@@ -211,7 +212,7 @@ class _TorchRule(Deferred):
         for part in steps:
             by_group.setdefault(self._key_group[part[0]], []).append(part)
         for index, group_parts in sorted(by_group.items()):
-            self._step(self._group(index), group_parts)
+            self._step(self.group_hyper(index), group_parts)
         with torch.no_grad():
             for _, weight, _, state in parts:
                 if MASTER in state:

@@ -98,16 +98,16 @@ class ParameterShards:
     """The gathering and giving back of a Trainer's weights, unit by unit.
 
     Args:
-        trainer: the :class:`~mpikv.torch.Trainer` (its store, launcher,
-            parameters and value arrays).
+        wiring: the Trainer's :class:`~._wiring.ParamWiring` (parameters, value arrays).
+        context: the Trainer's :class:`~._context.StoreContext` (store, launcher).
         module: the model.
         units: the user's unit modules, or None (see :func:`plan_units`).
     """
 
-    def __init__(self, trainer, module, units=None):
-        self._trainer = trainer
-        kv = trainer._kv
-        params = trainer._params
+    def __init__(self, wiring, context, module, units=None):
+        self._wiring, self._context = wiring, context
+        kv = context.kv
+        params = wiring.params
         index_of = {id(p): i for i, p in enumerate(params)}
         self.units, self.root = plan_units(module, index_of,
                                            [p.numel() * p.element_size() for p in params], units)
@@ -115,8 +115,8 @@ class ParameterShards:
         rank = kv.rank
         # Per parameter: its flat value array and the ranges other ranks own.
         self._values, self._foreign = [], []
-        for i, name in enumerate(trainer._names):
-            self._values.append(trainer._value_of(i).reshape(-1))
+        for i, name in enumerate(wiring.names):
+            self._values.append(wiring.value_of(i).reshape(-1))
             self._foreign.append([(s.start, s.stop) for s in kv.plan[name].shards
                                   if s.owner != rank])
         self._order = []          # units in the order the last forward ran them
@@ -152,9 +152,9 @@ class ParameterShards:
 
     # -- gathering and giving back ----------------------------------------------------------
     def _keys(self, unit):
-        trainer = self._trainer
-        return ([trainer._names[i] for i in unit.members],
-                [trainer._value_of(i) for i in unit.members])
+        wiring = self._wiring
+        return ([wiring.names[i] for i in unit.members],
+                [wiring.value_of(i) for i in unit.members])
 
     def _start(self, unit):
         """Puts ``unit``'s gather on the wire (behind the launcher's earlier calls)."""
@@ -162,8 +162,8 @@ class ParameterShards:
             return
         keys, values = self._keys(unit)
         box = self._pending[unit] = []
-        kv = self._trainer._kv
-        self._trainer._launcher.submit(lambda: box.append(kv.pull_async(keys, out=values)))
+        kv = self._context.kv
+        self._context.launcher.submit(lambda: box.append(kv.pull_async(keys, out=values)))
 
     def gather(self, unit):
         """Waits until ``unit``'s weights are whole (starting the gather if needed)."""
@@ -173,8 +173,8 @@ class ParameterShards:
         self._start(unit)
         box = self._pending.pop(unit)
         if not box:
-            self._trainer._launcher.drain()
-        self._trainer._kv.wait(box)
+            self._context.launcher.drain()
+        self._context.kv.wait(box)
         self._gathered.add(unit)
 
     def release(self, unit):
@@ -184,7 +184,7 @@ class ParameterShards:
         for i in unit.members:
             pages.release(self._values[i], self._foreign[i])
         # The next gather must bring them back, even where no push made them stale.
-        self._trainer._kv.outdate([self._trainer._names[i] for i in unit.members])
+        self._context.kv.outdate([self._wiring.names[i] for i in unit.members])
         self._gathered.discard(unit)
 
     def release_all(self):
@@ -233,7 +233,7 @@ class ParameterShards:
             self._in_backward = True
             Variable._execution_engine.queue_callback(self._after_backward)
         if unit not in self._left:
-            self._left[unit] = {i for i in unit.members if self._trainer._params[i].requires_grad}
+            self._left[unit] = {i for i in unit.members if self._wiring.params[i].requires_grad}
         self.gather(unit)
         earlier = self._neighbour(unit, -1)
         if earlier is not None:
@@ -250,7 +250,7 @@ class ParameterShards:
         """
         unit = self._unit_of.get(index)
         if unit is not None and unit not in self._seen:
-            name = self._trainer._names[index]
+            name = self._wiring.names[index]
             raise errors.InputError(
                 f"shard='parameters': {name!r} got a gradient, but its module "
                 f"({type(unit.module).__name__}) did not run in this forward, so it was read "

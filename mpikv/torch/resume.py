@@ -119,7 +119,10 @@ class Resumer:
     """What ``trainer.resume`` turned on (see the module's docstring).
 
     Args:
-        trainer: the :class:`~mpikv.torch.Trainer`.
+        trainer: the :class:`~mpikv.torch.Trainer` (its public face).
+        save: ``save(path, background=False)``: the Trainer's checkpoint of the
+            current step, its reductions kept going on; in the background, it
+            returns the store's save handle.
         directory: where the checkpoints go (every rank sees it).
         every: save every this many steps (None: only at a signal).
         minutes: also save when this many minutes passed since the last save.
@@ -132,7 +135,7 @@ class Resumer:
         background: write periodic checkpoints while training goes on.
     """
 
-    def __init__(self, trainer, directory, every=None, minutes=None, keep=2, state=None,
+    def __init__(self, trainer, save, directory, every=None, minutes=None, keep=2, state=None,
                  requeue=False, signals=SIGNALS, background=True):
         if every is not None and (not isinstance(every, int) or every < 1):
             raise InputError(f"every must be a positive number of steps, not {every!r}")
@@ -143,7 +146,7 @@ class Resumer:
         if state is not None and not (hasattr(state, "state_dict")
                                       and hasattr(state, "load_state_dict")):
             raise ValueTypeError("state must have state_dict() and load_state_dict()")
-        self._trainer, self.directory = trainer, Path(directory)
+        self._trainer, self._save, self.directory = trainer, save, Path(directory)
         self.every, self.minutes, self.keep = every, minutes, keep
         self._state, self._requeue = state, bool(requeue)
         self._signals = [getattr(signal, s) if isinstance(s, str) else s for s in signals]
@@ -213,8 +216,12 @@ class Resumer:
         clock, this rank's part of the checkpoint being written is on disk)."""
         timed = (rank == 0 and self.minutes is not None
                  and time.monotonic() - self._last_save >= 60 * self.minutes)
-        written = self._writing is not None and self._writing.done()
-        return self.signalled is not None, timed, written
+        return self.signalled is not None, timed, self.written()
+
+    def written(self):
+        """Whether this rank's part of the checkpoint being written is on disk (False
+        when none is being written)."""
+        return self._writing is not None and self._writing.done()
 
     def after_step(self, stop, timed, written=False):
         """After an update, with what the status sum said (the same on every rank):
@@ -262,7 +269,7 @@ class Resumer:
     def save(self, user=None):
         """A complete checkpoint of this step (the user's state ``user``, as taken at
         the update, first), then the old ones beyond ``keep`` go; collective."""
-        self._trainer._save(self._begin(user))
+        self._save(self._begin(user))
         self.since = self._trainer.num_update
         self._last_save = time.monotonic()
         self._prune()
@@ -270,14 +277,14 @@ class Resumer:
     def _start(self, user=None):
         """:meth:`save` in the background: the parts copied now, written on a
         thread, committed by :meth:`commit`; collective."""
-        self._writing = self._trainer._save(self._begin(user), background=True)
+        self._writing = self._save(self._begin(user), background=True)
         self._last_save = time.monotonic()
 
     def commit(self):
         """Waits for every rank's part of the checkpoint being written, puts it in
         place, then the old ones beyond ``keep`` go; collective."""
         writing, self._writing, self._commit_due = self._writing, None, False
-        self._trainer._settled()
+        self._trainer.kvstore   # (settled: the launcher's calls first)
         writing.wait()
         self._prune()
 

@@ -146,7 +146,7 @@ class RowUpdate:
         return ("exp_avg", "exp_avg_sq")
 
     def create_state(self, rule, weight):
-        hyper = rule._group(self.group)
+        hyper = rule.group_hyper(self.group)
         state = {n: np.zeros_like(weight) for n in self.names(hyper)}
         if "sum" in state:
             state["sum"][...] = hyper["initial_accumulator_value"]
@@ -156,7 +156,7 @@ class RowUpdate:
     def update(self, rule, weight, grad, state):
         """One step of the class on ``weight``'s rows (touched rows, or the whole block),
         ``grad`` their summed gradient, ``state`` their state (updated in place)."""
-        hyper = rule._group(self.group)
+        hyper = rule.group_hyper(self.group)
         count = state[COUNT].reshape(-1)
         count[0] += 1
         n = int(count[0])
@@ -295,7 +295,7 @@ class SparseWeights:
             for i in live:
                 update = self.updates[i]
                 update.lazy = not (self.cls is torch.optim.SGD and bool(
-                    self._rule._group(update.group).get("momentum")))
+                    self._rule.group_hyper(update.group).get("momentum")))
                 update.scale, update.moved = scale, None
                 if update.lazy != lazy:
                     continue

@@ -161,7 +161,7 @@ class TorchOptim(_TorchRule):
         self._held = {}        # key -> torch's state of a whole parameter (whole only)
         self._stored = ()
         if not self.whole:
-            layouts = [self._layout(self._group(i)) for i in range(len(self._groups))]
+            layouts = [self._layout(self.group_hyper(i)) for i in range(len(self._groups))]
             self._stored = tuple(dict.fromkeys(n for lay in layouts for n in lay.names))
             self._scalar_names = frozenset(n for lay in layouts for n in lay.scalars)
 
@@ -195,7 +195,7 @@ class TorchOptim(_TorchRule):
         # hyperparameter changed since the Trainer was made may need state it lacks.
         if not self.whole:
             for index in range(len(self._groups)):
-                missing = [n for n in self._layout(self._group(index)).names
+                missing = [n for n in self._layout(self.group_hyper(index)).names
                            if n not in self._stored]
                 if missing:
                     self.discard()

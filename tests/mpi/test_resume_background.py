@@ -13,6 +13,7 @@ import mpikv  # noqa: E402
 import mpikv.torch  # noqa: E402
 from mpikv import statefile  # noqa: E402
 from mpikv.torch import resume  # noqa: E402
+from tests import torch_pieces  # noqa: E402
 from tests import trainer_cases as cases  # noqa: E402
 
 from .conftest import TEST_TIMEOUT  # noqa: E402
@@ -35,10 +36,10 @@ def _train_step(net, trainer, comm, step):
     trainer.step()
 
 
-def _written(trainer):
+def _written(pieces):
     """Waits until this rank's part of the checkpoint being written is on disk."""
     deadline = time.monotonic() + TEST_TIMEOUT
-    while not trainer._resumer._writing.done():
+    while not pieces.update.resumer.written():
         assert time.monotonic() < deadline
         time.sleep(0.01)
 
@@ -54,6 +55,7 @@ def test_background_checkpoints_hold_their_step_and_commit_once_every_rank_wrote
             assert gate.wait(TEST_TIMEOUT)
             return write_part(*args)
         monkeypatch.setattr(statefile, "write_part", held)
+    made = torch_pieces.record(monkeypatch)
     net, trainer = _trainer()
     assert trainer.resume(directory, every=3, keep=5) == 0
     weights = {}
@@ -61,7 +63,7 @@ def test_background_checkpoints_hold_their_step_and_commit_once_every_rank_wrote
         if step == 5:   # step 3's checkpoint was held for two steps
             assert resume.newest_first(directory) == []
             gate.set()
-            _written(trainer)
+            _written(made[-1])
         _train_step(net, trainer, comm, step)
         weights[trainer.num_update] = [p.detach().clone() for p in net.parameters()]
         complete = [s for s, _ in resume.newest_first(directory)]

@@ -21,6 +21,7 @@ import mpikv.torch  # noqa: E402
 from mpikv.transport import cuda  # noqa: E402
 
 from .. import fake_cuda_torch, fakecupy  # noqa: E402
+from .. import torch_pieces  # noqa: E402
 from .. import trainer_cases as cases  # noqa: E402
 from .conftest import TEST_TIMEOUT, cuda_torch  # noqa: E402
 
@@ -138,6 +139,7 @@ def test_device_trainer_with_compression_equals_the_host_one(comm, device_run, c
 
 
 def test_the_hook_orders_pushes_with_events_not_host_synchronizations(comm, monkeypatch):
+    made = torch_pieces.record(monkeypatch)
     fake = fake_cuda_torch.install(monkeypatch, device=comm.rank % 2)
     monkeypatch.setenv(cuda.ENV, "0")
     monkeypatch.setattr(cuda, "FALLBACK", cuda.Fallback())
@@ -150,7 +152,7 @@ def test_the_hook_orders_pushes_with_events_not_host_synchronizations(comm, monk
     trainer.zero_grad()
     ((net(x) - y) ** 2).mean().backward()
     # One event per bucket, recorded in autograd's thread.
-    assert fake.calls["torch_before_store"] - before == len(trainer._buckets) > 1
+    assert fake.calls["torch_before_store"] - before == len(made[-1].wiring.buckets) > 1
     trainer.step()
     assert fake.calls["store_before_torch"] >= 1
     trainer.close()

@@ -19,6 +19,7 @@ import mpikv.torch  # noqa: E402
 from mpikv.transport import cuda  # noqa: E402
 
 from .. import fake_cuda_torch, fakecupy  # noqa: E402
+from .. import torch_pieces  # noqa: E402
 from .. import trainer_cases as cases  # noqa: E402
 from .conftest import TEST_TIMEOUT, raises_everywhere  # noqa: E402
 
@@ -48,17 +49,17 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
 
-def _recorded(trainer, monkeypatch):
+def _recorded(trainer, pieces, monkeypatch):
     """Records the thread of every hook's launch, of every reduction call and of its
     agreement: ``{"hooks": set, "calls": [(op, thread)], "agreements": [(op, thread, bad)]}``."""
     kv = trainer.kvstore
     seen = {"hooks": set(), "calls": [], "agreements": []}
-    launch = trainer._launch
+    launch = pieces.reduction.launch
 
     def traced_launch(b):
         seen["hooks"].add(threading.get_ident())
         return launch(b)
-    monkeypatch.setattr(trainer, "_launch", traced_launch)
+    monkeypatch.setattr(pieces.reduction, "launch", traced_launch)
     for name, op in (("push_async", "push"), ("gather_gradients_async", "gather_gradients")):
         def traced(*args, _call=getattr(kv, name), _op=op, **kw):
             seen["calls"].append((_op, threading.get_ident()))
@@ -87,14 +88,15 @@ def test_reductions_and_their_agreements_run_off_the_hook_thread(comm, where, mo
         pytest.skip("one rank: the calls run inline (nothing to wait for)")
     net = _model()
     kv = mpikv.create(where, timeout=TEST_TIMEOUT)
+    made = torch_pieces.record(monkeypatch)
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, kv, bucket_bytes=64,
                                   shard=shard)
-    seen = _recorded(trainer, monkeypatch)
+    seen = _recorded(trainer, made[-1], monkeypatch)
     for step in range(2):
         trainer.zero_grad()
         _backward(net, step, comm)
         trainer.step()
-    buckets = len(trainer._buckets)
+    buckets = len(made[-1].wiring.buckets)
     assert buckets > 1
     calls = [op for op, _ in seen["calls"]]
     assert calls.count("push") == 2 * buckets
@@ -113,7 +115,7 @@ def test_reductions_and_their_agreements_run_off_the_hook_thread(comm, where, mo
             assert (other[n] == everyone[0][n]).all(), n
     trainer.close()
     kv.close()
-    assert trainer._launcher._thread is None   # close() ended it
+    assert made[-1].context.launcher.thread is None   # close() ended it
 
 
 @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
@@ -123,13 +125,14 @@ def test_a_failed_agreement_on_the_launcher_is_raised_on_every_rank(comm, where,
         pytest.skip("one rank: the calls run inline")
     net = _model()
     kv = mpikv.create(where, timeout=TEST_TIMEOUT)
+    made = torch_pieces.record(monkeypatch)
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, kv,
                                   bucket_bytes=64, shard=shard)
     trainer.zero_grad()
     _backward(net, 0, comm)
     trainer.step()
     before = {n: p.detach().clone() for n, p in net.named_parameters()}
-    seen = _recorded(trainer, monkeypatch)
+    seen = _recorded(trainer, made[-1], monkeypatch)
     trainer.zero_grad()
     if comm.rank == comm.size - 1:
         # This rank's next call fails, on every rank: the first bucket's push.
@@ -175,7 +178,7 @@ def test_a_failed_agreement_on_the_launcher_is_raised_on_every_rank(comm, where,
 
 @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
 def test_the_users_own_store_calls_between_backward_and_step_wait_for_the_launcher(
-        comm, shard):
+        comm, shard, monkeypatch):
     """A sum of the user's on the store given to the Trainer (a loss to log) while the
     launcher may still be agreeing buckets: it comes after them on every rank, right,
     and the steps equal those of a Trainer without the user's calls."""
@@ -183,13 +186,14 @@ def test_the_users_own_store_calls_between_backward_and_step_wait_for_the_launch
 
     import numpy as np
     nets = []
+    made = torch_pieces.record(monkeypatch)
     for user_calls in (True, False):
         torch.manual_seed(0)
         net = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(12)])
         kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, autotune=False)
         trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.01}, kv,
                                       bucket_bytes=512, shard=shard)
-        assert len(trainer._buckets) > 4
+        assert len(made[-1].wiring.buckets) > 4
         for step in range(6):
             trainer.zero_grad()
             if comm.rank == comm.size - 1:

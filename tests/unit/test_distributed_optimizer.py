@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 
 import mpikv  # noqa: E402
 import mpikv.torch  # noqa: E402
+from tests import torch_pieces  # noqa: E402
 from tests import trainer_cases as cases  # noqa: E402
 
 
@@ -68,11 +69,12 @@ def test_state_held_before_wrapping_moves_to_the_owners():
     opt.close()
 
 
-def test_names_default_to_positions():
+def test_names_default_to_positions(monkeypatch):
+    made = torch_pieces.record(monkeypatch)
     net = cases.Net()
     opt = mpikv.torch.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
                                            kvstore="local")
-    assert opt.trainer._names[:2] == ["param.0", "param.1"]
+    assert made[-1].wiring.names[:2] == ["param.0", "param.1"]
     opt.close()
 
 
@@ -105,14 +107,16 @@ def test_rank_size_and_sampler_without_a_process_group():
     assert list(sampler) == list(range(10))
 
 
-def test_ddps_wrapper_gives_the_model_back_for_the_optimizer_to_find():
+def test_ddps_wrapper_gives_the_model_back_for_the_optimizer_to_find(monkeypatch):
+    made = torch_pieces.record(monkeypatch)
     net = cases.Net()
     assert mpikv.torch.DistributedDataParallel(net, device_ids=None, broadcast_buffers=False,
                                                find_unused_parameters=True) is net
     opt = mpikv.torch.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
                                            net.named_parameters(), kvstore="local")
-    assert opt.trainer._module is net and opt.trainer._buffers is not None
-    assert opt.trainer._forward_hooks == []   # broadcast_buffers=False, as given to DDP
+    buffers = made[-1].buffers   # the module's: the model was found
+    assert [b for _, b in buffers.buffers()] == [b for _, b in net.named_buffers()]
+    assert made[-1].hooks.forward_hooks == 0   # broadcast_buffers=False, as given to DDP
     opt.close()
 
 

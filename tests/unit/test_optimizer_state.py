@@ -13,6 +13,7 @@ import mpikv  # noqa: E402
 import mpikv.torch  # noqa: E402
 from mpikv.optimizer.base import MASTER  # noqa: E402
 from mpikv.torch import optimizer_state  # noqa: E402
+from tests import torch_pieces  # noqa: E402
 from tests import trainer_cases as cases  # noqa: E402
 
 #: the optimizers whose state has a torch format, with arguments that use all of it
@@ -190,7 +191,7 @@ def test_state_dict_needs_a_consolidation_since_the_last_step():
         trainer.optimizer.consolidate_state_dict(to=1)
 
 
-def test_a_16_bit_model_with_masters_gives_and_takes_float32_state():
+def test_a_16_bit_model_with_masters_gives_and_takes_float32_state(monkeypatch):
     """Under multi_precision the owners keep float32 state: what torch holds for a
     float32 model, whose state loads exactly; the masters stay."""
     opt, kw = OPTIMIZERS["adamw"]
@@ -202,8 +203,9 @@ def test_a_16_bit_model_with_masters_gives_and_takes_float32_state():
         torch.nn.functional.mse_loss(ref(x.float(), False), y.float()).backward()
         plain.step()
     net = copy.deepcopy(ref).to(torch.bfloat16)
+    made = torch_pieces.record(monkeypatch)
     trainer = mpikv.torch.Trainer(net, opt, kw, "local")
-    assert trainer._rule.multi_precision
+    assert made[-1].rule.multi_precision
     x, y = cases.data(5, 0)   # a step: the masters hold more than the 16-bit weights
     trainer.zero_grad()
     torch.nn.functional.mse_loss(net(x.bfloat16(), False), y.bfloat16()).backward()

@@ -11,8 +11,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import mpikv.torch  # noqa: E402
-from mpikv.torch import trainer as trainer_module  # noqa: E402
+from mpikv.torch import _store  # noqa: E402
 from mpikv.torch.launcher import Launcher  # noqa: E402
+from tests import torch_pieces  # noqa: E402
 
 #: the name of the launcher's thread (mpikv/torch/launcher.py)
 LAUNCHER_THREAD = "mpikv-launcher"
@@ -41,10 +42,12 @@ def _plain_sgd_step(model, x, lr=0.1):
 @pytest.fixture
 def threaded_launcher(monkeypatch):
     """A launcher with its thread on a one-process local store: alone, a rank makes
-    the calls inline (_launcher_for), and there would be no thread to watch end. The
-    launcher serialises the store's calls either way, so the local store takes them."""
-    monkeypatch.setattr(trainer_module, "_launcher_for",
-                        lambda kv, on_gpu: Launcher(True, kv._options.abort_on_exception))
+    the calls inline (launcher_for), and there would be no thread to watch end. The
+    launcher serialises the store's calls either way, so the local store takes them.
+    Gives the list of the Trainers' pieces, as made."""
+    monkeypatch.setattr(_store, "launcher_for",
+                        lambda kv, on_gpu: Launcher(True, kv.options["abort_on_exception"]))
+    return torch_pieces.record(monkeypatch)
 
 
 def test_a_dropped_trainer_ends_its_launcher_thread_and_leaves_a_plain_model(threaded_launcher):
@@ -56,8 +59,9 @@ def test_a_dropped_trainer_ends_its_launcher_thread_and_leaves_a_plain_model(thr
     trainer.step()
     threads = _launcher_threads()
     assert len(threads) == before + 1
-    ours = [t for t in threads if t is trainer._launcher._thread]
+    ours = [t for t in threads if t is threaded_launcher[-1].context.launcher.thread]
     assert len(ours) == 1
+    threaded_launcher.clear()   # (the pieces this test looked at: dropped too)
     dropped = weakref.ref(trainer)
 
     del trainer
@@ -92,24 +96,26 @@ def test_a_trainer_in_use_keeps_its_hooks_through_a_collection(threaded_launcher
     through its launcher after a collection as before it."""
     model = _model()
     trainer = mpikv.torch.Trainer(model, torch.optim.SGD, {"lr": 0.1})
+    pieces = threaded_launcher[-1]
     launched = []
-    launch = trainer._launch
+    launch = pieces.reduction.launch
 
     def traced(b):
         launched.append(b)
         return launch(b)
-    trainer._launch = traced
+    pieces.reduction.launch = traced
     gc.collect()
     x = torch.randn(6, 8)
     reference = _model()
     model(x).square().sum().backward()
     trainer.step()
-    assert sorted(launched) == list(range(len(trainer._buckets)))
-    assert trainer._launcher._thread is not None and trainer._launcher._thread.is_alive()
+    assert sorted(launched) == list(range(len(pieces.wiring.buckets)))
+    launcher = pieces.context.launcher
+    assert launcher.thread is not None and launcher.thread.is_alive()
     _plain_sgd_step(reference, x)
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.allclose(p, q, atol=1e-6)
-    thread = trainer._launcher._thread
+    thread = launcher.thread
     trainer.close()
     deadline = time.monotonic() + 30
     while thread.is_alive() and time.monotonic() < deadline:

@@ -16,11 +16,15 @@ import sys
 import torch
 
 import mpikv.torch
+from mpikv.torch import trainer as trainer_module
 
 
 def main(case, odd):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
+    made = []   # the Trainer's pieces (mpikv/torch/_pieces.py), to read its launcher's mode
+    make = trainer_module.make_pieces
+    trainer_module.make_pieces = lambda *args: made.append(make(*args)) or made[-1]
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, bucket_bytes=64,
                                   shard="gradients")
     rank = trainer.kvstore.rank
@@ -28,7 +32,7 @@ def main(case, odd):
         trainer.zero_grad()
         net(torch.randn(8, 4)).pow(2).sum().backward()
         trainer.step()
-    print(f"rank {rank} finished 3 steps, launcher threaded: {trainer._launcher.threaded}",
+    print(f"rank {rank} finished 3 steps, launcher threaded: {made[-1].context.launcher.threaded}",
           flush=True)
     if case == "even" or rank == odd:
         trainer.zero_grad()

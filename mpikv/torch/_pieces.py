@@ -1,0 +1,133 @@
+"""The Trainer's pieces, made on one store (at first, and on the survivors' after a loss)."""
+
+import dataclasses
+import weakref
+
+from .. import errors
+from . import _store, param_shards, sparse, tensors
+from ._context import StoreContext
+from ._files import TrainerFile
+from ._module_hooks import ModuleHooks
+from ._reduction import GradientReduction
+from ._step import StepState
+from ._update import OwnerUpdate
+from ._wiring import ParamWiring
+from .buffers import SharedBuffers
+from .half import HALF, HalfGradients
+from .hyper import SharedHyperparameters
+from .launcher import SettledStore
+from .optimizer_face import OwnersOptimizer
+from .optimizer_state import ShardedTorchState
+from .rule_choice import make_rule
+from .status import StepStatus
+
+
+@dataclasses.dataclass
+class Pieces:
+    """Every piece of one Trainer on one store (see :func:`make_pieces`)."""
+
+    rule: object
+    wiring: ParamWiring
+    step: StepState
+    context: StoreContext
+    reduction: GradientReduction
+    update: OwnerUpdate
+    hooks: ModuleHooks
+    shards: object           # ParameterShards, or None
+    sparse: object           # SparseWeights, or None
+    buffers: object          # SharedBuffers, or None
+    hyper: SharedHyperparameters
+    file: TrainerFile
+    optimizer: OwnersOptimizer
+
+    def close(self, close_store):
+        """Ends the pieces once the ranks agreed to close: hooks off, every weight
+        whole in the model's own memory, the launcher ended; the store closed if
+        ``close_store``."""
+        self.context.close()
+        if self.shards is not None:   # every weight whole again, for the plain model
+            self.shards.gather_all()
+            self.shards.remove()
+        self.context.launcher.close()
+        self.hooks.remove()
+        self.wiring.unwire()
+        if close_store:
+            self.context.settled().close()
+
+    def let_go(self):
+        """Ends what the pieces hold on a lost store, on this rank alone (again:
+        nothing more)."""
+        self.hooks.remove()
+        if self.shards is not None:   # shard="parameters": its hooks
+            self.shards.remove()
+        try:
+            self.context.launcher.close()
+        except errors.MPIKVError:
+            pass   # its queued calls met the loss too
+        self.context.close()
+        self.context.kv.abandon()
+        self.wiring.unwire(keep_grads=False)   # views of the lost store's buffers
+
+
+def make_pieces(options, kv, owner):
+    """Every piece of a Trainer with :class:`~._options.TrainerOptions` ``options`` on
+    the store ``kv``; ``owner``: the Trainer (its collection stops the launcher; the
+    pieces hold no reference to it)."""
+    made, names, params = options.made, options.names, options.params
+    # (the same on every rank: fault tolerance is agreed at creation; one rank has
+    # nothing to lose, as a local store ignores fault_tolerant)
+    if options.copies and not kv.fault_tolerant and kv.num_workers > 1:
+        raise errors.InputError("redundancy='memory' needs a fault-tolerant store "
+                                "(fault_tolerant=True)")
+    launcher = _store.launcher_for(kv, any(tensors.is_device(p) for p in params))
+    weakref.finalize(owner, launcher.stop)   # dropped without close()
+    if made["compression"] is not None:
+        kv.set_gradient_compression(made["compression"])
+    multi = made["multi_precision"]
+    rule, groups, defaults = make_rule(
+        made["optimizer"], made["optimizer_params"] or {}, options.hyper_groups,
+        names + [n for n, _, _ in options.sparse_named],
+        options.group_of + [g for _, _, g in options.sparse_named],
+        bool(any(p.dtype in HALF for p in params) if multi is None else multi),
+        options.split_parameters)
+    kv.set_optimizer(rule)
+    optimizer = OwnersOptimizer([
+        {"params": [p for p, g in zip(params, options.group_of) if g == index], **hyper}
+        for index, hyper in enumerate(groups)], defaults)
+    if hasattr(rule, "bind"):
+        rule.bind(optimizer.param_groups)
+    wiring = ParamWiring(kv, names, params, made["bucket_bytes"])
+    step = StepState(len(params), len(wiring.buckets), rule)
+    context = StoreContext(kv, launcher, step, wiring)
+    helpers = SettledStore(kv, context.settled)   # the helpers' store: after the launcher
+    # Each sparse weight's table: a row table, filled from rank 0's weight.
+    sparse_weights = (sparse.SparseWeights(helpers, options.sparse_named, rule,
+                                           made["optimizer"])
+                      if options.sparse_named else None)
+    half = HalfGradients(helpers, rule, names, params, wiring.grads)
+    lr_scheduler = made["lr_scheduler"]   # (it may add fields, before they are shared)
+    lr_scheduler = lr_scheduler(optimizer) if lr_scheduler is not None else None
+    # The hyperparameters as made: the same fields on every rank.
+    hyper = SharedHyperparameters(helpers, optimizer.param_groups)
+    step.on_reset = context.tell
+    step.reset()
+    # The module's buffers: shared before each forward, and in checkpoints.
+    module = options.module
+    buffers = SharedBuffers(helpers, module) if module is not None else None
+    hooks = ModuleHooks(helpers, module, buffers, step, options.broadcast_buffers)
+    # Weights on their owners only: gathered around each unit's forward and backward.
+    shards = (param_shards.ParameterShards(wiring, context, module, made["units"])
+              if options.shard == "parameters" else None)
+    reduction = GradientReduction(context, wiring, step, StepStatus(helpers, names), rule,
+                                  half, shards, options.averaging, options.error_unused)
+    file = TrainerFile(step, optimizer, buffers, rule, lr_scheduler)
+    update = OwnerUpdate(context, reduction, wiring, step, rule, sparse_weights, hyper,
+                         shards, options.copies, file.meta)
+    update.param_groups = optimizer.param_groups
+    hooks.watch_gradients(params, reduction.on_grad)
+    optimizer.serve(update, context, ShardedTorchState(wiring, rule, context, step, optimizer))
+    return Pieces(rule, wiring, step, context, reduction, update, hooks, shards,
+                  sparse_weights, buffers, hyper, file, optimizer)
+
+
+__all__ = ["Pieces", "make_pieces"]
