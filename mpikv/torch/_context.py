@@ -1,4 +1,4 @@
-"""The Trainer's store as its callers see it: settled after the launcher, in the Trainer's words."""
+"""The Trainer's store as its calls see it: after the launcher's, in the Trainer's words."""
 
 
 class StoreContext:

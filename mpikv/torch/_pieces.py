@@ -122,8 +122,7 @@ def make_pieces(options, kv, owner):
                                   half, shards, options.averaging, options.error_unused)
     file = TrainerFile(step, optimizer, buffers, rule, lr_scheduler)
     update = OwnerUpdate(context, reduction, wiring, step, rule, sparse_weights, hyper,
-                         shards, options.copies, file.meta)
-    update.param_groups = optimizer.param_groups
+                         shards, options.copies, file.meta, optimizer)
     hooks.watch_gradients(params, reduction.on_grad)
     optimizer.serve(update, context, ShardedTorchState(wiring, rule, context, step, optimizer))
     return Pieces(rule, wiring, step, context, reduction, update, hooks, shards,

@@ -19,18 +19,18 @@ class OwnerUpdate:
         shards: the :class:`~.param_shards.ParameterShards`, or None.
         copies: ``redundancy="memory"``: keep a buddy copy after each step.
         meta: a callable giving the Trainer file's contents (for the copies).
+        optimizer: ``trainer.optimizer`` (its ``param_groups``, read at each step).
 
     Attributes:
-        param_groups: the optimizer's param groups (set once it is made).
         resumer: the :class:`~.resume.Resumer` of ``trainer.resume``, or None.
     """
 
     def __init__(self, context, reduction, wiring, step, rule, sparse, hyper, shards, copies,
-                 meta):
+                 meta, optimizer):
         self._context, self._reduction, self._wiring = context, reduction, wiring
         self._step, self._rule, self._sparse = step, rule, sparse
         self._hyper, self._shards, self._copies, self._meta = hyper, shards, copies, meta
-        self.param_groups = None
+        self._optimizer = optimizer
         self.resumer = None
 
     def set_scale(self, batch_size=None):
@@ -56,7 +56,7 @@ class OwnerUpdate:
         sparse_scale, s.sparse_scale = s.sparse_scale, None
         if self._sparse is not None:   # checked on every rank before anything changes
             try:
-                self._sparse.prepare(self.param_groups)
+                self._sparse.prepare(self._optimizer.param_groups)
             except BaseException:
                 s.discard()
                 raise
@@ -91,7 +91,7 @@ class OwnerUpdate:
         if s.scaled and half:
             half.give_back()
         if isinstance(rule, MXNetRule) and rule.inner.lr_scheduler is None:
-            rule.inner.lr = float(self.param_groups[0]["lr"])
+            rule.inner.lr = float(self._optimizer.param_groups[0]["lr"])
         rule.apply(scale, skip=s.unused_everywhere)
         self._wiring.cuda_ready()
         s.scale = None

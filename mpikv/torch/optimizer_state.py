@@ -233,7 +233,7 @@ class ShardedTorchState:
         if self._consolidated is None:
             raise OptimizerError(
                 f"trainer.optimizer.consolidate_state_dict gathered the state onto rank "
-                f"{self._to}, not this rank ({self._context.settled().rank}): call state_dict() there")
+                f"{self._to}, not this rank ({self._context.kv.rank}): call state_dict() there")
         state, at = self._consolidated
         if at != num_update:
             raise OptimizerError(

@@ -376,7 +376,8 @@ class Trainer(ClosesAfterWith):
         self._context.between_steps()
         self._context.tell("load_checkpoint")
         try:
-            self._file.restore(checkpoint.load(self.kvstore, path, len(self.optimizer.param_groups),
+            groups = len(self.optimizer.param_groups)
+            self._file.restore(checkpoint.load(self.kvstore, path, groups,
                                                self._file.check_buffers))
             self._update.pull_weights()
             if self._sparse is not None:   # the rows, whole, from their owners
