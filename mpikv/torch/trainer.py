@@ -143,7 +143,7 @@ class Trainer(ClosesAfterWith):
         self._wiring, self._step, self._context = p.wiring, p.step, p.context
         self._reduction, self._update, self._hooks, self._shards = (p.reduction, p.update,
                                                                     p.hooks, p.shards)
-        self._sparse, self._buffers, self._hyper, self._file = p.sparse, p.buffers, p.hyper, p.file
+        self._sparse, self._file = p.sparse, p.file
         self._owns_store, self._closed, self.optimizer = owns_store, False, p.optimizer
 
     @property
