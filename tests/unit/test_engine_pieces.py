@@ -271,6 +271,45 @@ def test_a_pull_gathers_a_whole_stale_bucket_at_once_else_key_by_key():
     assert not table.entries["b"].stale
 
 
+class OneRank:
+    """A reducer of one rank: the sum of one input is the input."""
+
+    def allreduce(self, dst, src, what):
+        if src is not None:
+            dst[...] = src
+
+
+def _push(route, layouts, keys, by_key, in_place_ok=True):
+    """The Engine's push loop with the default updater, over a one-rank reducer."""
+    lay = layouts.get(keys)
+    for index, bucket in enumerate(lay.buckets):
+        src, dst, _ = route.route(lay, index, bucket, by_key, in_place_ok)
+        OneRank().allreduce(dst, src, ("push", bucket.keys))
+        route.finish_default(lay, index, bucket, dst)
+    return lay
+
+
+def test_a_push_stores_the_sum_whichever_route_it_takes():
+    table, layouts, route, _, _ = pieces({"a": (3,), "b": (2,), "c": (4,)}, bucket_bytes=20)
+    by_key = _items({"a": np.full(3, 1, F), "b": np.full(2, 2, F), "c": np.full(4, 3, F)})
+    lay = _push(route, layouts, ["a", "b", "c"], by_key)
+    assert [set(b.keys) for b in lay.buckets] == [{"a", "b"}, {"c"}]
+    assert {k: e.array.tolist() for k, e in table.entries.items()} == {
+        "a": [1] * 3, "b": [2] * 2, "c": [3] * 4}
+    assert not any(e.stale for e in table.entries.values())
+
+
+def test_a_push_of_the_gradient_buffers_makes_them_the_stored_values():
+    table, layouts, route, zero_copy, _ = pieces({"a": (3,), "b": (2,)})
+    views = zero_copy.gradient_buffers(["a", "b"])
+    views["a"][...], views["b"][...] = 4, 5
+    epoch = layouts.epoch
+    _push(route, layouts, ["a", "b"], _items(views))
+    assert table.entries["a"].array is views["a"] and table.entries["b"].array is views["b"]
+    assert layouts.epoch > epoch   # the stored values moved: remembered routes end
+    assert table.entries["b"].array.tolist() == [5, 5]
+
+
 def test_distinct_memory():
     a = np.zeros(4, F)
     assert distinct_memory([Item("x", [a]), Item("y", [np.zeros(4, F)])])
