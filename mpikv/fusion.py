@@ -68,6 +68,12 @@ class Bucket:
     def nbytes(self):
         return self.size * self.dtype.itemsize
 
+    def key_offsets(self):
+        """``(key, offset)`` of each key in the bucket (a split key starts at 0)."""
+        if self.split:
+            return [(self.segments[0].key, 0)]
+        return [(s.key, s.offset) for s in self.segments]
+
 
 def _fused(dtype, members, num_ranks):
     """A fused bucket of ``(key, size, owner)`` members, laid out by owner."""

@@ -318,7 +318,7 @@ def test_store_on_one_gpu_values_on_another(cp, comm):
         outs = [cp.empty(4, cp.float32), cp.empty(30, cp.float32)]
         kv.pull(["w", "big"], out=outs)
     # The store's work buffers and optimizer states are on its GPU, not the caller's.
-    assert {buf.device.id for buf in kv._engine._scratch.values()} == {1}
+    assert {buf.device.id for buf in kv._engine.layouts.scratch_buffers()} == {1}
     assert {a.device.id for st in kv._engine.states.values() for name, a in st.items()
             if name != "t"} <= {1}
     # Adam's first step moves each weight by -lr (the gradient's sign).
@@ -370,7 +370,7 @@ def test_keys_live_on_the_gpu_of_their_first_value(cp, comm):
     kv.pushpull(["w", "big"], grads)
     assert grads[0].get().tolist() == [_tri(n)] * 4 and grads[1].get().tolist() == [n] * 30
     assert grads[0].device.id == gpu
-    assert {buf.device.id for buf in kv._engine._scratch.values()} <= {gpu}
+    assert {buf.device.id for buf in kv._engine.layouts.scratch_buffers()} <= {gpu}
 
 
 @pytest.mark.parametrize("call", ["push", "pushpull", "sgd"])
