@@ -75,13 +75,10 @@ def _check(kv, every, keep, min_workers, redundancy):
     arguments are bad; the others would otherwise wait for it."""
     for name, value in (("every", every), ("keep", keep), ("min_workers", min_workers)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            kv.fail_next_call(errors.InputError,
-                              f"kv.run: {name} must be a positive int, not {value!r}")
-            kv.barrier()
+            kv.refuse(errors.InputError, f"kv.run: {name} must be a positive int, not {value!r}")
     if redundancy not in REDUNDANCY:
-        kv.fail_next_call(errors.InputError, f"kv.run: redundancy must be 'checkpoint' or "
-                                             f"'memory', not {redundancy!r}")
-        kv.barrier()
+        kv.refuse(errors.InputError, f"kv.run: redundancy must be 'checkpoint' or 'memory', "
+                                     f"not {redundancy!r}")
 
 
 def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, remake,

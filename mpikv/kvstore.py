@@ -98,12 +98,8 @@ class KVStore(ClosesAfterWith):
 
     @property
     def optimizer(self):
-        """The :class:`mpikv.optimizer.Optimizer` run on the owners, or None.
-
-        The live object: changing its hyperparameters (``set_learning_rate``)
-        changes the next push's updates; every rank must change them alike
-        (checked at each push).
-        """
+        """The :class:`mpikv.optimizer.Optimizer` run on the owners, or None: the live
+        object (every rank must change its hyperparameters alike; checked at each push)."""
         return self._engine.optimizer
 
     @property
@@ -145,6 +141,14 @@ class KVStore(ClosesAfterWith):
         if not (isinstance(exc_class, type) and issubclass(exc_class, errors.MPIKVError)):
             raise TypeError(f"exc_class must be an MPIKVError subclass, not {exc_class!r}")
         self._protocol.fail_next_call(exc_class, message)
+
+    def refuse(self, exc_class, message, context=None):
+        """A call that fails on every rank with ``exc_class(message)`` (this rank's
+        refusal, in ``context``'s words with ``message`` as the hint): collective."""
+        self.fail_next_call(exc_class, message)
+        if context is not None:
+            self.set_context(context, message)
+        self.barrier()
 
     # -- collective operations ------------------------------------------
     def init(self, key, value):
@@ -308,12 +312,9 @@ class KVStore(ClosesAfterWith):
 
     # -- local settings --------------------------------------------------
     def set_updater(self, updater):
-        """Sets ``updater(key, input, stored)``, run on the owner of each key or shard.
-
-        It must update ``stored`` in place. It runs once per push of a key, with
-        the sum over all ranks as ``input``; for an array split over owners, once
-        per shard on that shard's owner, with flat 1-D views of that shard. Every
-        rank must set an updater before the next push (checked there).
+        """Sets ``updater(key, input, stored)``, run on the owner of each key or shard, to
+        update ``stored`` in place with the sum ``input`` (for a split array: per shard,
+        flat 1-D views). Every rank must set one before the next push (checked there).
         ``None`` restores the default, which assigns the sum.
         """
         if updater is not None and not callable(updater):
@@ -515,14 +516,7 @@ class KVStore(ClosesAfterWith):
                           settings={"priority": priority})
 
     def _push_settings(self, priority):
-        e = self._engine
-        settings = {"priority": priority, "updater": e.updater_kind}
-        if e.optimizer is not None:
-            # Ranks that changed hyperparameters differently would drift apart.
-            settings["optimizer"] = e.optimizer.get_config()
-        if e.compression is not None:
-            settings["compression"] = e.compression.setting
-        return settings
+        return calls.push_settings(self._engine, priority)
 
     def __repr__(self):
         return (f"<mpikv.KVStore type={self._type!r} rank={self.rank} "
