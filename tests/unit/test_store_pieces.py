@@ -1,5 +1,6 @@
 """The KVStore's pieces on their own: row-table calls, saves, the checkpoint
-directory, the elastic loop (no MPI: a local transport or fakes)."""
+directory, the elastic loop, a joined rank's replay (no MPI: a local transport
+or fakes)."""
 
 import logging
 
@@ -9,6 +10,7 @@ import pytest
 import mpikv
 from mpikv import config, elastic, errors
 from mpikv.checkpoints import CheckpointDir, manifest_reads, name_of
+from mpikv.join import Joiner
 from mpikv.row_tables import RowTables
 from mpikv.rowsparse import RowSparse
 from mpikv.saving import Saves
@@ -225,3 +227,48 @@ def test_refuse_fails_the_call_on_every_rank_and_leaves_the_store_usable():
         kv.refuse(ValueError, "no")
     kv.barrier()
     kv.close()
+
+
+class _Transport:
+    """Records what a joined rank's replay moves; an allreduce_ adds 1 (the others)."""
+
+    def __init__(self):
+        self.moved = []
+
+    def allreduce_(self, array, what):
+        self.moved.append(("allreduce_", array.shape, str(array.dtype)))
+        array += 1
+
+    def barrier(self, what):
+        self.moved.append(("barrier",))
+
+
+class _JoinProtocol:
+    def __init__(self):
+        self.transport, self.engine = _Transport(), None
+
+
+def test_a_replayed_allreduce_sums_into_the_array_on_call_gives():
+    joiner, seen = Joiner(_JoinProtocol()), []
+    mine = np.full(2, 5.0)
+
+    def on_call(call):
+        seen.append((call.op, call.keys, call.settings["tag"], call.done))
+        return None if call.done else mine
+    rec = {"op": "allreduce_", "keys": [],
+           "settings": {"shape": "(2,)", "dtype": "float64", "tag": "status"}}
+    joiner.replay(rec, on_call, True)
+    assert seen == [("allreduce_", [], "status", False), ("allreduce_", [], "status", True)]
+    assert joiner.protocol.transport.moved == [("allreduce_", (2,), "float64")]
+    np.testing.assert_array_equal(mine, [6.0, 6.0])
+
+
+def test_a_replayed_barrier_takes_part_and_on_call_gives_no_array_there():
+    joiner = Joiner(_JoinProtocol())
+    rec = {"op": "barrier", "keys": [], "settings": {}}
+    joiner.replay(rec, None, True)
+    assert joiner.protocol.transport.moved == [("barrier",)]
+    with pytest.raises(TypeError, match="on_call returned ndarray before a barrier"):
+        joiner.replay(rec, lambda call: np.zeros(1), True)
+    with pytest.raises(TypeError, match="on_call returned a value after a barrier"):
+        joiner.replay(rec, lambda call: 1 if call.done else None, True)
