@@ -247,8 +247,8 @@ class Protocol:
         Waits for this rank's background calls, agrees with the other ranks,
         then releases the store's worker and watchdog threads, its two
         communicators, its optimizer states and scratch buffers. Arrays handed
-        out (:meth:`value_buffers`, :meth:`gradient_buffers`) stay valid: node
-        shared-memory windows are freed at exit, not here. Any later call
+        out (:meth:`~mpikv.KVStore.value_buffers`,
+        :meth:`~mpikv.KVStore.gradient_buffers`) stay valid: node shared-memory windows are freed at exit, not here. Any later call
         raises :class:`~mpikv.errors.InputError` on every rank; closing again
         does nothing. ``with mpikv.create(...) as kv:`` closes on leaving the
         block normally (after an exception the store is left open: the other

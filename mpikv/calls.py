@@ -378,8 +378,8 @@ def allreduce_call(array, tag=None):
 
     For small sums beside the keys (the torch Trainer's per-step status):
     no key, no updater or optimizer, never compressed, not in checkpoints.
-    Agreed, watched and recorded as every call; :meth:`fail_next_call`
-    applies to it. A rank in :meth:`join` adds zeros (or its ``on_call``'s
+    Agreed, watched and recorded as every call; :meth:`~mpikv.KVStore.fail_next_call`
+    applies to it. A rank in :meth:`~mpikv.KVStore.join` adds zeros (or its ``on_call``'s
     array).
 
     Args:

@@ -108,7 +108,7 @@ def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, remake,
             (``set_updater`` of a Python updater, which no checkpoint holds).
         redundancy: ``"checkpoint"``: go on from the newest checkpoint;
             ``"memory"``: after each step every rank also passes a copy of
-            what it owns to the next rank (:meth:`keep_copy`), and the
+            what it owns to the next rank (:meth:`~mpikv.KVStore.keep_copy`), and the
             survivors go on from the last step they all completed (a rank
             lost with the next rank: from the newest checkpoint).
 

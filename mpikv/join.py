@@ -37,7 +37,7 @@ class Joiner:
 
         For uneven data, as Horovod's ``join``: a rank that has run out of
         batches calls it; until every rank has called it, this rank adds
-        zeros to the others' pushes, pushpulls and :meth:`allreduce_` calls,
+        zeros to the others' pushes, pushpulls and :meth:`~mpikv.KVStore.allreduce_` calls,
         runs its owner's share of the updates, and takes part in their pulls,
         barriers and ``gather_gradients``. Any other call made by a rank that
         has not joined (init, a save...) is a :class:`MismatchError` on the

@@ -127,7 +127,7 @@ class Copies:
         next rank, which keeps it (``redundancy="memory"``); collective.
 
         The two newest copies of this rank's part and of the previous rank's are
-        kept. After a loss, :meth:`restore_copies` on the survivors' store writes
+        kept. After a loss, :meth:`~mpikv.KVStore.restore_copies` on the survivors' store writes
         them as a checkpoint of the last step every survivor completed.
 
         Args:
@@ -156,9 +156,9 @@ class Copies:
             raise KeyError(step)
         return self.mirror.own[step]
 
-    def restore(self, lost, loss, path_of, write_extra=None, older=None):
-        """Writes the copies ``lost_store`` kept (:meth:`keep_copy`) as a checkpoint of
-        the newest step held whole; collective over this store, the survivors'.
+    def restore(self, lost_store, lost, path_of, write_extra=None, older=None):
+        """Writes the copies ``lost_store`` kept (:meth:`~mpikv.KVStore.keep_copy`) as a
+        checkpoint of the newest step held whole; collective over this store, the survivors'.
 
         Args:
             lost_store: the store that lost the ranks (abandoned).
@@ -172,13 +172,13 @@ class Copies:
                 (:func:`mpikv.mirror.combine`), the same on every survivor.
 
         Returns:
-            The step written (load it with :meth:`load_checkpoint`), or None
+            The step written (load it with :meth:`~mpikv.KVStore.load_checkpoint`), or None
             where no step is held whole: no copy was taken yet, or a lost
             rank's buddy (the next rank) was lost too (a warning says so).
 
-        Here ``lost_store`` and ``older``'s store are their :class:`Copies`.
+        Here ``lost_store`` (and ``older``'s store) is that store's :class:`Copies`.
         """
-        candidates = [(lost.mirror, loss)]
+        candidates = [(lost_store.mirror, lost)]
         if older is not None:
             candidates.append((older[0].mirror, older[1]))
         return self.protocol.collective(Call("restore_copies"), lambda: restore(

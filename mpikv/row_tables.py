@@ -104,8 +104,8 @@ class RowTables:
 
         Rank ``r`` owns the ``r``-th of ``num_workers`` near-equal blocks of rows
         and allocates only those; no rank ever holds the whole table. Push
-        :class:`~mpikv.RowSparse` rows to it (:meth:`push`) and read rows with
-        :meth:`row_sparse_pull`. Collective.
+        :class:`~mpikv.RowSparse` rows to it (:meth:`~mpikv.KVStore.push`) and read rows with
+        :meth:`~mpikv.KVStore.row_sparse_pull`. Collective.
 
         Args:
             key: a new key (int or str, as the store's other keys).

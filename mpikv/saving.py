@@ -38,16 +38,16 @@ class Saves:
         self.protocol.collective(Call("save_checkpoint", settings={"fname": str(fname)}), save)
 
     def save_async(self, fname, on_commit=None):
-        """:meth:`save_checkpoint` written while training goes on; collective.
+        """:meth:`~mpikv.KVStore.save_checkpoint` written while training goes on; collective.
 
         Each rank copies what it owns now (the values, optimizer states and row
         tables: the call costs that copy) and writes the copy on a thread of
         its own. ``handle.wait()``, collective, commits the checkpoint once
         every rank's part is written; until then it is not visible, and a job
         that ends before leaves the previous checkpoints whole. A later
-        :meth:`save_checkpoint`, :meth:`save_checkpoint_async`,
-        :meth:`load_checkpoint` or :meth:`close` commits it first, and so does
-        the end of the process when every rank ends it.
+        :meth:`~mpikv.KVStore.save_checkpoint`, :meth:`~mpikv.KVStore.save_checkpoint_async`,
+        :meth:`~mpikv.KVStore.load_checkpoint` or :meth:`~mpikv.KVStore.close` commits it
+        first, and so does the end of the process when every rank ends it.
 
         Args:
             fname: the checkpoint's path.
@@ -85,7 +85,7 @@ class Saves:
         Args:
             fname: path of the manifest (parts go to ``fname + ".parts/"``).
             dump_optimizer: also store the optimizer's kind and
-                hyperparameters, so :meth:`load_optimizer_states` can rebuild it.
+                hyperparameters, so :meth:`~mpikv.KVStore.load_optimizer_states` can rebuild it.
         """
         call = Call("save_optimizer_states",
                     settings={"fname": str(fname), "dump_optimizer": bool(dump_optimizer)})
