@@ -272,3 +272,14 @@ def test_a_replayed_barrier_takes_part_and_on_call_gives_no_array_there():
         joiner.replay(rec, lambda call: np.zeros(1), True)
     with pytest.raises(TypeError, match="on_call returned a value after a barrier"):
         joiner.replay(rec, lambda call: 1 if call.done else None, True)
+
+
+def test_a_store_on_the_survivors_is_made_only_from_their_error():
+    from mpikv import factory, recovery
+    with pytest.raises(mpikv.ValueTypeError, match="takes the RankLostError they got, not "
+                                                   "ValueError"):
+        factory.remake_store("dist_sync", ValueError("no"))
+    with pytest.raises(mpikv.ValueTypeError, match="not RankLostError"):   # no survivors' comm
+        factory.remake_store("dist_sync", _loss([1], [0]))
+    with pytest.raises(mpikv.ValueTypeError, match="create_on_survivors takes the RankLostError"):
+        recovery.create_on_survivors(_loss([1], [0]))
