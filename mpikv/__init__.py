@@ -22,12 +22,12 @@ _heartbeat_if_mpi_runs()
 
 
 def create(name="local", comm=None, timeout=None, **options):  # noqa: D401
-    """Creates a key-value store (see :func:`mpikv.kvstore.create`).
+    """Creates a key-value store (see :func:`mpikv.factory.create`).
 
     ``fault_tolerant=True`` (or ``MPIKV_FAULT_TOLERANT=1``): a rank lost during a
     call of a distributed store is one :class:`mpikv.RankLostError` on every
     survivor; refused with :class:`mpikv.FaultToleranceUnavailableError` on every
     rank without a ULFM launch (docs/fault-tolerance.md).
     """
-    from .kvstore import create as _create
+    from .factory import create as _create
     return _create(name, comm=comm, timeout=timeout, **options)

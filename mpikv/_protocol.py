@@ -1,4 +1,4 @@
-"""The life of a store's collective call: agree, run, record, end; and join.
+"""The life of a store's collective call: agree, run, record, end.
 
 :class:`mpikv.KVStore` reads a call's arguments into a checked
 :class:`~mpikv.calls.Call`; everything after that happens here, the same way
@@ -12,31 +12,26 @@ for every call:
    before it;
 3. **record / end**: the flight recorder (:mod:`mpikv.flight`) notes each step.
 
-A rank that has run out of data :meth:`~Protocol.join` s: it replays the
-other ranks' calls with zeros until every rank has joined, and shows each
-replayed call to its caller's ``on_call`` (a :class:`ReplayedCall`).
+A rank that has run out of data joins (:class:`mpikv.join.Joiner`, over this
+protocol's public steps): it replays the other ranks' calls with zeros until
+every rank has joined.
 """
 
-import ast
 import itertools
 import weakref
 
 import numpy as np
 
-from . import backends, errors, flight
+from . import errors, flight
 from ._executor import Executor
 from ._routes import Routes
-from .agreement import (explain, fingerprint, format_ranks, in_context, is_joined,
-                        joined_record, record)
-from .calls import Call, Item
-from .dtypes import VALUE_DTYPES
+from .agreement import explain, fingerprint, format_ranks, in_context, is_joined, record
+from .calls import Call
 from .transport import staging as _staging
 from .transport.base import AGREED, JOINED
 
 #: the calls that ranks which have not joined may make while others have
 JOINABLE = ("push", "pull", "pushpull", "barrier", "gather_gradients", "allreduce_")
-#: the low bits of a join ticket hold the rank
-_RANK_BITS = 20
 #: numbers the distributed stores of this process for the flight recorder
 _DIST_STORES = itertools.count()
 
@@ -80,19 +75,53 @@ class Protocol:
     def remove_settler(self, method):
         self._settlers = [r for r in self._settlers if r() not in (None, method)]
 
-    def _settle(self):
+    def settle(self):
+        """Runs the settlers (:meth:`add_settler`): before any call of this thread."""
         for ref in list(self._settlers):
             method = ref()
             if method is not None:
                 method()
 
     def fail_next_call(self, exc_class, message):
-        """This rank's next call fails on every rank (see :meth:`mpikv.KVStore.fail_next_call`)."""
+        """Makes this rank's next collective call fail on every rank, nothing applied.
+
+        For adapters (:mod:`mpikv.mxnet`) whose own checks of a call's
+        arguments run before the store reads them: a failure found on one rank
+        then reaches every rank through the call's agreement, as the store's
+        own input errors do, instead of leaving the others waiting.
+
+        Args:
+            exc_class: an :class:`~mpikv.errors.MPIKVError` subclass.
+            message: the error's text (every rank's message names this rank).
+        """
         self._failure = (exc_class, str(message))
 
     def set_context(self, activity, hint=None, exit=None):
-        """What this rank is doing, for the message of a call the ranks make
-        differently (see :meth:`mpikv.KVStore.set_context`)."""
+        """Says what this rank is doing, in its caller's terms; not collective.
+
+        Each later call carries it in the record the ranks gather when their
+        calls differ (it is not compared: ranks in different contexts that make
+        the same call agree). When the ranks made different calls and differ
+        in context, the :class:`~mpikv.errors.MismatchError` says what each
+        rank was doing, the ranks with a hint first, then the hints:
+        ``rank 0 called save_checkpoint after step 12 while rank 1 is in step
+        13: save_checkpoint is collective: every rank must call it``. The torch
+        Trainer sets it for its steps and its collective calls.
+
+        Args:
+            activity: words that complete "rank N ...", for one rank ("is in
+                step 13"; a leading is/has/was becomes are/have/were for
+                several); None forgets the context.
+            hint: what to do about a difference, when this rank's call is the
+                odd one ("save_checkpoint is collective: every rank must call
+                it"), or None.
+            exit: ``(activity, hint)`` for the end of the process in this
+                context (see below), or None: ``"ended its process"``, no hint.
+
+        At the end of the process every store not closed makes one agreed
+        "exit" call, so a rank still in a call of the others gets this error
+        within seconds rather than at the timeout.
+        """
         if activity is None:
             self.context = None
             return
@@ -100,7 +129,7 @@ class Protocol:
             exit = (str(exit[0]), None if exit[1] is None else str(exit[1]))
         self.context = (str(activity), None if hint is None else str(hint), exit)
 
-    def _said(self):
+    def said(self):
         """``(activity, hint)`` of the context, for a record; or None."""
         context = self.context
         return None if context is None else context[:2]
@@ -127,6 +156,10 @@ class Protocol:
             self.context = context
         self._exited = True
 
+    def drain(self):
+        """Waits for this store's background calls (their errors stay with their handles)."""
+        self._executor.drain()
+
     def collective(self, call, action):
         """A call that is not a data movement: agreed, background calls drained,
         ``action()`` run. Returns what ``action`` returns."""
@@ -145,7 +178,7 @@ class Protocol:
                 for its repeats (see :meth:`one_key`).
         """
         entry = self._agree(call)
-        job = self._job(call, push, pull, self._executor.busy)
+        job = self.job(call, push, pull, self._executor.busy)
         self._executor.run(job, (call.op, call.keys))
         flight.ended(entry)
         if remember is not None and type(remember[0]) in (int, str):
@@ -158,7 +191,7 @@ class Protocol:
             action: runs the call instead of a push or pull (``gather_gradients``).
         """
         entry = self._agree(call)
-        job = self._job(call, push, pull, self._executor.threaded, action)
+        job = self.job(call, push, pull, self._executor.threaded, action)
         if entry is not None:
             def traced(run=job):
                 run()
@@ -182,8 +215,8 @@ class Protocol:
         route = self.routes.one_key(op, key, value, out)
         if route is None:
             return False
-        self._settle()
-        entry = self._begin(op, route.what[1], priority, out if value is None else value)
+        self.settle()
+        entry = self.begin(op, route.what[1], priority, out if value is None else value)
         verdict = self.transport.agree(route.digest(priority), False, route.what)
         if verdict != AGREED:
             self._disagree(general(), verdict == JOINED, entry)
@@ -209,11 +242,23 @@ class Protocol:
             handle.wait()
 
     def close(self, release):
-        """Collective: background calls drain, the ranks agree, then ``release()``;
-        every later call raises on every rank."""
+        """Ends the store on every rank (collective, as ``MPI_Comm_free``).
+
+        Waits for this rank's background calls, agrees with the other ranks,
+        then releases the store's worker and watchdog threads, its two
+        communicators, its optimizer states and scratch buffers. Arrays handed
+        out (:meth:`~mpikv.KVStore.value_buffers`,
+        :meth:`~mpikv.KVStore.gradient_buffers`) stay valid: node shared-memory windows are freed at exit, not here. Any later call
+        raises :class:`~mpikv.errors.InputError` on every rank; closing again
+        does nothing. ``with mpikv.create(...) as kv:`` closes on leaving the
+        block normally (after an exception the store is left open: the other
+        ranks may still be in a call).
+
+        Here: background calls drain, the ranks agree, then ``release()``.
+        """
         if self.closed:
             return
-        self._settle()
+        self.settle()
         self._executor.drain()
 
         def end():
@@ -223,94 +268,8 @@ class Protocol:
             release()
         self.collective(Call("close"), end)
 
-    # -- join ------------------------------------------------------------------
-    def join(self, on_call=None, follow_optimizer=True):
-        """Takes part in the other ranks' calls with zeros until every rank has joined.
-
-        Args:
-            on_call: None, or a function called with a :class:`ReplayedCall`
-                before and after each call this rank takes part in (see
-                :meth:`mpikv.KVStore.join`).
-            follow_optimizer: whether a replayed push installs the other ranks'
-                optimizer hyperparameters (:meth:`mpikv.engine.Engine.follow_optimizer`).
-
-        Returns:
-            int: the rank that joined last (see :meth:`mpikv.KVStore.join`).
-        """
-        self._settle()
-        self._executor.drain()
-        t = self.transport
-        # Larger for a later join, the same on every rank for the same moment.
-        ticket = ((t.agreements + 1) << _RANK_BITS) | t.rank
-        what = ("join", [])
-        # What this rank says in the others' records while it is joined: the
-        # context it joined in (its caller may change the context meanwhile).
-        mine = joined_record(self._said())
-        while True:
-            entry = self._begin("join", [], 0)
-            active, last = t.wait_joined(ticket, what)
-            flight.agreed(entry)
-            if not active:
-                flight.ended(entry)
-                return last & ((1 << _RANK_BITS) - 1)
-            records = t.allgather_records(mine, what)
-            rec = next(r for r in records if not is_joined(r))
-            flight.relabel(entry, f"join: {rec['op']}", [k for k, _, _ in rec["keys"]],
-                           _record_nbytes(rec))
-            # A call that is bad among the others, or that joined ranks cannot take
-            # part in: theirs to raise; this rank waits for the next one.
-            if explain(records) is None and rec["op"] in JOINABLE:
-                self._replay(rec, on_call, follow_optimizer)
-            flight.ended(entry)
-
-    def _replay(self, rec, on_call, follow_optimizer):
-        """A joined rank's part in another rank's call (its ``record``), shown to
-        ``on_call`` before and after its data moves."""
-        call = ReplayedCall(rec["op"], [k for k, _, _ in rec["keys"]], dict(rec["settings"]))
-        given = None if on_call is None else on_call(call)
-        if given is not None and call.op != "allreduce_":
-            raise TypeError(f"kv.join(on_call=): on_call returned {type(given).__name__} "
-                            f"before a {call.op}; only an allreduce_ takes this rank's array")
-        if call.op == "allreduce_":
-            call.array = _contribution(given, call.settings)
-            self.transport.allreduce_(call.array, ("allreduce_", []))
-        else:
-            self._replay_data(rec, follow_optimizer)
-        if on_call is not None:
-            call.done = True
-            if on_call(call) is not None:
-                raise TypeError(f"kv.join(on_call=): on_call returned a value after a "
-                                f"{call.op}; it gives an array only before an allreduce_")
-
-    def _replay_data(self, rec, follow_optimizer):
-        """A key call or a barrier, run with zeros in."""
-        op = rec["op"]
-        if op == "barrier":
-            self.transport.barrier(("barrier", []))
-            return
-        keys = [k for k, _, _ in rec["keys"]]
-        engine = self.engine
-        if op == "gather_gradients":
-            engine.gather_grads(op, keys)
-            return
-        # Zeros pushed from the key list's own gradient buffers, if it has them, leave
-        # the owned sums there, as a zero-copy push does on the other ranks.
-        bufs = None if op == "pull" else engine.zero_copy_views(keys)
-        if bufs is not None:
-            for key in keys:
-                bufs[key][...] = 0
-        items = [Item(key, outs=[], shape=tuple(shape), dtype=np.dtype(dtype),
-                      values=([] if op == "pull" else
-                              [engine.zeros_of(key) if bufs is None else bufs[key]]))
-                 for key, shape, dtype in rec["keys"]]
-        if follow_optimizer:
-            engine.follow_optimizer(rec["settings"].get("optimizer"))
-        call = Call(op, items=items, settings=rec["settings"])
-        call.zero_copy = bufs is not None
-        self._job(call, op != "pull", op != "push", False)()
-
     # -- the steps -------------------------------------------------------------
-    def _job(self, call, push, pull, background, action=None):
+    def job(self, call, push, pull, background, action=None):
         """The data movement of an agreed call, as a function of no arguments.
 
         ``background``: it may run on the worker thread, which then needs the
@@ -344,21 +303,21 @@ class Protocol:
 
     def _agree(self, call):
         """Raises the same MPIKVError on every rank unless all ranks made this call right."""
-        self._settle()
+        self.settle()
         what = (call.op, call.keys)
         if self.closed:   # the same on every rank: close() is collective
             raise errors.InputError(f"{call.op}: the store is closed (close() was called)")
         if self._failure is not None:  # an adapter's check failed (fail_next_call)
             (cls, message), self._failure = self._failure, None
             call.errors.insert(0, (cls.__name__, None, message))
-        entry = self._begin(call.op, call.keys, call.settings.get("priority", 0), call.items)
+        entry = self.begin(call.op, call.keys, call.settings.get("priority", 0), call.items)
         verdict = self.transport.agree(fingerprint(call, call.blob), bool(call.errors), what)
         if verdict != AGREED:
             self._disagree(call, verdict == JOINED, entry)
         flight.agreed(entry)
         return entry
 
-    def _begin(self, op, keys, priority, data=()):
+    def begin(self, op, keys, priority, data=()):
         """The call's flight-recorder entry (None for a local store).
 
         ``data``: the call's items, or its one array; their bytes are counted
@@ -374,7 +333,7 @@ class Protocol:
         """After an agreement that failed, or that found joined ranks: every rank's
         record; one message, raised everywhere, or (joined ranks) the call goes on."""
         what = (call.op, call.keys)
-        records = self.transport.allgather_records(record(call, self._said()), what)
+        records = self.transport.allgather_records(record(call, self.said()), what)
         verdict = explain(records)
         if verdict is None and joined and call.op not in JOINABLE:
             verdict = (errors.MismatchError, in_context(records) or (
@@ -396,75 +355,6 @@ class Protocol:
     def _background_error(self, text):
         from .transport.watchdog import EXCEPTION_EXIT_CODE, abort
         abort(f"mpikv: rank {self.transport.rank}: {text}", EXCEPTION_EXIT_CODE)
-
-
-class ReplayedCall:
-    """A call of the other ranks that a joined rank takes part in, as ``on_call`` sees it.
-
-    :meth:`mpikv.KVStore.join` hands the same object to ``on_call`` twice:
-    before the call's data moves (``done`` False) and after (``done`` True).
-
-    Attributes:
-        op: "push", "pull", "pushpull", "barrier", "gather_gradients" or
-            "allreduce_".
-        keys: the call's keys in the store's order; ``[]`` for a barrier or an
-            allreduce_.
-        settings: a copy of the call's settings as the other ranks made it:
-            ``priority``, ``updater``, ``optimizer`` (its config),
-            ``compression``; an allreduce_'s ``shape`` and ``dtype`` (strings)
-            and its ``tag``, if it has one.
-        done: whether the data has moved.
-        array: an allreduce_'s array on this rank once done (the sum, in
-            the array ``on_call`` gave, or in zeros); None otherwise.
-    """
-
-    __slots__ = ("op", "keys", "settings", "done", "array")
-
-    def __init__(self, op, keys, settings):
-        self.op, self.keys, self.settings = op, keys, settings
-        self.done = False
-        self.array = None
-
-    def __repr__(self):
-        return (f"<ReplayedCall {self.op} keys={self.keys!r} "
-                f"{'done' if self.done else 'before its data moves'}>")
-
-
-def _allreduce_layout(settings):
-    """An allreduce_'s ``(shape, dtype)`` from its settings."""
-    name = settings["dtype"]
-    dtype = VALUE_DTYPES.get(name)   # bfloat16 by its ml_dtypes name
-    return ast.literal_eval(settings["shape"]), dtype if dtype is not None else np.dtype(name)
-
-
-def _contribution(given, settings):
-    """This rank's array in a replayed allreduce_: ``on_call``'s, checked, or zeros.
-
-    Raises:
-        ValueTypeError: ``given`` is not a writable, contiguous array of the
-            other ranks' shape and dtype (the sum would be wrong, or never end).
-    """
-    shape, dtype = _allreduce_layout(settings)
-    if given is None:
-        return np.zeros(shape, dtype)
-    array = backends.as_native(given, writable=True, what="on_call's allreduce_ array")[1]
-    if tuple(array.shape) != tuple(shape) or array.dtype != dtype:
-        raise errors.ValueTypeError(
-            f"on_call's allreduce_ array is {array.dtype} {tuple(array.shape)}; the other "
-            f"ranks sum {dtype} {tuple(shape)}")
-    if not array.flags.c_contiguous:
-        raise errors.ValueTypeError("on_call's allreduce_ array is not contiguous")
-    return array
-
-
-def _record_nbytes(rec):
-    """The bytes of a call another rank made (its keys', or an allreduce_'s array);
-    keys a bad call names without a shape or dtype (unknown keys) count 0."""
-    if rec["op"] == "allreduce_" and "shape" in rec["settings"]:
-        shape, dtype = _allreduce_layout(rec["settings"])
-        return int(np.prod(shape)) * dtype.itemsize
-    return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
-               for _, shape, dtype in rec["keys"] if shape is not None and dtype is not None)
 
 
 def _nbytes(items):

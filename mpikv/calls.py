@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import errors
-from ._arrays import as_host_array, check_dtype
+from . import backends, compression, errors
+from ._arrays import as_host_array, check_dtype, is_half
 from .keys import normalize_key
 from .plan import sort_key
 
@@ -326,3 +326,134 @@ def _expect(key, what, array, shape_dtype):
     if array.dtype != dtype:
         raise errors.DTypeError(f"{what} for key {key!r} has dtype {array.dtype}, "
                                 f"the stored value has dtype {dtype}")
+
+
+# -- the checks of one kind of call, beyond its keys and arrays ----------------------------
+def push_settings(engine, priority):
+    """What a push or pushpull agrees on besides its keys: the priority, the updater,
+    the optimizer's hyperparameters and the compression."""
+    settings = {"priority": priority, "updater": engine.updater_kind}
+    if engine.optimizer is not None:
+        # Ranks that changed hyperparameters differently would drift apart.
+        settings["optimizer"] = engine.optimizer.get_config()
+    if engine.compression is not None:
+        settings["compression"] = engine.compression.setting
+    return settings
+
+
+def check_push(call, engine):
+    """Fails a push whose keys the owners cannot update: integer keys under an
+    optimizer; keys other than float32 under compression."""
+    if engine.optimizer is not None and not call.errors:
+        bad = engine.int_keys_in(call.keys)
+        if bad:
+            call.fail(errors.OptimizerError, bad[0], f"key {bad[0]!r} holds integers; "
+                      f"optimizers update floating-point values only")
+    if engine.compression is not None and not call.errors:
+        bad = next((i for i in call.items if i.dtype != np.float32), None)
+        if bad is not None:
+            call.fail(errors.DTypeError, bad.key, f"key {bad.key!r} holds {bad.dtype}: "
+                      f"{compression.FLOAT32_ONLY}")
+    return call
+
+
+def check_buffers(call, lookup):
+    """Fails ``gradient_buffers`` of 16-bit keys (summed in float32: no buffers)."""
+    if any(is_half((lookup(i.key) or (None, np.float32))[1]) for i in call.items):
+        call.fail(errors.DTypeError, None, "float16 and bfloat16 keys are summed in "
+                  "float32: they have no zero-copy buffers")
+    return call
+
+
+def check_gather(call, engine):
+    """Fails ``gather_gradients`` of a key list with no gradient buffers."""
+    if not call.errors and engine.zero_copy_views(call.keys) is None:
+        call.fail(errors.ValueTypeError, None, "gather_gradients needs keys whose "
+                  "gradient_buffers were made (for this key list)")
+    return call
+
+
+def allreduce_call(array, tag=None):
+    """Sums ``array`` over the ranks, in place; collective.
+
+    For small sums beside the keys (the torch Trainer's per-step status):
+    no key, no updater or optimizer, never compressed, not in checkpoints.
+    Agreed, watched and recorded as every call; :meth:`~mpikv.KVStore.fail_next_call`
+    applies to it. A rank in :meth:`~mpikv.KVStore.join` adds zeros (or its ``on_call``'s
+    array).
+
+    Args:
+        array: a writable, contiguous numpy or cupy array (or a tensor
+            that views as one), of the same shape and dtype on every rank.
+        tag: a name for what is summed (a string), agreed like the shape:
+            ranks summing different things get a MismatchError naming
+            them; a joined rank's ``on_call`` sees it in ``settings["tag"]``.
+
+    Returns the call and the native array (None where it is not one).
+    """
+    call = Call("allreduce_")
+    if tag is not None:
+        call.settings["tag"] = str(tag)
+    native = None
+    try:
+        native = backends.as_native(array, writable=True, what="allreduce_'s array")[1]
+    except errors.MPIKVError as exc:
+        call.fail(type(exc), None, str(exc))
+    if native is not None:
+        if not native.flags.c_contiguous:
+            call.fail(errors.ValueTypeError, None, "allreduce_'s array is not contiguous")
+        call.settings.update(shape=str(tuple(native.shape)), dtype=str(native.dtype))
+    return call, native
+
+
+def optimizer_call(optimizer):
+    """``kv.set_optimizer``'s call: an :class:`mpikv.optimizer.Optimizer`, its config agreed."""
+    from .optimizer import Optimizer
+    call = Call("set_optimizer")
+    if isinstance(optimizer, Optimizer):
+        call.settings["optimizer"] = optimizer.get_config()
+    else:
+        call.fail(errors.OptimizerError, None, f"set_optimizer needs an "
+                  f"mpikv.optimizer.Optimizer, not {type(optimizer).__name__}")
+    return call
+
+
+def compression_call(params, store_type):
+    """Compresses the gradients of every later push and pushpull; collective.
+
+    MXNet 1.9's 2-bit compression, ``{'type': '2bit', 'threshold': t}``
+    (``threshold`` defaults to 0.5): each sender adds its gradient to its
+    residual, sends ``+t`` where that reaches ``t``, ``-t`` where it reaches
+    ``-t``, 0 elsewhere (2 bits a value, 16 per 32-bit word), and keeps the
+    rest for its next push. ``{'type': 'fp16'}`` and ``{'type': 'bf16'}``
+    send float32 gradients as 16 bits, summed in float32 and rounded once.
+    ``init`` and ``pull`` are never compressed. As in MXNet, a ``local``
+    store refuses; a ``device`` store compresses each device's values, a
+    distributed store each rank's (summed over its devices). Only float32
+    keys can then be pushed. Every rank must pass the same parameters.
+
+    Args:
+        compression_params: a dict with ``'type'`` and, for 2bit, optionally
+            ``'threshold'`` (> 0); other keys are ignored, as in MXNet.
+
+    Raises:
+        InputError: a bad parameter or a store type that does not compress,
+            on every rank, with nothing set.
+        MismatchError: the ranks gave different parameters.
+
+    Returns the call and the parsed config (None where bad).
+    """
+    call = Call("set_gradient_compression")
+    config = None
+    try:
+        config = compression.parse_params(params)
+    except errors.MPIKVError as exc:
+        call.fail(type(exc), None, str(exc))
+    except Exception as exc:  # noqa: BLE001 - nothing may escape before the ranks agree
+        call.fail(errors.InputError, None, f"compression_params cannot be read "
+                  f"({type(exc).__name__}: {exc})")
+    if not compression.supports(store_type):
+        call.fail(errors.InputError, None, f"{compression.NOT_SUPPORTED} ({store_type!r}; "
+                  f"use 'device' or a dist_* store)")
+    call.settings["compression"] = compression.describe(config)
+    return call, config

@@ -153,6 +153,26 @@ def manifest_meta(store, kind, dump_optimizer, rows=None):
     }
 
 
+def saved_optimizer(fname, kind="optimizer_states"):
+    """The optimizer config a state file holds, or None; local (a read of its manifest).
+
+    Args:
+        fname: a :meth:`~mpikv.KVStore.save_optimizer_states` file (``kind``
+            "optimizer_states") or a checkpoint (``kind`` "checkpoint").
+        kind: the kind of file asked for: a file of another kind holds none.
+
+    Returns:
+        The config (:meth:`mpikv.optimizer.Optimizer.get_config`) saved with
+        ``dump_optimizer=True`` (a checkpoint always holds it), or None.
+
+    Raises:
+        StateFileError, OSError, ValueError: the file cannot be read.
+    """
+    meta = statefile.read_manifest(str(fname)).meta
+    config = meta.get("optimizer") if meta.get("kind") == kind else None
+    return config if isinstance(config, dict) else None
+
+
 class Snapshot:
     """One save in three steps: what this rank owns, taken (copied if asked) now;
     its part written (:meth:`write`, local: on any thread); the parts committed

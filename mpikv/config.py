@@ -63,6 +63,36 @@ def _flag(name, raw):
     raise ValueError(f"{name} must be 0 or 1, not {raw!r}")
 
 
+def _reducer(name, raw):
+    reducer = str(raw).strip().lower()
+    if reducer != "auto":
+        from .reducers import check_name
+        try:
+            check_name(reducer)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+    return reducer
+
+
+def _count(cast, minimum):
+    return lambda name, raw: _number(name, raw, cast, minimum)
+
+
+#: ``(option, environment variable, default, parser)`` in :class:`Options`' order
+_TABLE = (
+    ("timeout", "MPIKV_TIMEOUT", DEFAULT_TIMEOUT, _count(float, 0.0)),
+    ("bigarray_bound", "MPIKV_BIGARRAY_BOUND", DEFAULT_BIGARRAY_BOUND, _count(int, 1)),
+    ("abort_on_exception", "MPIKV_ABORT_ON_EXCEPTION", "1", _flag),
+    ("bucket_bytes", "MPIKV_BUCKET_BYTES", DEFAULT_BUCKET_BYTES, _count(int, 1)),
+    ("shared_memory", "MPIKV_SHARED_MEMORY", "1", _flag),
+    ("reducer", "MPIKV_REDUCER", "auto", _reducer),
+    ("autotune", "MPIKV_AUTOTUNE", "1", _flag),
+    ("direct_bytes", "MPIKV_DIRECT_BYTES", DEFAULT_DIRECT_BYTES, _count(int, 1)),
+    ("staging_piece", "MPIKV_STAGING_PIECE", DEFAULT_STAGING_PIECE, _count(int, 0)),
+    ("fault_tolerant", "MPIKV_FAULT_TOLERANT", "0", _flag),
+)
+
+
 def resolve(timeout=None, bigarray_bound=None, abort_on_exception=None, bucket_bytes=None,
             shared_memory=None, reducer=None, autotune=None, direct_bytes=None,
             staging_piece=None, environ=None, fault_tolerant=None):
@@ -72,43 +102,18 @@ def resolve(timeout=None, bigarray_bound=None, abort_on_exception=None, bucket_b
         ValueError: an option is not a valid number or flag.
     """
     env = os.environ if environ is None else environ
-    if timeout is None:
-        timeout = env.get("MPIKV_TIMEOUT", DEFAULT_TIMEOUT)
-    timeout = _number("timeout (MPIKV_TIMEOUT)", timeout, float, 0.0)
-    if bigarray_bound is None:
-        bigarray_bound = env.get("MPIKV_BIGARRAY_BOUND", DEFAULT_BIGARRAY_BOUND)
-    bigarray_bound = _number("bigarray_bound (MPIKV_BIGARRAY_BOUND)", bigarray_bound, int, 1)
-    if abort_on_exception is None:
-        abort_on_exception = env.get("MPIKV_ABORT_ON_EXCEPTION", "1")
-    abort_on_exception = _flag("abort_on_exception (MPIKV_ABORT_ON_EXCEPTION)",
-                               abort_on_exception)
-    if bucket_bytes is None:
-        bucket_bytes = env.get("MPIKV_BUCKET_BYTES", DEFAULT_BUCKET_BYTES)
-    bucket_bytes = _number("bucket_bytes (MPIKV_BUCKET_BYTES)", bucket_bytes, int, 1)
-    if shared_memory is None:
-        shared_memory = env.get("MPIKV_SHARED_MEMORY", "1")
-    shared_memory = _flag("shared_memory (MPIKV_SHARED_MEMORY)", shared_memory)
-    if reducer is None:
-        reducer = env.get("MPIKV_REDUCER") or env.get("MPIKV_ALGORITHM") or "auto"
-    reducer = str(reducer).strip().lower()
-    if reducer != "auto":
-        from .reducers import check_name
-        try:
-            check_name(reducer)
-        except ValueError as exc:
-            raise ValueError(f"reducer (MPIKV_REDUCER): {exc}") from None
-    if autotune is None:
-        autotune = env.get("MPIKV_AUTOTUNE", "1")
-    autotune = _flag("autotune (MPIKV_AUTOTUNE)", autotune)
-    if direct_bytes is None:
-        direct_bytes = env.get("MPIKV_DIRECT_BYTES", DEFAULT_DIRECT_BYTES)
-    direct_bytes = _number("direct_bytes (MPIKV_DIRECT_BYTES)", direct_bytes, int, 1)
-    if staging_piece is None:
-        staging_piece = env.get("MPIKV_STAGING_PIECE", DEFAULT_STAGING_PIECE)
-    staging_piece = _number("staging_piece (MPIKV_STAGING_PIECE)", staging_piece, int, 0)
-    if fault_tolerant is None:
-        fault_tolerant = env.get("MPIKV_FAULT_TOLERANT", "0")
-    fault_tolerant = _flag("fault_tolerant (MPIKV_FAULT_TOLERANT)", fault_tolerant)
-    return Options(timeout or math.inf, bigarray_bound, abort_on_exception, bucket_bytes,
-                   shared_memory, reducer, autotune, direct_bytes, staging_piece, fault_tolerant)
-
+    given = dict(timeout=timeout, bigarray_bound=bigarray_bound,
+                 abort_on_exception=abort_on_exception, bucket_bytes=bucket_bytes,
+                 shared_memory=shared_memory, reducer=reducer, autotune=autotune,
+                 direct_bytes=direct_bytes, staging_piece=staging_piece,
+                 fault_tolerant=fault_tolerant)
+    values = {}
+    for name, var, default, parse in _TABLE:
+        raw = given[name]
+        if raw is None:
+            # (MPIKV_ALGORITHM: the reducer's older name; an empty variable is unset)
+            raw = (env.get(var) or env.get("MPIKV_ALGORITHM") or default
+                   if name == "reducer" else env.get(var, default))
+        values[name] = parse(f"{name} ({var})", raw)
+    values["timeout"] = values["timeout"] or math.inf
+    return Options(**values)

@@ -11,75 +11,59 @@ and options), calls ``setup(kv)`` on it, loads the newest complete checkpoint
 (on the new rank count) and calls ``step_fn(kv, i)`` again from the step
 after it. Fewer than ``min_workers`` survivors: one
 :class:`mpikv.MPIKVError` on every survivor.
+
+:func:`run_loop` is the loop itself, as Horovod's ``run_fn(func, reset)``: the
+work and the recovery are handed in, so that ``kv.run`` and the Trainer's
+``run`` share it.
 """
 
-import re
-import shutil
-from pathlib import Path
-
-from . import errors, mirror, statefile
+from . import errors, mirror
 from ._logging import get_logger
+from .checkpoints import CheckpointDir, name_of
 
 log = get_logger(__name__)
-
-_NAME = re.compile(r"^step-(\d+)(?:$|\.)")
-
-
-def name_of(step):
-    """The checkpoint name of ``step`` steps done."""
-    return f"step-{step:09d}"
 
 
 def newest_first(directory):
     """``[(step, path)]`` of the complete checkpoints in ``directory``, newest first."""
-    found = {}
-    root = Path(directory)
-    for entry in root.iterdir() if root.is_dir() else ():
-        m = _NAME.match(entry.name)
-        if m and entry.name == name_of(int(m.group(1))):
-            try:
-                statefile.read_manifest(str(entry))
-            except (OSError, ValueError, errors.MPIKVError):
-                continue   # a save that never finished: no manifest names its parts
-            found[int(m.group(1))] = entry
-    return sorted(found.items(), reverse=True)
+    return CheckpointDir(directory).newest_first()
 
 
-def _prune(kv, directory, keep):
-    """Rank 0 removes every checkpoint file but the newest ``keep`` complete ones."""
-    if kv.rank != 0:
-        return
-    kept = {name_of(s) for s, _ in newest_first(directory)[:keep]}
-    for entry in Path(directory).iterdir():
-        m = _NAME.match(entry.name)
-        if m and name_of(int(m.group(1))) not in kept:
-            if entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
+def run_loop(what, body, recover, store):
+    """Runs ``body`` until it returns, recovering from each lost rank; every survivor alike.
 
+    A :class:`mpikv.RankLostError` raised anywhere in ``body`` or in a recovery
+    (a loss during a recovery is recovered from in turn) calls ``recover`` and
+    then ``body`` again.
 
-def _start(kv, directory, keep):
-    """Loads the newest complete checkpoint, or saves one of step 0; returns its
-    step; collective."""
-    if kv.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-    kv.barrier()   # (every rank then sees the same files)
-    found = newest_first(directory)
-    if found:
-        step, path = found[0]
-        kv.load_checkpoint(str(path))
-    else:
-        step = 0
-        kv.save_checkpoint(str(directory / name_of(0)))
-    _prune(kv, directory, keep)
-    return step
+    Args:
+        what: the loop's name in the log ("kv.run").
+        body: ``body(recovered)``: the work, from the newest state it finds.
+            Once that state is restored it calls ``recovered(step, workers)``,
+            which logs what a recovery just made lost (if one was made) and
+            ends it. Its result is ``run_loop``'s.
+        recover: ``recover(lost, older)``: rebuild on the survivors of ``lost``
+            (the error); ``older`` as :meth:`mpikv.KVStore.restore_copies` takes
+            it. May raise an :class:`mpikv.MPIKVError` (too few survivors).
+        store: ``store()``: the store in use now (the one a loss is of).
+    """
+    lost = None
+    chain = RecoveryChain()
+    while True:
+        try:
+            survived = None
+            if lost is not None:   # (a loss during a recovery: recovered again)
+                lost, survived = None, lost
+                recover(survived, chain.begin(store(), survived))
 
-
-def _todo(steps, done):
-    if isinstance(steps, int):
-        return range(done, steps)
-    return [i for i in steps if i >= done]
+            def recovered(step, workers, survived=survived):
+                if survived is not None:
+                    say_recovered(what, chain.lost(survived), step, workers)
+                chain.end()
+            return body(recovered)
+        except errors.RankLostError as exc:
+            lost = exc
+            chain.lost_again(exc)
 
 
 #: the ways ``run`` rebuilds after a loss
@@ -91,52 +75,115 @@ def _check(kv, every, keep, min_workers, redundancy):
     arguments are bad; the others would otherwise wait for it."""
     for name, value in (("every", every), ("keep", keep), ("min_workers", min_workers)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            kv.fail_next_call(errors.InputError,
-                              f"kv.run: {name} must be a positive int, not {value!r}")
-            kv.barrier()
+            kv.refuse(errors.InputError, f"kv.run: {name} must be a positive int, not {value!r}")
     if redundancy not in REDUNDANCY:
-        kv.fail_next_call(errors.InputError, f"kv.run: redundancy must be 'checkpoint' or "
-                                             f"'memory', not {redundancy!r}")
-        kv.barrier()
+        kv.refuse(errors.InputError, f"kv.run: redundancy must be 'checkpoint' or 'memory', "
+                                     f"not {redundancy!r}")
 
 
-def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, create,
+def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, remake,
         redundancy="checkpoint"):
-    """:meth:`mpikv.KVStore.run` (see there); ``create`` is :func:`mpikv.kvstore.create`
-    (handed in: the store's module imports this one)."""
+    """Calls ``step_fn(kv, i)`` for each step ``i``, with checkpoints; a lost rank
+    costs the steps since the latest one (or, with ``redundancy="memory"``,
+    only the step it was lost in), not the job. Collective.
+
+    Loads the newest complete checkpoint of ``directory`` (or saves one of
+    step 0), then saves one every ``every`` steps, keeping ``keep``. On a
+    fault-tolerant store, a rank lost in any call (background ones
+    included) is, on every survivor alike: a new store over the survivors
+    (this one's type and options), ``setup(kv)`` on it, the newest complete
+    checkpoint loaded, and ``step_fn`` called again from the step after it
+    with the new store, whose ``rank`` and ``num_workers`` are the
+    survivors'. See docs/fault-tolerance.md.
+
+    Args:
+        step_fn: ``step_fn(kv, i)`` makes step ``i`` on the store it is given.
+        steps: an int ``N`` (steps from the checkpoint's to ``N - 1``) or the
+            step numbers; after a recovery those done are skipped.
+        directory: where the checkpoints go (every rank sees it).
+        every: save after every this many steps.
+        keep: how many complete checkpoints to keep.
+        min_workers: the fewest survivors to go on with.
+        setup: called with each new store before its checkpoint is loaded
+            (``set_updater`` of a Python updater, which no checkpoint holds).
+        redundancy: ``"checkpoint"``: go on from the newest checkpoint;
+            ``"memory"``: after each step every rank also passes a copy of
+            what it owns to the next rank (:meth:`~mpikv.KVStore.keep_copy`), and the
+            survivors go on from the last step they all completed (a rank
+            lost with the next rank: from the newest checkpoint).
+
+    Returns:
+        The store in use at the end: this one, or the survivors' after a loss.
+
+    Raises:
+        MPIKVError: on every survivor, when fewer than ``min_workers`` survive.
+
+    ``remake`` is :func:`mpikv.factory.remake_store` (handed in: the store's
+    module imports this one).
+    """
     _check(kv, every, keep, min_workers, redundancy)
-    directory = Path(directory)
+    checkpoints = CheckpointDir(directory)
     steps = steps if isinstance(steps, int) else list(steps)
     memory = redundancy == "memory"
-    lost = survived = None
-    chain = RecoveryChain()
-    while True:
-        try:
-            if lost is not None:   # (a loss during a recovery: recovered again)
-                lost, survived, lost_kv = None, lost, kv
-                older = chain.begin(lost_kv, survived)
-                kv = _survivors_store(kv, survived, min_workers, directory, create)
-                if setup is not None:
-                    setup(kv)
-                if memory:   # the last step every survivor completed, as a checkpoint
-                    kv.restore_copies(lost_kv, survived, lambda s: str(directory / name_of(s)),
-                                      older=older)
-            done = _start(kv, directory, keep)
-            if survived is not None:
-                say_recovered("kv.run", chain.lost(survived), done, kv.num_workers)
-            chain.end()
-            for i in _todo(steps, done):
-                step_fn(kv, i)
-                done = i + 1
-                if memory:
-                    kv.keep_copy(done)
-                if done % every == 0:
-                    kv.save_checkpoint(str(directory / name_of(done)))
-                    _prune(kv, directory, keep)
-            return kv
-        except errors.RankLostError as exc:
-            lost = exc
-            chain.lost_again(exc)
+    now = [kv]
+
+    def recover(lost, older):
+        lost_kv = now[0]
+        now[0] = _survivors_store(lost_kv, lost, min_workers, directory, remake)
+        if setup is not None:
+            setup(now[0])
+        if memory:   # the last step every survivor completed, as a checkpoint
+            now[0].restore_copies(lost_kv, lost, lambda s: str(checkpoints.path_of(s)),
+                                  older=older)
+
+    def body(recovered):
+        kv = now[0]
+        done = _start(kv, checkpoints, keep)
+        recovered(done, kv.num_workers)
+        for i in _todo(steps, done):
+            step_fn(kv, i)
+            done = i + 1
+            if memory:
+                kv.keep_copy(done)
+            if done % every == 0:
+                kv.save_checkpoint(str(checkpoints.path_of(done)))
+                _prune(kv, checkpoints, keep)
+        return kv
+    return run_loop("kv.run", body, recover, lambda: now[0])
+
+
+def _prune(kv, checkpoints, keep):
+    """Rank 0 removes every checkpoint file but the newest ``keep`` complete ones."""
+    if kv.rank == 0:
+        checkpoints.prune(keep)
+
+
+def _start(kv, checkpoints, keep):
+    """Loads the newest complete checkpoint, or saves one of step 0; returns its
+    step; collective."""
+    if kv.rank == 0:
+        checkpoints.directory.mkdir(parents=True, exist_ok=True)
+    kv.barrier()   # (every rank then sees the same files)
+    found = checkpoints.newest_first()
+    if found:
+        step, path = found[0]
+        kv.load_checkpoint(str(path))
+    else:
+        step = 0
+        kv.save_checkpoint(str(checkpoints.path_of(0)))
+    _prune(kv, checkpoints, keep)
+    return step
+
+
+def todo(steps, done):
+    """The steps still to make after ``done``: ``range(done, steps)`` for an int,
+    else those of ``steps`` not below ``done``."""
+    if isinstance(steps, int):
+        return range(done, steps)
+    return [i for i in steps if i >= done]
+
+
+_todo = todo
 
 
 class RecoveryChain:
@@ -192,7 +239,7 @@ def say_recovered(what, lost, step, workers):
                 "s" if workers > 1 else "")
 
 
-def _survivors_store(kv, lost, min_workers, directory, create):
+def _survivors_store(kv, lost, min_workers, directory, remake):
     """A store like ``kv`` over the survivors; or one MPIKVError (the same on every
     survivor: it reads only the agreed error)."""
     n = len(lost.survivors)
@@ -201,11 +248,9 @@ def _survivors_store(kv, lost, min_workers, directory, create):
             f"kv.run: {n} rank{'s survive' if n > 1 else ' survives'}, fewer than "
             f"min_workers={min_workers} ({lost}); the latest complete checkpoint is in "
             f"{directory} (load_checkpoint loads it on any number of ranks)") from lost
-    kv.abandon()
-    options = kv.options
     # No probing of the strategies for the new rank count: seconds lost at each loss.
-    options.update(fault_tolerant=True, autotune=False)
-    return create(kv.type, comm=lost.comm, **options)
+    return remake(kv, lost, autotune=False)
 
 
-__all__ = ["RecoveryChain", "name_of", "newest_first", "run", "say_recovered"]
+__all__ = ["RecoveryChain", "name_of", "newest_first", "run", "run_loop", "say_recovered",
+           "todo"]

@@ -20,7 +20,8 @@ on every survivor names the ranks).
 
 import numpy as np
 
-from . import statefile
+from . import errors, statefile
+from .calls import Call
 from ._logging import get_logger
 from .checkpoint import exchange, manifest_meta, on_host, owned_entries
 
@@ -106,6 +107,82 @@ class Mirror:
     def steps(self):
         """``(own steps, predecessor's steps)`` held here."""
         return sorted(self.own), sorted(self.prev)
+
+
+class Copies:
+    """A store's buddy copies: ``kv.keep_copy`` and ``kv.restore_copies``.
+
+    Args:
+        protocol: the store's :class:`mpikv._protocol.Protocol` (runs each call).
+        engine: the store's :class:`mpikv.engine.Engine`.
+        rows: the store's :class:`mpikv.row_tables.RowTables`.
+    """
+
+    def __init__(self, protocol, engine, rows):
+        self.protocol, self.engine, self.rows = protocol, engine, rows
+        self.mirror = None   # this rank's Mirror, from the first copy on
+
+    def keep(self, step, extra=None):
+        """Copies what this rank owns after ``step`` steps and passes the copy to the
+        next rank, which keeps it (``redundancy="memory"``); collective.
+
+        The two newest copies of this rank's part and of the previous rank's are
+        kept. After a loss, :meth:`~mpikv.KVStore.restore_copies` on the survivors' store writes
+        them as a checkpoint of the last step every survivor completed.
+
+        Args:
+            step: the steps done (the same on every rank).
+            extra: anything picklable kept with the copy (the Trainer's file).
+        """
+        call = Call("keep_copy", settings={"step": step})
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            call.fail(errors.InputError, None, f"step must be an int >= 0, not {step!r}")
+
+        def keep():
+            if self.mirror is None:
+                self.mirror = Mirror(self.engine, self.rows)
+            self.mirror.step(step, extra, (call.op, []))
+        # Not in the background: a rank that died before its copy left would take
+        # that step with it (tried: a loss in the next step went back one further).
+        self.protocol.collective(call, keep)
+
+    def steps(self):
+        """``(own steps, predecessor's steps)`` held here (``([], [])`` before any copy)."""
+        return ([], []) if self.mirror is None else self.mirror.steps()
+
+    def own(self, step):
+        """This rank's :class:`Copy` of ``step`` (KeyError where none is held)."""
+        if self.mirror is None:
+            raise KeyError(step)
+        return self.mirror.own[step]
+
+    def restore(self, lost_store, lost, path_of, write_extra=None, older=None):
+        """Writes the copies ``lost_store`` kept (:meth:`~mpikv.KVStore.keep_copy`) as a
+        checkpoint of the newest step held whole; collective over this store, the survivors'.
+
+        Args:
+            lost_store: the store that lost the ranks (abandoned).
+            lost: the :class:`mpikv.RankLostError` every survivor got.
+            path_of: ``step -> path`` of the checkpoint.
+            write_extra: ``(path, extra)`` run on the survivor holding the lost
+                store's rank 0's ``extra``, before the checkpoint is committed.
+            older: ``(store, loss)``: an older store whose copies serve where
+                ``lost_store``'s hold no step whole (it was made by a recovery
+                that a second loss cut short), and everything it lost
+                (:func:`mpikv.mirror.combine`), the same on every survivor.
+
+        Returns:
+            The step written (load it with :meth:`~mpikv.KVStore.load_checkpoint`), or None
+            where no step is held whole: no copy was taken yet, or a lost
+            rank's buddy (the next rank) was lost too (a warning says so).
+
+        Here ``lost_store`` (and ``older``'s store) is that store's :class:`Copies`.
+        """
+        candidates = [(lost_store.mirror, lost)]
+        if older is not None:
+            candidates.append((older[0].mirror, older[1]))
+        return self.protocol.collective(Call("restore_copies"), lambda: restore(
+            self.protocol.transport, candidates, path_of, write_extra))
 
 
 def _oldest(copies):
@@ -239,5 +316,5 @@ def restore(transport, candidates, path_of, write_extra=None):
     return step
 
 
-__all__ = ["Copy", "Loss", "Mirror", "buddy", "combine", "common_step", "lost_with_buddy",
+__all__ = ["Copies", "Copy", "Loss", "Mirror", "buddy", "combine", "common_step", "lost_with_buddy",
            "restore", "take"]

@@ -17,7 +17,7 @@ def create_on_survivors(lost, name="dist_sync", **options):
     Args:
         lost: the :class:`mpikv.RankLostError` every survivor got.
         name: the store type (a ``dist_*`` type).
-        **options: :func:`mpikv.kvstore.create`'s other keywords.
+        **options: :func:`mpikv.factory.create`'s other keywords.
 
     Returns:
         The store; its ranks are the survivors, in their old order.
@@ -25,9 +25,8 @@ def create_on_survivors(lost, name="dist_sync", **options):
     if not isinstance(lost, errors.RankLostError) or lost.comm is None:
         raise errors.ValueTypeError(f"create_on_survivors takes the RankLostError the "
                                     f"survivors got, not {type(lost).__name__}")
-    from .kvstore import create
-    options["fault_tolerant"] = True
-    return create(name, comm=lost.comm, **options)
+    from .factory import remake_store
+    return remake_store(name, lost, **options)
 
 
 __all__ = ["create_on_survivors"]

@@ -14,6 +14,7 @@ holds and gets them back the same way. No rank ever holds the whole table.
 import numpy as np
 
 from . import errors
+from .calls import Call
 from .optimizer.base import COUNT
 from .plan import split_bounds
 from .rowsparse import RowSparse, sum_rows, unique_ids
@@ -90,6 +91,130 @@ class RowTables:
         """Makes ``table`` (from :meth:`make`) the table of ``key``."""
         self.tables[key] = table
 
+    # -- the store's calls: checked here, run by the protocol -----------------------------
+    def is_rows_call(self, key, value):
+        """Whether a push goes to row tables: a RowSparse value, or a row table's key."""
+        keys = key if isinstance(key, (list, tuple)) else [key]
+        values = value if isinstance(value, (list, tuple)) else [value]
+        return any(isinstance(v, RowSparse) for v in values) or any(
+            isinstance(k, (int, str)) and k in self for k in keys)
+
+    def init_call(self, key, shape, dtype, init, row_sparse_weight, lookup):
+        """Creates a row table: ``key``'s rows live on their owners only.
+
+        Rank ``r`` owns the ``r``-th of ``num_workers`` near-equal blocks of rows
+        and allocates only those; no rank ever holds the whole table. Push
+        :class:`~mpikv.RowSparse` rows to it (:meth:`~mpikv.KVStore.push`) and read rows with
+        :meth:`~mpikv.KVStore.row_sparse_pull`. Collective.
+
+        Args:
+            key: a new key (int or str, as the store's other keys).
+            shape: the whole table's shape (rows first).
+            dtype: its dtype.
+            init: ``init(first_row, stop_row)`` returning this rank's rows, a
+                number for every element, or None (zeros).
+            row_sparse_weight: the value is row-sparse, as an MXNet
+                ``row_sparse`` weight: an optimizer whose MXNet kernel for such
+                weights steps only the rows present (Ftrl) does so here too.
+
+        Returns ``(call, action)`` for :meth:`mpikv._protocol.Protocol.collective`;
+        ``lookup`` is the dense keys' ``key -> (shape, dtype) or None``.
+        """
+        call = Call("init_rows")
+        shape = tuple(int(d) for d in np.atleast_1d(shape))
+        call.settings.update(key=repr(key), shape=str(shape), dtype=str(np.dtype(dtype)),
+                             row_sparse_weight=str(bool(row_sparse_weight)))
+        table = None
+        if key in self or lookup(key) is not None:
+            call.fail(errors.DuplicateInitError, key, f"key {key!r} is already initialised")
+        elif not shape or min(shape) < 0:
+            call.fail(errors.ShapeError, key, f"a row table needs rows: shape {shape}")
+        else:   # this rank's rows first: an initializer that fails fails every rank
+            try:
+                table = self.make(shape, dtype, init, row_sparse_weight)
+            except errors.MPIKVError as exc:
+                call.fail(type(exc), key, f"row table {key!r}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - the user's initializer
+                call.fail(errors.InputError, key, f"the initializer of row table {key!r} "
+                          f"raised {type(exc).__name__}: {exc}")
+        return call, lambda: self.install(key, table)
+
+    def pull_call(self, key, out, row_ids):
+        """Copies rows ``row_ids`` of ``key`` into ``out``; only they are fetched.
+
+        As MXNet's: ids may repeat and come in any order. Collective (every rank
+        calls it, each with its own ids).
+
+        Args:
+            key: a row table's key.
+            out: None, a :class:`~mpikv.RowSparse` (it gets the rows, each id
+                once, in increasing order) or a dense array of the table's shape
+                (those rows filled, the others zeroed).
+            row_ids: 1-D integers in ``[0, rows)``.
+            priority: accepted for MXNet compatibility.
+
+        Returns:
+            the rows as a :class:`~mpikv.RowSparse` (``out`` itself if given one).
+
+        Returns ``(call, action)`` for :meth:`mpikv._protocol.Protocol.collective`.
+        """
+        call = Call("row_sparse_pull")
+        call.settings.update(key=repr(key))
+        table = self.tables.get(key)
+        ids = None
+        if table is None:
+            call.fail(errors.UnknownKeyError, key, f"{key!r} is not a row table "
+                      f"(make it with init_rows)")
+        else:
+            try:
+                ids = np.asarray([] if row_ids is None else row_ids)
+                # (the ids' checks only: rows that read as zeros, with no memory)
+                RowSparse(ids.reshape(-1), np.broadcast_to(np.zeros((), table.dtype),
+                                                           (ids.size, *table.shape[1:])),
+                          table.shape)
+                if out is not None and not isinstance(out, RowSparse) and (
+                        not isinstance(out, np.ndarray) or out.shape != table.shape):
+                    raise errors.ShapeError(f"out must be a RowSparse or an array of the "
+                                            f"table's shape {table.shape}")
+            except errors.MPIKVError as exc:
+                call.fail(type(exc), key, str(exc))
+        return call, lambda: _fill(out, self.pull((call.op, [key]), key, ids))
+
+    def push_call(self, key, value, engine):
+        """A push to row tables, checked, and its action: each row to its owner.
+
+        Args:
+            engine: the store's :class:`mpikv.engine.Engine` (updater, optimizer, owners).
+        """
+        keys = list(key) if isinstance(key, (list, tuple)) else [key]
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        call = Call("push_rows")
+        call.settings.update(keys=repr(keys), updater=engine.updater_kind)
+        if engine.optimizer is not None:
+            call.settings["optimizer"] = engine.optimizer.get_config()
+        if len(keys) != len(values):
+            call.fail(errors.InputError, None, f"{len(keys)} keys but {len(values)} values")
+        for k, v in zip(keys, values):
+            table = self.tables.get(k)
+            if table is None:
+                call.fail(errors.UnknownKeyError, k, f"{k!r} is not a row table (make it with "
+                          f"init_rows; dense keys take dense pushes)")
+            elif not isinstance(v, RowSparse):
+                call.fail(errors.ValueTypeError, k, f"row table {k!r} takes a RowSparse push, "
+                          f"not {type(v).__name__}")
+            elif v.shape != table.shape:
+                call.fail(errors.ShapeError, k, f"the push has shape {v.shape}; row table {k!r} "
+                          f"has {table.shape}")
+        owners = engine.owners
+        return call, lambda: [self.push((call.op, [k]), k, v, owners)
+                              for k, v in zip(keys, values)]
+
+    def refuse_tables(self, call):
+        """Fails a dense ``init`` of keys that are row tables."""
+        for k in call.keys:
+            if k in self:
+                call.fail(errors.DuplicateInitError, k, f"key {k!r} is a row table already")
+
     # -- the exchange --------------------------------------------------------------------
     def _counts(self, what, table, sorted_ids):
         """``(counts to each rank, counts from each rank)`` of ``sorted_ids`` (increasing,
@@ -143,6 +268,18 @@ class RowTables:
             asked -= table.lo
         rows = self._exchange(what, table.block[asked], got, counts, table.row_size)
         return RowSparse(wanted, rows, table.shape)
+
+
+def _fill(out, rows):
+    """``row_sparse_pull``'s result: ``rows`` into ``out`` (a RowSparse, an array of the
+    table's shape: those rows, zeros elsewhere; or None)."""
+    if isinstance(out, RowSparse):
+        out.indices, out.data, out.shape = rows.indices, rows.data, rows.shape
+        return out
+    if out is not None:
+        out[...] = 0
+        out[rows.indices] = rows.data
+    return rows
 
 
 # -- checkpoints: each owner writes its block's element range, as for a dense key ----------

@@ -5,9 +5,133 @@ A save in the background copies what this rank owns (a
 (no MPI call there: only the disk) and commits at a later collective call,
 when every rank's part is on disk. A save therefore costs the copy, not the
 write; the checkpoint is visible (its manifest in place) only once committed.
+
+:class:`Saves` is a store's checkpoint piece: its collective saves and loads
+(:mod:`mpikv.checkpoint`) and its background saves, committed in the order
+they were made.
 """
 
 import threading
+
+from . import checkpoint, errors
+from .calls import Call
+
+
+class Saves:
+    """A store's checkpoints and optimizer-state files, and its background saves.
+
+    Args:
+        protocol: the store's :class:`mpikv._protocol.Protocol` (runs each call).
+        engine: the store's :class:`mpikv.engine.Engine`.
+        rows: the store's :class:`mpikv.row_tables.RowTables`.
+    """
+
+    def __init__(self, protocol, engine, rows):
+        self.protocol, self.engine, self.rows = protocol, engine, rows
+        self.pending = []   # background saves not yet committed, oldest first
+
+    def save(self, fname):
+        """``kv.save_checkpoint``: collective; earlier background saves commit first."""
+        def save():
+            self.finish()
+            checkpoint.save(self.engine, str(fname), "checkpoint", True, True, self.rows)
+        self.protocol.collective(Call("save_checkpoint", settings={"fname": str(fname)}), save)
+
+    def save_async(self, fname, on_commit=None):
+        """:meth:`~mpikv.KVStore.save_checkpoint` written while training goes on; collective.
+
+        Each rank copies what it owns now (the values, optimizer states and row
+        tables: the call costs that copy) and writes the copy on a thread of
+        its own. ``handle.wait()``, collective, commits the checkpoint once
+        every rank's part is written; until then it is not visible, and a job
+        that ends before leaves the previous checkpoints whole. A later
+        :meth:`~mpikv.KVStore.save_checkpoint`, :meth:`~mpikv.KVStore.save_checkpoint_async`,
+        :meth:`~mpikv.KVStore.load_checkpoint` or :meth:`~mpikv.KVStore.close` commits it
+        first, and so does the end of the process when every rank ends it.
+
+        Args:
+            fname: the checkpoint's path.
+            on_commit: called on rank 0 right after the checkpoint's manifest is
+                in place (to put a file of the caller's beside it); an exception
+                it raises is raised by ``wait()`` on every rank.
+
+        Returns:
+            A :class:`~mpikv.saving.SaveHandle`: ``done()`` says (locally)
+            whether this rank's part is written, ``wait()`` commits.
+        """
+        def start():
+            self.finish()
+            handle = SaveHandle(checkpoint.Snapshot(self.engine, str(fname), "checkpoint",
+                                                    True, True, self.rows),
+                                self.commit, on_commit)
+            self.pending.append(handle)
+            return handle
+        return self.protocol.collective(
+            Call("save_checkpoint_async", settings={"fname": str(fname)}), start)
+
+    def load(self, fname):
+        """``kv.load_checkpoint``: collective; earlier background saves commit first."""
+        def load():
+            self.finish()
+            checkpoint.load(self.engine, str(fname), "checkpoint", True, self.rows)
+        self.protocol.collective(Call("load_checkpoint", settings={"fname": str(fname)}), load)
+
+    def save_states(self, fname, dump_optimizer):
+        """Saves the optimizer state of every key; collective.
+
+        Each owner writes its own part, in parallel; the file loads on any
+        number of ranks. Needs a filesystem every rank can see.
+
+        Args:
+            fname: path of the manifest (parts go to ``fname + ".parts/"``).
+            dump_optimizer: also store the optimizer's kind and
+                hyperparameters, so :meth:`~mpikv.KVStore.load_optimizer_states` can rebuild it.
+        """
+        call = Call("save_optimizer_states",
+                    settings={"fname": str(fname), "dump_optimizer": bool(dump_optimizer)})
+        if self.engine.optimizer is None:
+            call.fail(errors.OptimizerError, None, "no optimizer is set (use set_optimizer)")
+        self.protocol.collective(call, lambda: checkpoint.save(
+            self.engine, str(fname), "optimizer_states", False, dump_optimizer, self.rows))
+
+    def load_states(self, fname):
+        """``kv.load_optimizer_states``: collective."""
+        call = Call("load_optimizer_states", settings={"fname": str(fname)})
+        self.protocol.collective(call, lambda: checkpoint.load(
+            self.engine, str(fname), "optimizer_states", False, self.rows))
+
+    def commit(self, handle):
+        """``handle.wait()``: the ranks agree, then the saves up to it commit."""
+        call = Call("save_checkpoint_wait", settings={"fname": str(handle.fname)})
+        self.protocol.collective(call, lambda: self.finish(handle))
+
+    def finish(self, upto=None):
+        """Commits the background saves in the order they were made (up to and
+        including ``upto``; every one if None); inside an agreed call."""
+        while self.pending:
+            handle = self.pending.pop(0)
+            handle.finish()
+            if handle is upto:
+                return
+
+    def close(self):
+        """Before the store closes: its background saves commit (collective; the same
+        list on every rank)."""
+        if self.pending and not self.protocol.closed:
+            self.commit(self.pending[-1])
+
+    def abandon(self):
+        """Lets a store that lost a rank go, on this rank alone (no collective call:
+        none can be made on it any more).
+
+        Its background checkpoint writes end and are never committed: a checkpoint
+        is visible only once committed (:mod:`mpikv.saving`), so none is left
+        half-written in its place. Its worker thread is left (a daemon: every call
+        of the lost store fails at once).
+        """
+        for handle in self.pending:
+            handle.abandon()
+        self.pending.clear()
 
 
 class SaveHandle:
@@ -61,4 +185,4 @@ class SaveHandle:
         return f"<mpikv.SaveHandle {self.fname} {state}>"
 
 
-__all__ = ["SaveHandle"]
+__all__ = ["SaveHandle", "Saves"]

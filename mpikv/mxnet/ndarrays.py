@@ -103,7 +103,7 @@ class Converted:
             fn()
 
 
-def _keys_and_entries(key, entries):
+def keys_and_entries(key, entries):
     """``[(key, entry)]`` pairs; one key or a list of keys (with a list of entries)."""
     if isinstance(key, (list, tuple)):
         if isinstance(entries, (list, tuple)) and len(entries) == len(key):
@@ -141,7 +141,7 @@ def convert(key, values=None, outs=None, *, write_values=False, ignore_sparse=Fa
 def _convert_all(key, entries, writable, is_out, done, ignore_sparse, row_ids):
     if entries is None:
         return None
-    pairs, many = _keys_and_entries(key, entries)
+    pairs, many = keys_and_entries(key, entries)
     if pairs is None:
         return entries
     # row_ids as MXNet takes them: one per key (for a key list), then one per device.

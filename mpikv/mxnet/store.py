@@ -26,9 +26,9 @@ import mpikv
 from .._closing import ClosesAfterWith
 from .. import errors
 from .. import optimizer as mpikv_optimizer
-from ..kvstore import STORE_TYPES
+from ..factory import STORE_TYPES
 from ..rowsparse import RowSparse
-from ..statefile import read_manifest
+from ..checkpoint import saved_optimizer
 from . import ndarrays, optimizers
 
 #: registered names are this prefix and an mpikv store type
@@ -290,7 +290,7 @@ class KVStore(ClosesAfterWith, mx.kv.KVStore):
         ``new``: the keys are being created (row values make row tables)."""
         if entries is None:
             return None
-        pairs, _ = ndarrays._keys_and_entries(key, entries)
+        pairs, _ = ndarrays.keys_and_entries(key, entries)
         if pairs is None:
             return None
         flags = []
@@ -553,11 +553,10 @@ class KVStore(ClosesAfterWith, mx.kv.KVStore):
         optimizer, failure)``; Nones when it holds none or cannot be read here
         (the mpikv load then reports the file on every rank)."""
         try:
-            meta = read_manifest(str(fname)).meta
+            config = saved_optimizer(fname)
         except Exception:  # noqa: BLE001 - the load itself names the problem, on every rank
             return None, None, None, None
-        config = meta.get("optimizer") if meta.get("kind") == "optimizer_states" else None
-        if not isinstance(config, dict):
+        if config is None:
             return None, None, None, None
         try:
             fresh = mpikv_optimizer.from_config(config)

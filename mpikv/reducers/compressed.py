@@ -68,8 +68,19 @@ class Compression:
         return f"compressed:{self.config['type']}"
 
     def residual(self, key, device=None):
-        """This rank's residual of ``key`` (of its ``device``-th value on a device
-        store), flat, or None before its first compressed push."""
+        """This rank's compression residual of ``key``, shaped like the key.
+
+        Args:
+            key: an initialised key.
+            device: on a ``device`` store, which of the key's device values
+                (each has its own residual); None on a distributed store.
+
+        Returns:
+            A float32 copy, or None before the key's first compressed push (and
+            for 16-bit compression, which keeps none).
+
+        Here: the flat residual itself (not a copy), or None.
+        """
         if device is None:
             return self._residuals.get(key)
         return self._device_residuals.get((key, device))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import mpikv
-from mpikv._protocol import ReplayedCall, _contribution
+from mpikv.join import ReplayedCall, contribution as _contribution
 
 from .conftest import TEST_TIMEOUT, raises_everywhere
 

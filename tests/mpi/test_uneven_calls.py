@@ -132,15 +132,15 @@ def test_load_checkpoint_against_save_checkpoint(comm, two, tmp_path):
 
 
 def test_a_process_that_ends_while_the_others_train(comm, two):
-    # What the exit hook does at the end of a process (mpikv.kvstore._end_of_process).
+    # What the exit hook does at the end of a process (mpikv.factory._end_of_process).
     net, trainer = _trainer()
     _step(net, trainer)
-    store = trainer.kvstore._protocol
-    message = _each(comm, {1: store.exit, None: lambda: _step(net, trainer, 2)})
+    store = trainer.kvstore
+    message = _each(comm, {1: store.exit_process, None: lambda: _step(net, trainer, 2)})
     assert message == (f"MismatchError: rank 1 ended its process after step 1 while "
                        f"{_others(comm, 1)} in step 2: {STEPS}; nothing was applied")
     # Ranks that all end agree (and the store is still usable).
-    store.exit()
+    store.exit_process()
     _step(net, trainer, 3)
     assert trainer.num_update == 2
     trainer.close()

@@ -96,8 +96,8 @@ def test_option_from_keyword_environment_and_create():
                           fault_tolerant=False).fault_tolerant is False
     # A plain keyword of the store's create (no thread-local hand-over left).
     import inspect
-    from mpikv import kvstore
-    assert "fault_tolerant" in inspect.signature(kvstore.create).parameters
+    from mpikv import factory
+    assert "fault_tolerant" in inspect.signature(factory.create).parameters
     assert not hasattr(config, "requested")
     with pytest.raises(ValueError, match="fault_tolerant"):
         config.resolve(environ={"MPIKV_FAULT_TOLERANT": "maybe"})
