@@ -155,7 +155,7 @@ class SettledStore:
 
 def _end_at_exit():
     """Registers :func:`_end_of_process` once. A launcher is made after its store,
-    so this comes after the stores' own exit hook (:func:`mpikv.kvstore._drain_at_exit`),
+    so this comes after the stores' own exit hook (registered by :func:`mpikv.create`),
     and atexit runs it first: the launchers are empty before the stores make
     their agreed "exit" calls, which must not overlap a launcher's agreement."""
     if not _at_exit:

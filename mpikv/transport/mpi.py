@@ -91,7 +91,7 @@ class MPITransport(Transport):
         self.pull_staging = Staging(detect=lambda: self.cuda.for_op(cuda.PULL),
                                     stager=self.staging.stager)
         # Staged elementwise calls go in pieces of this size: an agreed option
-        # (kvstore.AGREED_OPTIONS), so every rank makes the same MPI calls.
+        # (factory.AGREED_OPTIONS), so every rank makes the same MPI calls.
         self.staging.piece_bytes = self.pull_staging.piece_bytes = options.staging_piece
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
