@@ -15,7 +15,7 @@ The Engine runs the three loops (``init``, ``push``, ``pull``) over its pieces:
 
 import numpy as np
 
-from . import backends, reducers, tuning
+from . import backends, reducers
 from ._arrays import accumulate_dtype, wire_view
 from .fusion import DEFAULT_BUCKET_BYTES
 from .keytable import Entry, KeyTable
@@ -37,18 +37,18 @@ class Engine:
             collective moves.
         direct_bytes: keys of at least this many bytes are not fused: they
             move straight from the caller's array.
-        table: the :class:`mpikv.tuning.Table` that picks each bucket's strategy.
+        table: the :class:`mpikv.tuning.Table` that picks each bucket's strategy (the
+            store's: measured, cached or forced; see :func:`mpikv.factory.create`).
         device_buckets: plan buckets as a device store (:func:`mpikv.fusion.sizes`),
             agreed by the ranks (default: ``device``).
     """
 
     def __init__(self, transport, bigarray_bound, bucket_bytes=DEFAULT_BUCKET_BYTES,
-                 device=False, direct_bytes=None, table=None, device_buckets=None):
+                 device=False, direct_bytes=None, *, table, device_buckets=None):
         self.transport = transport
         self.direct_bytes = direct_bytes
         self.device_buckets = device if device_buckets is None else device_buckets
-        self.chooser = reducers.Chooser(transport, table or tuning.forced("allreduce", "default"),
-                                        bucket_bytes)
+        self.chooser = reducers.Chooser(transport, table, bucket_bytes)
         self.device = device  # keep GPU values on the GPU (device, dist_sync_device)
         self.bucket_bytes = bucket_bytes
         self._keys = KeyTable(transport.size, bigarray_bound)

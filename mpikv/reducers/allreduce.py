@@ -27,7 +27,7 @@ class AllreduceReducer(Reducer):
                 copy(dst, src)
             t.allreduce_(dst, what)
             return
-        for a, b in self._pieces(dst):
+        for a, b in self.pieces_of(dst):
             if src is not None:
                 copy(dst[a:b], src[a:b])
             t.allreduce_(dst[a:b], what)

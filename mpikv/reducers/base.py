@@ -59,7 +59,8 @@ class Reducer(ABC):
         """Whether the strategy can run on ``transport`` (the same answer on every rank)."""
         return True
 
-    def _pieces(self, buf):
+    def pieces_of(self, buf):
+        """The ``(start, stop)`` element ranges of ``buf`` that one collective moves each."""
         return pieces(buf.size, self.piece_bytes // buf.itemsize)
 
     @abstractmethod

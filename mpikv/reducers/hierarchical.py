@@ -25,7 +25,7 @@ class HierarchicalReducer(Reducer):
         nodes = self.transport.nodes
         leader = nodes.local_rank == 0
         with self.transport.guard(what):
-            for a, b in self._pieces(dst):
+            for a, b in self.pieces_of(dst):
                 piece = dst[a:b]
                 nodes.reduce_to_leader(piece, None if src is None else src[a:b])
                 if leader and nodes.nodes > 1:
@@ -37,7 +37,7 @@ class HierarchicalReducer(Reducer):
         # node's part: half an Allreduce's traffic on the link at two nodes.
         nodes = self.transport.nodes
         with self.transport.guard(what):
-            for a, b in self._pieces(dst):
+            for a, b in self.pieces_of(dst):
                 nodes.reduce_to_leader(dst[a:b], None if src is None else src[a:b])
             if nodes.local_rank == 0 and nodes.nodes > 1:
                 step = max(1, self.piece_bytes // dst.itemsize // nodes.nodes)

@@ -13,7 +13,7 @@ class ReduceBcastReducer(Reducer):
 
     def allreduce(self, dst, src, what):
         t = self.transport
-        for i, (a, b) in enumerate(self._pieces(dst)):
+        for i, (a, b) in enumerate(self.pieces_of(dst)):
             root = i % t.size
             if src is None:
                 t.reduce_(dst[a:b], root, what)
@@ -32,7 +32,7 @@ def reduce_blocks(reducer, dst, src, blocks, what):
         if not count:
             continue
         block = dst[displ:displ + count]
-        for a, b in reducer._pieces(block):
+        for a, b in reducer.pieces_of(block):
             if src is None:
                 t.reduce_(block[a:b], rank, what)
             else:

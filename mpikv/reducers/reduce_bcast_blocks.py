@@ -16,7 +16,7 @@ class ReduceBcastBlocksReducer(Reducer):
         reduce_blocks(self, dst, src, blocks, what)
         for rank, (count, displ) in enumerate(zip(blocks.counts, blocks.displs)):
             block = dst[displ:displ + count]
-            for a, b in self._pieces(block) if count else ():
+            for a, b in self.pieces_of(block) if count else ():
                 t.bcast_(block[a:b], rank, what)
 
     def reduce_to_owners(self, dst, src, blocks, what):

@@ -123,6 +123,10 @@ class Manifest:
     parts: tuple
     _index: dict = field(repr=False, compare=False, default_factory=dict)
 
+    def array(self, key, name):
+        """The index entry of ``key``'s array ``name``, or None."""
+        return self._index.get((key, name))
+
     def arrays(self) -> dict:
         """Same as :func:`list_arrays` on this manifest."""
         return {k: {"shape": a.shape, "dtype": a.dtype}

@@ -111,7 +111,7 @@ def read_slices(source: Manifest | PathLike, wanted: Iterable) -> dict:
         wkey = (key, name, start, stop)
         if wkey in result:
             continue
-        info = man._index.get((key, name))
+        info = man.array(key, name)
         if info is None:
             raise StateFileError(f"state file {man.path!r} holds no array "
                                  f"{name!r} of key {key!r}")
