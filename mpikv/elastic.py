@@ -70,12 +70,43 @@ def run_loop(what, body, recover, store):
 REDUNDANCY = ("checkpoint", "memory")
 
 
+def refuse_unless_positive(kv, what, **values):
+    """Raises :class:`mpikv.InputError` on every rank (at the first collective
+    call) where one of this rank's ``values`` is not a positive int; the other
+    ranks would otherwise wait for it. Collective.
+
+    Args:
+        kv: the store whose next call fails.
+        what: the caller's name in the message ("kv.run").
+        **values: the numbers, by the names the message gives them.
+    """
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            kv.refuse(errors.InputError, f"{what}: {name} must be a positive int, not {value!r}")
+
+
+def refuse_too_few(what, lost, min_workers, where):
+    """Raises :class:`mpikv.MPIKVError` when fewer than ``min_workers`` survived the
+    loss ``lost`` (a :class:`mpikv.RankLostError`): the same on every survivor, as
+    it reads only the agreed error.
+
+    Args:
+        what: the loop's name in the message ("kv.run").
+        lost: the error every survivor got.
+        min_workers: the fewest survivors to go on with.
+        where: the end of the message: where the latest checkpoint is.
+    """
+    n = len(lost.survivors)
+    if n < min_workers:
+        raise errors.MPIKVError(
+            f"{what}: {n} rank{'s survive' if n > 1 else ' survives'}, fewer than "
+            f"min_workers={min_workers} ({lost}); {where}") from lost
+
+
 def _check(kv, every, keep, min_workers, redundancy):
     """Raises on every rank (at the first collective call) where some rank's
     arguments are bad; the others would otherwise wait for it."""
-    for name, value in (("every", every), ("keep", keep), ("min_workers", min_workers)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            kv.refuse(errors.InputError, f"kv.run: {name} must be a positive int, not {value!r}")
+    refuse_unless_positive(kv, "kv.run", every=every, keep=keep, min_workers=min_workers)
     if redundancy not in REDUNDANCY:
         kv.refuse(errors.InputError, f"kv.run: redundancy must be 'checkpoint' or 'memory', "
                                      f"not {redundancy!r}")
@@ -140,7 +171,7 @@ def run(kv, step_fn, steps, directory, every, keep, min_workers, setup, remake,
         kv = now[0]
         done = _start(kv, checkpoints, keep)
         recovered(done, kv.num_workers)
-        for i in _todo(steps, done):
+        for i in todo(steps, done):
             step_fn(kv, i)
             done = i + 1
             if memory:
@@ -182,8 +213,6 @@ def todo(steps, done):
         return range(done, steps)
     return [i for i in steps if i >= done]
 
-
-_todo = todo
 
 
 class RecoveryChain:
@@ -242,15 +271,12 @@ def say_recovered(what, lost, step, workers):
 def _survivors_store(kv, lost, min_workers, directory, remake):
     """A store like ``kv`` over the survivors; or one MPIKVError (the same on every
     survivor: it reads only the agreed error)."""
-    n = len(lost.survivors)
-    if n < min_workers:
-        raise errors.MPIKVError(
-            f"kv.run: {n} rank{'s survive' if n > 1 else ' survives'}, fewer than "
-            f"min_workers={min_workers} ({lost}); the latest complete checkpoint is in "
-            f"{directory} (load_checkpoint loads it on any number of ranks)") from lost
+    refuse_too_few("kv.run", lost, min_workers,
+                   f"the latest complete checkpoint is in {directory} "
+                   f"(load_checkpoint loads it on any number of ranks)")
     # No probing of the strategies for the new rank count: seconds lost at each loss.
     return remake(kv, lost, autotune=False)
 
 
-__all__ = ["RecoveryChain", "name_of", "newest_first", "run", "run_loop", "say_recovered",
-           "todo"]
+__all__ = ["RecoveryChain", "name_of", "newest_first", "refuse_too_few", "refuse_unless_positive",
+           "run", "run_loop", "say_recovered", "todo"]

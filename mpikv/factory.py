@@ -126,7 +126,7 @@ def remake_store(made, lost, **options):
     """A fault-tolerant store over the survivors of a loss; collective over them.
 
     The one way a store is made again after a lost rank (``kv.run``, the torch
-    Trainer's ``run`` through :func:`mpikv.recovery.create_on_survivors`).
+    Trainer's ``run``, :func:`mpikv.recovery.create_on_survivors`).
 
     Args:
         made: the store that lost the rank (its type and options are taken; it is

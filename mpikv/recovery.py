@@ -4,8 +4,9 @@ A fault-tolerant store that lost a rank raises :class:`mpikv.RankLostError` on
 every survivor and is unusable from then on; its collective calls (``close``
 included) can no longer be made (:meth:`mpikv.KVStore.abandon` lets it go).
 :func:`create_on_survivors` makes the survivors' new store from the error, so
-that callers above the store (the Trainer) name no communicator. See
-docs/fault-tolerance.md.
+that a caller names no communicator; it is
+:func:`mpikv.factory.remake_store` (which ``kv.run`` and the Trainer use) for a
+store type. See docs/fault-tolerance.md.
 """
 
 from . import errors

@@ -99,10 +99,7 @@ class StoreContext:
     def refuse(self, exc_class, why, activity):
         """Fails on every rank, in the next call (a barrier), with ``why``: this rank's
         check failed (the others' calls fail alike, with this rank's context)."""
-        kv = self.settled()
-        kv.fail_next_call(exc_class, why)
-        kv.set_context(activity, why)
-        kv.barrier()
+        self.settled().refuse(exc_class, why, activity)
 
     def close(self):
         """Stops settling the user's calls (the Trainer is closing, or let go)."""

@@ -1,6 +1,6 @@
 """The Trainer's store and launcher: made, or taken as given."""
 
-from .. import errors, recovery
+from .. import errors, factory
 from . import tensors
 from .launcher import Launcher
 
@@ -52,7 +52,7 @@ def make_store(kvstore, params, compressed=False, whole=False, private=False,
     if kvstore is None:
         name = "dist_sync_device" if on_gpu else "dist_sync"
         kv = (mpikv.create(name, **options) if survivors is None else
-              recovery.create_on_survivors(survivors, name, **options))
+              factory.remake_store(name, survivors, **options))
         # A local store does not compress (MXNet's rule): one rank still gets a dist one.
         if kv.num_workers > 1 or compressed:
             return kv
@@ -61,7 +61,7 @@ def make_store(kvstore, params, compressed=False, whole=False, private=False,
     if on_gpu and "device" not in kvstore:
         kvstore = "device" if kvstore == "local" else "dist_sync_device"
     if survivors is not None and kvstore.startswith("dist"):
-        return recovery.create_on_survivors(survivors, kvstore, **options)
+        return factory.remake_store(kvstore, survivors, **options)
     return mpikv.create(kvstore, **options)
 
 

@@ -20,12 +20,16 @@ loop catches it and goes on from the latest complete checkpoint of
 A step function that takes its slice of a global batch from ``trainer.rank``
 and ``trainer.num_workers`` therefore ends with the weights of an
 uninterrupted run, at the cost of the steps since the checkpoint.
+
+The loop is ``kv.run``'s (:func:`mpikv.elastic.run_loop`); this module hands
+it the Trainer's work and recovery, as torchft and Horovod's frameworks hand
+theirs to one loop.
 """
 
 import dataclasses
 
-from ..elastic import RecoveryChain, say_recovered
-from ..errors import InputError, MPIKVError, RankLostError
+from ..elastic import refuse_too_few, refuse_unless_positive, run_loop, todo
+from ..errors import MPIKVError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,44 +55,25 @@ class Recovery:
 def run(trainer, step_fn, steps, min_workers, recovery):
     """:meth:`mpikv.torch.Trainer.run` (see there); ``recovery``: the
     Trainer's :class:`Recovery`."""
-    if not isinstance(min_workers, int) or isinstance(min_workers, bool) or min_workers < 1:
-        # (on every rank, through the next call's agreement: not here alone)
-        kv = trainer.kvstore
-        kv.fail_next_call(InputError, f"trainer.run: min_workers must be a positive int, "
-                                      f"not {min_workers!r}")
-        kv.barrier()
+    refuse_unless_positive(trainer.kvstore, "trainer.run", min_workers=min_workers)
     if not isinstance(steps, int):
         steps = list(steps)
-    lost = None
-    chain = RecoveryChain()
-    while True:
-        try:
-            if lost is not None:   # (a loss during a recovery: recovered again)
-                lost, survived = None, lost
-                _recover(recovery, survived, min_workers,
-                         chain.begin(recovery.store(), survived))
-                say_recovered("trainer.run", chain.lost(survived), trainer.num_update,
-                              trainer.num_workers)
-                chain.end()
-            resumer = recovery.resumer()
-            if resumer is not None and resumer.since is None and recovery.store().fault_tolerant:
-                # (the same on every rank: resume's load is collective) A loss before
-                # the first periodic checkpoint goes back to this start, not to the
-                # weights some survivor holds then.
-                resumer.save()
-            for i in _todo(steps, trainer.num_update):
-                step_fn(i)
-            return trainer.num_update
-        except RankLostError as exc:
-            lost = exc
-            chain.lost_again(exc)
 
+    def body(recovered):
+        recovered(trainer.num_update, trainer.num_workers)
+        resumer = recovery.resumer()
+        if resumer is not None and resumer.since is None and recovery.store().fault_tolerant:
+            # (the same on every rank: resume's load is collective) A loss before
+            # the first periodic checkpoint goes back to this start, not to the
+            # weights some survivor holds then.
+            resumer.save()
+        for i in todo(steps, trainer.num_update):
+            step_fn(i)
+        return trainer.num_update
 
-def _todo(steps, done):
-    """The steps still to make after ``done`` updates."""
-    if isinstance(steps, int):
-        return range(done, steps)
-    return [i for i in steps if i >= done]
+    def recover(lost, older):
+        _recover(recovery, lost, min_workers, older)
+    return run_loop("trainer.run", body, recover, recovery.store)
 
 
 def _recover(recovery, lost, min_workers, older=None):
@@ -96,7 +81,6 @@ def _recover(recovery, lost, min_workers, older=None):
     latest complete checkpoint (or buddy copies: ``older`` as
     :meth:`mpikv.KVStore.restore_copies` takes it); or one MPIKVError where it
     cannot go on."""
-    n = len(lost.survivors)
     directory = recovery.directory()
     where = ("no checkpoints (call trainer.resume(directory, every=K) before trainer.run)"
              if directory is None else
@@ -104,9 +88,7 @@ def _recover(recovery, lost, min_workers, older=None):
              f"(trainer.resume loads it on any number of ranks)")
     # Each test reads only what every survivor holds alike (the agreed error, the
     # Trainer's arguments): every survivor raises, or none.
-    if n < min_workers:
-        raise MPIKVError(f"trainer.run: {n} rank{'s survive' if n > 1 else ' survives'}, fewer than "
-                         f"min_workers={min_workers} ({lost}); {where}") from lost
+    refuse_too_few("trainer.run", lost, min_workers, where)
     if directory is None:
         raise MPIKVError(f"trainer.run cannot go on after a lost rank with {where}: "
                          f"{lost}") from lost

@@ -25,16 +25,15 @@ that fails to load (a corrupt part) is skipped for the one before it.
 """
 
 import copy
+import functools
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from .. import statefile
+from ..checkpoints import CheckpointDir, manifest_reads, name_of
 from ..errors import InputError, MPIKVError, ValueTypeError
 from . import checkpoint
 
@@ -43,27 +42,22 @@ from . import checkpoint
 EXIT_STATUS = 75
 #: the signals that end a job after a checkpoint, by default
 SIGNALS = ("SIGUSR1", "SIGTERM")
-_NAME = re.compile(r"^step-(\d+)(?:$|\.)")
 
 
-def name_of(step):
-    """The checkpoint name of ``step``."""
-    return f"step-{step:09d}"
+def _checkpoint_dir(directory, with_state=False):
+    """The :class:`~mpikv.checkpoints.CheckpointDir` of the Trainer's checkpoints in
+    ``directory`` (complete: :func:`is_complete`, ``with_state`` as there)."""
+    return CheckpointDir(directory, functools.partial(is_complete, with_state=with_state))
 
 
 def checkpoint_path(directory, step):
     """The path of the checkpoint of ``step`` in ``directory``."""
-    return str(Path(directory) / name_of(step))
+    return str(CheckpointDir(directory).path_of(step))
 
 
 def steps_in(directory):
     """``{step: [paths of its files]}`` of everything named for a step in ``directory``."""
-    found = {}
-    for entry in Path(directory).iterdir() if Path(directory).is_dir() else ():
-        m = _NAME.match(entry.name)
-        if m:
-            found.setdefault(int(m.group(1)), []).append(entry)
-    return found
+    return CheckpointDir(directory).steps()
 
 
 def is_complete(path, with_state=False):
@@ -73,10 +67,9 @@ def is_complete(path, with_state=False):
         with open(checkpoint.meta_path(path)) as f:
             if not f.read().strip():
                 return False
-        statefile.read_manifest(str(path))
-    except (OSError, ValueError, MPIKVError):
+    except (OSError, ValueError):
         return False
-    return not with_state or Path(state_path(path)).is_file()
+    return manifest_reads(path) and (not with_state or Path(state_path(path)).is_file())
 
 
 def state_path(path):
@@ -86,24 +79,12 @@ def state_path(path):
 
 def newest_first(directory, with_state=False):
     """The complete checkpoints of ``directory``: ``[(step, path)]``, newest first."""
-    return [(step, Path(directory) / name_of(step))
-            for step in sorted(steps_in(directory), reverse=True)
-            if is_complete(Path(directory) / name_of(step), with_state)]
+    return _checkpoint_dir(directory, with_state).newest_first()
 
 
 def remove(directory, keep_steps):
     """Removes every checkpoint file in ``directory`` whose step is not in ``keep_steps``."""
-    for step, paths in steps_in(directory).items():
-        if step in keep_steps:
-            continue
-        for p in paths:
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                try:
-                    p.unlink()
-                except OSError:
-                    pass
+    CheckpointDir(directory).remove(keep_steps)
 
 
 def write_copy_extra(path, extra):
@@ -147,6 +128,7 @@ class Resumer:
                                       and hasattr(state, "load_state_dict")):
             raise ValueTypeError("state must have state_dict() and load_state_dict()")
         self._trainer, self._save, self.directory = trainer, save, Path(directory)
+        self._checkpoints = _checkpoint_dir(directory, state is not None)
         self.every, self.minutes, self.keep = every, minutes, keep
         self._state, self._requeue = state, bool(requeue)
         self._signals = [getattr(signal, s) if isinstance(s, str) else s for s in signals]
@@ -169,8 +151,7 @@ class Resumer:
             self.directory.mkdir(parents=True, exist_ok=True)
         kv.barrier()
         step = 0
-        candidates = newest_first(self.directory, self._state is not None)
-        for found, path in candidates:
+        for found, path in self._checkpoints.newest_first():
             try:
                 self._trainer.load_checkpoint(str(path))
             except MPIKVError:
@@ -182,8 +163,8 @@ class Resumer:
             self.since = found
             break
         if kv.rank == 0:   # partial saves and those that would not load
-            remove(self.directory, {s for s, _ in newest_first(
-                self.directory, self._state is not None)[:self.keep]} | {step})
+            self._checkpoints.remove(
+                {s for s, _ in self._checkpoints.newest_first()[:self.keep]} | {step})
         kv.barrier()
         for sig in self._signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -262,7 +243,7 @@ class Resumer:
                 if job:
                     subprocess.run(["scontrol", "requeue", job], check=False)
             print(f"mpikv: rank {self._trainer.kvstore.rank}: stopped after step {step} "
-                  f"(a signal), checkpoint {self.directory / name_of(step)} complete",
+                  f"(a signal), checkpoint {self._checkpoints.path_of(step)} complete",
                   file=sys.stderr, flush=True)
             sys.exit(EXIT_STATUS)
 
@@ -295,7 +276,7 @@ class Resumer:
     def _begin(self, user):
         """The path of this step's checkpoint, the user's state written beside it."""
         trainer = self._trainer
-        path = checkpoint_path(self.directory, trainer.num_update)
+        path = self._checkpoints.path_of(trainer.num_update)
         if user is not None and trainer.kvstore.rank == 0:
             import torch
             torch.save(user, state_path(path))
@@ -303,9 +284,8 @@ class Resumer:
 
     def _prune(self):
         if self._trainer.kvstore.rank == 0:
-            remove(self.directory, {s for s, _ in newest_first(
-                self.directory, self._state is not None)[:self.keep]})
+            self._checkpoints.prune(self.keep)
 
 
-__all__ = ["EXIT_STATUS", "Resumer", "checkpoint_path", "is_complete", "name_of", "newest_first",
-           "remove", "steps_in", "state_path", "write_copy_extra"]
+__all__ = ["EXIT_STATUS", "Resumer", "checkpoint_path", "is_complete", "name_of",
+           "newest_first", "remove", "steps_in", "state_path", "write_copy_extra"]

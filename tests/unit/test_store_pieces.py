@@ -219,6 +219,27 @@ def test_todo_skips_the_steps_done():
     assert list(elastic.todo(5, 2)) == [2, 3, 4] and elastic.todo([1, 4, 7], 4) == [4, 7]
 
 
+def test_refuse_unless_positive_names_the_caller_and_the_first_bad_number():
+    kv = mpikv.create("local")
+    elastic.refuse_unless_positive(kv, "trainer.run", min_workers=2)   # nothing refused
+    with pytest.raises(mpikv.InputError, match=r"trainer\.run: keep must be a positive int, "
+                                               r"not True"):
+        elastic.refuse_unless_positive(kv, "trainer.run", every=3, keep=True, min_workers=0)
+    kv.barrier()
+    kv.close()
+
+
+def test_refuse_too_few_raises_only_below_min_workers():
+    one = _loss([1, 2], [0])
+    elastic.refuse_too_few("kv.run", one, 1, "no matter")   # enough: returns
+    with pytest.raises(mpikv.MPIKVError, match=r"^kv\.run: 1 rank survives, fewer than "
+                                               r"min_workers=2 \(.*\); it is in d$") as got:
+        elastic.refuse_too_few("kv.run", one, 2, "it is in d")
+    assert got.value.__cause__ is one
+    with pytest.raises(mpikv.MPIKVError, match="2 ranks survive, fewer than min_workers=3"):
+        elastic.refuse_too_few("kv.run", _loss([1], [0, 2]), 3, "")
+
+
 def test_refuse_fails_the_call_on_every_rank_and_leaves_the_store_usable():
     kv = mpikv.create("local")
     with pytest.raises(mpikv.InputError, match="not today; nothing was applied"):
