@@ -3,10 +3,9 @@
 import numpy as np
 import pytest
 
-import mpikv
 from mpikv import errors, optimizer
 
-from .conftest import TEST_TIMEOUT, raises_everywhere
+from .conftest import raises_everywhere
 
 pytestmark = pytest.mark.mpi
 

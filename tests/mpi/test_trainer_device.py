@@ -42,9 +42,7 @@ def _train(comm, dtype, opt, how, join=False, compression=None, store="dist_sync
     cls, kw = OPTIMIZERS[opt]
     per = cases.GLOBAL_BATCH // comm.size
     rows = slice(comm.rank * per, (comm.rank + 1) * per)
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                              torch.nn.Linear(16, 4)).to(dt)
+    net = cases.small_net(dt)
     kv = mpikv.create(store, timeout=TEST_TIMEOUT, bigarray_bound=40)
     trainer = mpikv.torch.Trainer(net, cls, kw, kv, compression=compression,
                                   lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
@@ -53,20 +51,8 @@ def _train(comm, dtype, opt, how, join=False, compression=None, store="dist_sync
         x, y = (t.to(dt) for t in cases.data(step, 0))
         trainer.zero_grad()
         ((net(x[rows]) - y[rows]).float() ** 2).mean().backward()
-        if how == "clip":   # the clipping pattern of Gluon: allreduce_grads, clip, update
-            trainer.allreduce_grads()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
-            trainer.update()
-        elif how == "clip-ddp":   # DDP's: .grad is averaged when backward returns
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
-            trainer.step()
-        else:
-            trainer.step()
-        trainer.lr_scheduler.step()
-    last = trainer.join() if join else None
-    weights = {n: p.detach().clone() for n, p in net.named_parameters()}
-    updates = trainer.num_update
-    trainer.close()
+        cases.update(trainer, net, how)
+    weights, updates, last = cases.finish(trainer, net, join)
     kv.close()
     return weights, updates, last, arrays
 
