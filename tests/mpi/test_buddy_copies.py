@@ -143,7 +143,8 @@ def test_a_second_loss_during_the_recovery_is_covered_by_the_first_stores_copies
     kv.close()
 
 
-def test_a_rank_lost_with_its_buddy_writes_nothing_and_says_so(make_store, comm, shared_dir, monkeypatch):
+def test_a_rank_lost_with_its_buddy_writes_nothing_and_says_so(make_store, comm, shared_dir,
+                                                               monkeypatch):
     """The survivors then go on from the newest periodic checkpoint (tests/jobs)."""
     n = comm.size
     if n < 3:

@@ -223,11 +223,11 @@ def test_a_late_rank_is_waited_for_and_calls_go_on(comm):
 
 
 @pytest.mark.parametrize("bad", ["shape", "dtype", "priority", "readonly_out", "op"])
-def test_repeated_one_key_call_errors_everywhere(comm, bad):
+def test_repeated_one_key_call_errors_everywhere(make_store, comm, bad):
     """A repeated one-key call runs on its remembered route; a rank whose call differs
     (and so takes the general path) still makes every rank raise the same error,
     and nothing is applied."""
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv = make_store()
     kv.init(1, np.zeros(4, np.float32))
     out = np.zeros(4, np.float32)
     for _ in range(2):   # the second call runs on the remembered route

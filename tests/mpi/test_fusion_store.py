@@ -213,8 +213,8 @@ def test_shared_memory_can_be_turned_off(make_store, comm):
     assert all((b == _total(comm, k)).all() for k, b in zip(KEYS, bufs))
 
 
-def test_one_array_given_for_two_keys_is_not_summed_twice(comm):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bucket_bytes=16)  # a bucket per key
+def test_one_array_given_for_two_keys_is_not_summed_twice(make_store, comm):
+    kv = make_store(bucket_bytes=16)  # a bucket per key
     kv.init([1, 2], [np.zeros(4, np.float32)] * 2)
     a = np.ones(4, np.float32)
     kv.pushpull([1, 2], [a, a])
@@ -249,7 +249,8 @@ def test_priority_values(make_store, comm):
         kv.push(3, np.ones(4, np.float32), priority=p)  # equal values agree
 
 
-def test_zero_copy_then_checkpoint_load_gives_the_store_its_own_memory(make_store, comm, mpi_tmp_path):
+def test_zero_copy_then_checkpoint_load_gives_the_store_its_own_memory(make_store, comm,
+                                                                       mpi_tmp_path):
     kv = make_store(**_options())
     keys = [0, 1]
     kv.init(keys, [np.zeros(4, np.float32)] * 2)
@@ -270,8 +271,8 @@ def test_zero_copy_then_checkpoint_load_gives_the_store_its_own_memory(make_stor
     assert all((b == 2 * comm.size).all() for b in bufs)
 
 
-def test_per_key_priorities_follow_the_keys_not_the_list_order(comm):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bucket_bytes=16)  # a bucket per key
+def test_per_key_priorities_follow_the_keys_not_the_list_order(make_store, comm):
+    kv = make_store(bucket_bytes=16)  # a bucket per key
     kv.init([0, 1], [np.zeros(4, np.float32), np.zeros(8, np.float32)])
     keys = [0, 1] if comm.rank % 2 == 0 else [1, 0]
     prio = {0: 5, 1: 7}
@@ -320,12 +321,11 @@ def test_shared_buffers_given_crosswise_still_sum_right(make_store, comm):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_ranks_whose_inputs_take_different_routes_still_match(comm, name):
+def test_ranks_whose_inputs_take_different_routes_still_match(make_store, comm, name):
     """One key, summed from the caller's array where it can be: one rank sums in
     its own array (out=None), one into an output, one from a non-contiguous
     array (packed first). The strategy must call the same collectives on all."""
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, reducer=name, direct_bytes=64,
-                      bucket_bytes=256)
+    kv = make_store(reducer=name, direct_bytes=64, bucket_bytes=256)
     n = 300
     kv.init("w", np.zeros(n, np.float32))
     total = sum(r + 1 for r in range(comm.size))
@@ -348,7 +348,8 @@ def test_ranks_whose_inputs_take_different_routes_still_match(comm, name):
     assert (out == total).all()
 
 
-def test_columns_naming_different_strategies_still_match(comm, tmp_path_factory, monkeypatch):
+def test_columns_naming_different_strategies_still_match(make_store, comm, tmp_path_factory,
+                                                         monkeypatch):
     """A cached table whose in-place and out-of-place columns name different
     strategies: ranks whose one-key inputs take different routes must still
     run the same one."""
@@ -365,7 +366,7 @@ def test_columns_naming_different_strategies_still_match(comm, tmp_path_factory,
     if comm.rank == 0:
         assert tuning.write_cache(tuning.cache_path(key), key, table) is None
     comm.Barrier()
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, autotune=False, direct_bytes=64)
+    kv = make_store(autotune=False, direct_bytes=64)
     assert "hand-made" in kv.tuning_table.source or comm.size == 1
     n = 300
     kv.init("w", np.zeros(n, np.float32))

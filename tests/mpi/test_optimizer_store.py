@@ -5,11 +5,10 @@ import pickle
 import numpy as np
 import pytest
 
-import mpikv
 from mpikv import errors, optimizer
 from tests.unit.test_optimizer_rules import REFS
 
-from .conftest import TEST_TIMEOUT, raises_everywhere
+from .conftest import raises_everywhere
 
 pytestmark = pytest.mark.mpi
 STEPS = 4
@@ -86,8 +85,8 @@ def test_float32_and_float16_weights(make_store, comm):
         np.testing.assert_allclose(out.reshape(-1), ref, rtol=tol, atol=tol)
 
 
-def test_state_lives_only_on_owners_about_one_nth_each(comm):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=1000)
+def test_state_lives_only_on_owners_about_one_nth_each(make_store, comm):
+    kv = make_store(bigarray_bound=1000)
     keys = [f"k{i}" for i in range(40)]
     sizes = [3000, 2500] + [37 * (i % 7 + 1) for i in range(38)]  # two split, 38 small
     kv.init(keys, [np.zeros(s, np.float32) for s in sizes])
@@ -302,18 +301,18 @@ def test_crafted_manifest_with_bad_fields_is_refused(make_store, comm, mpi_tmp_p
     assert (out == 1).all()
 
 
-def test_load_that_cannot_allocate_fails_everywhere(comm, mpi_tmp_path, monkeypatch):
+def test_load_that_cannot_allocate_fails_everywhere(make_store, comm, mpi_tmp_path, monkeypatch):
     # Memory for a load (new keys, states on a GPU) is allocated before the
     # ranks agree: one rank out of memory means an error on every rank, and
     # nothing applied, not ranks that disagree.
     from mpikv import checkpoint
     path = str(mpi_tmp_path / "alloc.ckpt")
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv = make_store()
     kv.init(["a", "b"], [np.ones(5), np.ones((2, 3))])
     kv.set_optimizer(optimizer.Adam(learning_rate=0.1))
     kv.push(["a", "b"], [np.ones(5), np.ones((2, 3))])
     kv.save_checkpoint(path)
-    fresh = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    fresh = make_store()
     if comm.rank == comm.size - 1:
         def out_of_memory(*args, **kwargs):
             raise MemoryError("simulated: out of memory")

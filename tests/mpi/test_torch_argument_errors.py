@@ -61,7 +61,8 @@ def test_bad_distributed_optimizer_arguments_fail_every_rank_alike(comm, make):
     ({"keep": 0}, mpikv.InputError),
     ({"state": object()}, mpikv.ValueTypeError),
 ])
-def test_bad_resume_arguments_fail_every_rank_alike(make_store, comm, tmp_path_factory, kwargs, error):
+def test_bad_resume_arguments_fail_every_rank_alike(make_store, comm, tmp_path_factory, kwargs,
+                                                    error):
     directory = comm.bcast(str(tmp_path_factory.mktemp("r")) if comm.rank == 0 else None)
     trainer = mpikv.torch.Trainer(cases.Net(), torch.optim.SGD, {"lr": 0.1}, make_store())
     raises_everywhere(comm, error, lambda: trainer.resume(directory, **kwargs))
@@ -69,7 +70,8 @@ def test_bad_resume_arguments_fail_every_rank_alike(make_store, comm, tmp_path_f
     trainer.kvstore.close()
 
 
-def test_a_checkpoint_of_whole_parameter_state_is_refused_on_every_rank(make_store, comm, tmp_path_factory):
+def test_a_checkpoint_of_whole_parameter_state_is_refused_on_every_rank(make_store, comm,
+                                                                        tmp_path_factory):
     path = comm.bcast(str(tmp_path_factory.mktemp("c") / "ck") if comm.rank == 0 else None)
     trainer = mpikv.torch.Trainer(cases.Net(), torch.optim.Adafactor, {"lr": 0.01}, make_store())
     raises_everywhere(comm, mpikv.OptimizerError, lambda: trainer.save_checkpoint(path))

@@ -151,7 +151,8 @@ def _batches(rank):
 @pytest.mark.parametrize("opt,kw", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
                                     (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.01})],
                          ids=["sgd", "adamw"])
-def test_join_equals_a_run_whose_ranks_out_of_data_add_zero_gradients(make_store, comm, how, dtype, opt, kw):
+def test_join_equals_a_run_whose_ranks_out_of_data_add_zero_gradients(make_store, comm, how, dtype,
+                                                                      opt, kw):
     # Trainer.join is the store's join with the Trainer's part in each step: the same
     # weights, bit for bit, as ranks that go on stepping with zero gradients (which also
     # step their schedulers; a joined rank takes rank 0's rates).
@@ -258,7 +259,8 @@ def test_unused_parameter_is_an_error_on_every_rank_when_asked(make_store, comm)
     assert not torch.equal(net.fc1.weight, before["fc1.weight"])
 
 
-def test_a_second_backward_without_no_sync_is_an_error_on_every_rank_with_sharded_gradients(make_store, comm):
+def test_a_second_backward_without_no_sync_is_an_error_on_every_rank_with_sharded_gradients(
+        make_store, comm):
     net, trainer = _net_and_trainer(make_store, shard="gradients")
     before = _weights(net)
     x, y = cases.data(0, 0)
@@ -452,7 +454,8 @@ def test_16_bit_parameters_on_one_rank_only_are_an_error_on_every_rank(make_stor
     assert "set_optimizer: ranks differ in optimizer" in message
 
 
-def test_a_trainer_save_rank_0_cannot_write_is_an_error_on_every_rank(make_store, comm, tmp_path_factory):
+def test_a_trainer_save_rank_0_cannot_write_is_an_error_on_every_rank(make_store, comm,
+                                                                      tmp_path_factory):
     import os
     base = comm.bcast(str(tmp_path_factory.mktemp("save")) if comm.rank == 0 else None)
     _, trainer = _net_and_trainer(make_store)
@@ -585,7 +588,8 @@ def _rank_step(comm, net, trainer, step):
 
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("name", sorted(STATE_OPTIMIZERS))
-def test_consolidated_state_equals_one_torch_process_with_the_global_batch(make_store, comm, name, split,
+def test_consolidated_state_equals_one_torch_process_with_the_global_batch(make_store, comm, name,
+                                                                           split,
                                                                            monkeypatch):
     """consolidate_state_dict gathers every owner's parts (whole keys, or flat shards
     of split keys) onto rank `to`, in the format of the plain torch optimizer."""
@@ -594,7 +598,8 @@ def test_consolidated_state_equals_one_torch_process_with_the_global_batch(make_
     opt, kw = STATE_OPTIMIZERS[name]
     ref, net = cases.Net(), cases.Net()
     plain = opt(_trained(ref), **kw)
-    trainer = mpikv.torch.Trainer(net, opt, kw, make_store(**({"bigarray_bound": 10} if split else {})))
+    trainer = mpikv.torch.Trainer(net, opt, kw,
+                                  make_store(**({"bigarray_bound": 10} if split else {})))
     for step in range(3):
         _plain_step(ref, plain, step)
         _rank_step(comm, net, trainer, step)
@@ -611,7 +616,8 @@ def test_consolidated_state_equals_one_torch_process_with_the_global_batch(make_
 
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("name", sorted(STATE_OPTIMIZERS))
-def test_a_torch_state_loads_on_the_owners_and_training_goes_on_as_torch(make_store, comm, name, split):
+def test_a_torch_state_loads_on_the_owners_and_training_goes_on_as_torch(make_store, comm, name,
+                                                                         split):
     """A one-process torch run's state (as a DDP run saves it, loaded on every rank):
     each owner takes its parts exactly, and the next steps equal torch's."""
     opt, kw = STATE_OPTIMIZERS[name]
@@ -621,7 +627,8 @@ def test_a_torch_state_loads_on_the_owners_and_training_goes_on_as_torch(make_st
         _plain_step(ref, plain, step)
     saved = copy.deepcopy(plain.state_dict())
     net = copy.deepcopy(ref)
-    trainer = mpikv.torch.Trainer(net, opt, {**kw, "lr": 0.5}, make_store(**({"bigarray_bound": 10} if split else {})))
+    trainer = mpikv.torch.Trainer(net, opt, {**kw, "lr": 0.5},
+                                  make_store(**({"bigarray_bound": 10} if split else {})))
     trainer.optimizer.load_state_dict(saved)
     assert trainer.optimizer.param_groups[0]["lr"] == kw["lr"]
     trainer.optimizer.consolidate_state_dict(to=0)

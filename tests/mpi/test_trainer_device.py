@@ -123,13 +123,14 @@ def test_device_trainer_with_compression_equals_the_host_one(comm, device_run, c
     _check_device_keys(comm, arrays, fake)
 
 
-def test_the_hook_orders_pushes_with_events_not_host_synchronizations(comm, monkeypatch):
+def test_the_hook_orders_pushes_with_events_not_host_synchronizations(make_store, comm,
+                                                                      monkeypatch):
     fake = fake_cuda_torch.install(monkeypatch, device=comm.rank % 2)
     monkeypatch.setenv(cuda.ENV, "0")
     monkeypatch.setattr(cuda, "FALLBACK", cuda.Fallback())
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
-                                  mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT),
+                                  make_store("dist_sync_device"),
                                   bucket_bytes=64)
     x, y = (t.float() for t in cases.data(0, 0))
     before = fake.calls["torch_before_store"]
@@ -145,7 +146,7 @@ def test_the_hook_orders_pushes_with_events_not_host_synchronizations(comm, monk
 
 @pytest.mark.skipif(not cuda_torch(), reason="needs a GPU with CUDA torch and cupy")
 @pytest.mark.parametrize("how", ["clip", "clip-ddp"])
-def test_bfloat16_trainer_with_clipping_and_join_on_cuda_equals_the_host(comm, how):
+def test_bfloat16_trainer_with_clipping_and_join_on_cuda_equals_the_host(make_store, comm, how):
     """The Trainer in bfloat16 on real CUDA tensors (cuda:{local rank}, no set_device),
     clipping, uneven data with join: the same weights as on the host."""
     pytest.importorskip("ml_dtypes")
@@ -158,7 +159,7 @@ def test_bfloat16_trainer_with_clipping_and_join_on_cuda_equals_the_host(comm, h
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
                               torch.nn.Linear(16, 4)).to(dt).to(f"cuda:{device}")
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=40)
+    kv = make_store("dist_sync_device", bigarray_bound=40)
     trainer = mpikv.torch.Trainer(net, cls, kw, kv,
                                   lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
     for key, entry in kv._engine.entries.items():
