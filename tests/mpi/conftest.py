@@ -79,7 +79,7 @@ def end_stores(item, stores):
     else:
         for store in reversed(stores):
             store.abandon()
-        item.stash.setdefault(_ABANDONED, []).extend(stores)
+            _ABANDONED.add(id(store))
 
 
 # -- stores left open by a test: ended too, counted, reported at the session's end ----
@@ -91,7 +91,7 @@ def open_stores():
 
 
 _LEFT_OPEN = collections.Counter()   # test file -> stores its tests left to the net
-_ABANDONED = pytest.StashKey[list]()
+_ABANDONED = set()                   # ids of the stores abandoned after a failed test
 
 
 @pytest.fixture(autouse=True)
@@ -101,19 +101,32 @@ def _stores_ended(request):
     own, and counted per file (the report at the end of the session)."""
     before = {id(s) for s in open_stores()}
     yield
-    abandoned = {id(s) for s in request.node.stash.get(_ABANDONED, [])}
-    left = [s for s in open_stores() if id(s) not in before | abandoned]
+    left = [s for s in open_stores() if id(s) not in before | _ABANDONED]
     if left:
         _LEFT_OPEN[request.node.location[0]] += len(left)
     end_stores(request.node, left)   # (on every rank, left or not: one agreement a test)
+
+
+def _still_open():
+    return [s for s in open_stores() if id(s) not in _ABANDONED]
+
+
+def pytest_sessionfinish(session):
+    """The run fails if a store is still open at its end (one abandoned after a failed
+    test aside): each test must end what it made."""
+    if _still_open() and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter):
     if "mpi4py.MPI" not in sys.modules:
         return
     from mpi4py import MPI
+    still = _still_open()
     terminalreporter.write_line(
-        f"rank {MPI.COMM_WORLD.rank}: {len(open_stores())} stores open at the end; "
+        f"rank {MPI.COMM_WORLD.rank}: {len(still)} stores open at the end"
+        f"{' (the run fails: every test must end the stores it made)' if still else ''}"
+        f", {len(open_stores()) - len(still)} abandoned after a failed test; "
         f"{sum(_LEFT_OPEN.values())} left open by tests and ended at their teardown: "
         f"{dict(_LEFT_OPEN.most_common())}")
 
