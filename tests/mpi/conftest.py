@@ -12,6 +12,7 @@ from mpikv import backends
 from mpikv.transport import cuda
 
 from .. import fakecupy
+from ..conftest import FAILED
 
 # A bug must end a test job quickly, not hang it for the default 10 minutes.
 TEST_TIMEOUT = 120
@@ -132,7 +133,6 @@ def pytest_terminal_summary(terminalreporter):
 
 
 # -- whether a test passed on every rank, asked once at its teardown ------------------
-_FAILED = pytest.StashKey[bool]()
 _PASSED_EVERYWHERE = pytest.StashKey[bool]()
 _TEARDOWN = []      # [the communicator of the teardown agreements]
 _UNANSWERED = []    # agreements some rank did not join in time (MPI must keep them)
@@ -147,13 +147,6 @@ def _teardown_comm():
     yield
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    if outcome.get_result().failed:   # this rank's setup or call failed
-        item.stash[_FAILED] = True
-
-
 def passed_everywhere(item):
     """Whether ``item``'s setup and call passed on every rank; False where some rank
     does not say so within :data:`TEARDOWN_BOUND` seconds. Asked once a test (the
@@ -166,7 +159,7 @@ def passed_everywhere(item):
     if _PASSED_EVERYWHERE in item.stash:
         return item.stash[_PASSED_EVERYWHERE]
     from mpi4py import MPI
-    mine = np.array([0 if item.stash.get(_FAILED, False) else 1], np.int32)
+    mine = np.array([0 if item.stash.get(FAILED, False) else 1], np.int32)
     everyone = np.zeros(1, np.int32)
     request = _TEARDOWN[0].Iallreduce(mine, everyone, op=MPI.MIN)
     deadline = time.monotonic() + TEARDOWN_BOUND
