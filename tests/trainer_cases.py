@@ -210,7 +210,10 @@ def train(name, kv_type="dist_sync", rank=0, size=1, extra=0, joined=None, face=
     if extra:
         joined.append(trainer.join())
     with trainer.gathered():   # shard="parameters": the owners' parts, whole
-        return {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
+        weights = {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
+    trainer.close()
+    store.close()   # (collective, as the steps were: the store was made here)
+    return weights
 
 
 def reference(name, size, extra=0):
