@@ -6,7 +6,7 @@ import pytest
 import mpikv
 from mpikv import errors
 
-from .conftest import TEST_TIMEOUT, raises_everywhere
+from .conftest import raises_everywhere
 
 pytestmark = pytest.mark.mpi
 SHAPE = (2, 3)
@@ -173,9 +173,9 @@ def test_plan_is_the_same_on_every_rank(kv_split, comm):
     assert all(s == shards for s in comm.allgather(shards))
 
 
-def test_subcommunicator(comm):
+def test_subcommunicator(make_store, comm):
     sub = comm.Split(comm.rank % 2, comm.rank)
-    kv = mpikv.create("dist_sync", comm=sub, timeout=TEST_TIMEOUT)
+    kv = make_store(comm=sub)
     assert kv.num_workers == sub.size and kv.rank == sub.rank
     kv.init(1, np.zeros(2))
     kv.push(1, np.full(2, float(comm.rank)))
@@ -265,14 +265,14 @@ def test_repeated_one_key_call_errors_everywhere(make_store, comm, bad):
     ("bigarray_bound", 10, None), ("bucket_bytes", 64, None), ("reducer", "reduce_bcast", None),
     ("shared_memory", False, None),
 ])
-def test_store_options_that_differ_between_ranks_are_an_error_everywhere(comm, option, value,
-                                                                         default):
+def test_store_options_that_differ_between_ranks_are_an_error_everywhere(
+        make_store, comm, option, value, default):
     kwargs = {option: value if comm.rank == 0 else default}
     if comm.size == 1:  # nothing to differ from: the store is made
-        mpikv.create("dist_sync", timeout=120, **kwargs)
+        make_store(**kwargs)
         return
     message = raises_everywhere(comm, mpikv.MismatchError,
-                                lambda: mpikv.create("dist_sync", timeout=120, **kwargs))
+                                lambda: make_store(**kwargs))
     assert f"different store options: {option} is" in message and "rank 0" in message
 
 

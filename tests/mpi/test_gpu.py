@@ -18,7 +18,6 @@ Run: ``scripts/mpirun.sh -n 2 python -m pytest tests/mpi/test_gpu.py --with-mpi`
 import numpy as np
 import pytest
 
-import mpikv
 from mpikv import backends, optimizer
 from mpikv.transport import cuda
 
@@ -272,11 +271,11 @@ def test_float16_device_list_summed_in_float32(cp, comm, gkv):
 
 
 @pytest.mark.parametrize("store", ["local", "device", "dist_sync", "dist_sync_device"])
-def test_every_store_type_takes_gpu_values(cp, comm, store):
+def test_every_store_type_takes_gpu_values(make_store, cp, comm, store):
     n, r = comm.size, comm.rank
     workers = 1 if store in ("local", "device") else n
     tri = r + 1 if workers == 1 else _tri(n)  # a local store sums only its own values
-    kv = mpikv.create(store, timeout=TEST_TIMEOUT)
+    kv = make_store(store)
     keys = ["a", "b"]
     kv.broadcast(keys, [cp.full(3, 7 + r, cp.float32), cp.zeros((2, 2), cp.float64)],
                  out=[cp.empty(3, cp.float32), cp.empty((2, 2), cp.float64)])
@@ -425,13 +424,12 @@ def test_sync_calls_return_outputs_complete_for_every_stream(cp, comm, gkv, call
 
 
 @pytest.mark.parametrize("where", ["host", "device"])
-def test_fused_push_of_the_stores_own_values_swapped(cp, comm, where):
+def test_fused_push_of_the_stores_own_values_swapped(make_store, cp, comm, where):
     # The inputs are views of the memory the sum is gathered into: overlaps of device
     # views are found by memory ranges, as for host arrays, and the bucket is gathered
     # elsewhere first.
     n = comm.size
-    kv = mpikv.create("dist_sync_device" if where == "device" else "dist_sync",
-                      timeout=TEST_TIMEOUT)
+    kv = make_store("dist_sync_device" if where == "device" else "dist_sync")
     make = cp if where == "device" else np
     kv.init(["a", "b"], [make.full(4, 1, np.float32), make.full(4, 2, np.float32)])
     va, vb = kv.value_buffers(["a", "b"])

@@ -10,12 +10,11 @@ Run: ``scripts/mpirun.sh -n 3 python -m pytest tests/mpi/test_gpu_pipeline.py --
 import numpy as np
 import pytest
 
-import mpikv
 from mpikv import errors, optimizer
 from mpikv.transport.pipeline import piece_ranges
 
 from .. import fakecupy
-from .conftest import TEST_TIMEOUT, raises_everywhere
+from .conftest import raises_everywhere
 
 pytestmark = pytest.mark.mpi
 
@@ -146,14 +145,14 @@ def test_ranks_with_keys_on_gpu_and_on_host_cut_the_same_buckets(make_store, cp,
     assert len(host._engine.layout(keys).buckets) == 3   # 700 and 2000 elements alone
 
 
-def test_ranks_that_make_different_store_types_cut_the_same_buckets(comm):
+def test_ranks_that_make_different_store_types_cut_the_same_buckets(make_store, comm):
     """A Trainer makes a device store where its parameters are on a GPU, a host store
     elsewhere: one rank's device type makes every rank pack as a device store."""
     n, r = comm.size, comm.rank
     sizes = [3, 700, 50, 2000, 9]
     keys = list(range(len(sizes)))
     kind = "dist_sync_device" if r == n - 1 else "dist_sync"
-    kv = mpikv.create(kind, timeout=TEST_TIMEOUT, autotune=False, direct_bytes=1024)
+    kv = make_store(kind, autotune=False, direct_bytes=1024)
     values = [(np.arange(s) % 5 + r).astype(np.float32) for s in sizes]
     kv.init(keys, values)
     assert comm.allgather(len(kv._engine.layout(keys).buckets)) == [1] * n

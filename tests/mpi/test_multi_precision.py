@@ -9,10 +9,8 @@ number of ranks.
 import numpy as np
 import pytest
 
-import mpikv
 from mpikv import optimizer as opt
 
-from .conftest import TEST_TIMEOUT
 
 pytestmark = pytest.mark.mpi
 
@@ -134,7 +132,7 @@ def test_masters_resume_on_another_number_of_ranks(make_store, comm, tmp_path_fa
     m = max(1, comm.size - 1)
     sub = comm.Split(0 if comm.rank < m else 1, comm.rank)
     if comm.rank < m:
-        other = mpikv.create("dist_sync", comm=sub, timeout=TEST_TIMEOUT, bigarray_bound=16)
+        other = make_store(comm=sub, bigarray_bound=16)
         other.load_checkpoint(f"{path}/ck")
         for step in range(2, 4):
             other.push(list(SHAPES), [grad(other.rank, step, k, dt) for k in SHAPES])

@@ -8,7 +8,7 @@ import pytest
 import mpikv
 from mpikv import optimizer as mx_optimizer
 
-from .conftest import TEST_TIMEOUT, raises_everywhere
+from .conftest import raises_everywhere
 
 pytestmark = pytest.mark.mpi
 
@@ -156,7 +156,7 @@ def test_a_row_table_checkpoint_resumes_on_another_rank_count(make_store, comm, 
     kv.close()
     sub = comm.Split(0 if comm.rank < after else 1, comm.rank)
     if comm.rank < after:
-        again = mpikv.create("dist_sync", comm=sub, timeout=TEST_TIMEOUT)
+        again = make_store(comm=sub)
         again.load_checkpoint(path)   # makes the table, the optimizer from the file
         for s in range(2, 4):
             # The pushes of the ranks that are gone, from these ranks.
