@@ -15,7 +15,8 @@ def _accumulate(key, pushed, stored):
     stored += pushed
 
 
-def _store(make_store):
+def _accumulating(make_store):
+    """A store that adds what is pushed to what it holds, "w" zeros."""
     kv = make_store()
     kv.set_updater(_accumulate)
     kv.init("w", np.zeros(3))
@@ -23,7 +24,7 @@ def _store(make_store):
 
 
 def test_run_sums_each_batch_once_on_any_rank_count(make_store, shared_dir):
-    kv = _store(make_store)
+    kv = _accumulating(make_store)
     calls = []
 
     def step_fn(kv, i):
@@ -41,7 +42,7 @@ def test_run_sums_each_batch_once_on_any_rank_count(make_store, shared_dir):
 
 
 def test_a_bad_argument_on_one_rank_raises_on_every_rank(make_store, comm, shared_dir):
-    kv = _store(make_store)
+    kv = _accumulating(make_store)
     every = 0 if comm.rank == comm.size - 1 else 2
     said = raises_everywhere(comm, mpikv.InputError,
                              lambda: kv.run(lambda kv, i: None, 3, shared_dir, every=every))
@@ -50,7 +51,7 @@ def test_a_bad_argument_on_one_rank_raises_on_every_rank(make_store, comm, share
 
 
 def test_a_bad_redundancy_on_one_rank_raises_on_every_rank(make_store, comm, shared_dir):
-    kv = _store(make_store)
+    kv = _accumulating(make_store)
     redundancy = "disk" if comm.rank == comm.size - 1 else "memory"
     said = raises_everywhere(comm, mpikv.InputError, lambda: kv.run(
         lambda kv, i: None, 3, shared_dir, every=2, redundancy=redundancy))

@@ -10,7 +10,8 @@ def _accumulate(key, pushed, stored):
     stored += pushed
 
 
-def _store(make_store):
+def _accumulating(make_store):
+    """A store that adds what is pushed to what it holds, "w" zeros."""
     kv = make_store()
     kv.set_updater(_accumulate)
     kv.init("w", np.zeros(3))
@@ -23,14 +24,14 @@ def test_run_saves_every_k_steps_and_a_new_run_goes_on_from_the_newest(make_stor
     def step_fn(kv, i):
         calls.append(i)
         kv.push("w", np.full(3, float(i)))
-    kv = _store(make_store)
+    kv = _accumulating(make_store)
     assert kv.run(step_fn, 5, tmp_path, every=2) is kv
     assert calls == [0, 1, 2, 3, 4]
     # step 0 at the start, then after 2 and 4 steps; the newest two kept
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "step-000000002", "step-000000002.parts", "step-000000004", "step-000000004.parts"]
     calls.clear()
-    again = _store(make_store)
+    again = _accumulating(make_store)
     again.run(step_fn, [3, 4, 5, 6], tmp_path, every=2)
     assert calls == [4, 5, 6]   # from the checkpoint after 4 steps
     out = np.zeros(3)
@@ -47,4 +48,4 @@ def test_run_saves_every_k_steps_and_a_new_run_goes_on_from_the_newest(make_stor
 ])
 def test_run_refuses_bad_arguments(make_store, tmp_path, kwargs, says):
     with pytest.raises(mpikv.InputError, match=f"^barrier: kv.run: {says}; nothing was applied$"):
-        _store(make_store).run(lambda kv, i: None, 3, tmp_path, **kwargs)
+        _accumulating(make_store).run(lambda kv, i: None, 3, tmp_path, **kwargs)
