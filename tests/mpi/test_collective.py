@@ -18,11 +18,11 @@ def pulled(kv, key, shape=SHAPE, dtype=np.float64):
     return out
 
 
-def test_properties(kv, comm):
+def test_properties(make_store, kv, comm):
     assert kv.type == "dist_sync"
     assert kv.rank == comm.rank
     assert kv.num_workers == comm.size
-    assert mpikv.create("dist_sync_device").type == "dist_sync_device"
+    assert make_store("dist_sync_device").type == "dist_sync_device"
 
 
 def test_init_takes_rank_zeros_value(kv, comm):
@@ -204,11 +204,11 @@ def test_bad_comm():
         mpikv.create("dist_sync", comm="world")
 
 
-def test_a_late_rank_is_waited_for_and_calls_go_on(comm):
+def test_a_late_rank_is_waited_for_and_calls_go_on(make_store, comm):
     """Ranks waiting past the announcement time (a quarter of the timeout) tell the
     others they are there; the call still completes and later calls are unaffected."""
     import time
-    kv = mpikv.create("dist_sync", timeout=4)
+    kv = make_store(timeout=4)
     kv.init([1, 2], [np.zeros(3), np.zeros(3)])
     for step in range(3):
         if comm.rank == 0 and step == 1:

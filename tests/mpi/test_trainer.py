@@ -77,7 +77,8 @@ def test_join_ends_even_when_no_rank_has_extra_data(make_store, comm):
                                     (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.01})],
                          ids=["sgd", "adamw"])
 @pytest.mark.parametrize("clip", [None, 0.05])
-def test_a_16_bit_model_with_float32_masters_equals_one_process(comm, dtype, opt, kw, clip):
+def test_a_16_bit_model_with_float32_masters_equals_one_process(make_store, comm, dtype, opt, kw,
+                                                                clip):
     if dtype == "bfloat16":
         pytest.importorskip("ml_dtypes")
     dt = getattr(torch, dtype)
@@ -91,8 +92,7 @@ def test_a_16_bit_model_with_float32_masters_equals_one_process(comm, dtype, opt
         return ((model(x) - y).float() ** 2).mean()
 
     net = make()
-    trainer = mpikv.torch.Trainer(net, opt, kw, mpikv.create("dist_sync", timeout=120,
-                                                             bigarray_bound=40))
+    trainer = mpikv.torch.Trainer(net, opt, kw, make_store(bigarray_bound=40))
     # One process: each rank's 16-bit gradient, summed in float32, averaged, applied by
     # torch's optimizer to float32 masters, rounded once into the 16-bit model.
     ref = make()
