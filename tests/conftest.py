@@ -56,12 +56,38 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not _on_stand_in(item)]
 
 
+#: set on a test whose setup or call failed on this process (for the fixtures' teardown)
+FAILED = pytest.StashKey[bool]()
+
+
+@pytest.fixture
+def make_store(request):
+    """``make_store(name="local", **options)``: a store closed at the end of the test,
+    unless the test failed (its failure is the report, not a second error from
+    ``close``). tests/mpi/conftest.py has the collective one (``dist_sync``, and a
+    teardown that cannot hang when one rank failed)."""
+    import mpikv
+    made = []
+
+    def make(name="local", **options):
+        store = mpikv.create(name, **options)
+        made.append(store)
+        return store
+
+    yield make
+    if not request.node.stash.get(FAILED, False):
+        for store in reversed(made):
+            store.close()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        item.stash[FAILED] = True
     if not gpu_required():
         return
-    report = outcome.get_result()
     if report.skipped and isinstance(report.longrepr, tuple):
         reason = str(report.longrepr[2])
         if any(r in reason for r in NO_GPU_REASONS):

@@ -210,7 +210,10 @@ def train(name, kv_type="dist_sync", rank=0, size=1, extra=0, joined=None, face=
     if extra:
         joined.append(trainer.join())
     with trainer.gathered():   # shard="parameters": the owners' parts, whole
-        return {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
+        weights = {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
+    trainer.close()
+    store.close()   # (collective, as the steps were: the store was made here)
+    return weights
 
 
 def reference(name, size, extra=0):
@@ -288,3 +291,60 @@ def assert_same_state(got, want, tol=0.0):
             assert g.dtype == t.dtype and g.shape == t.shape and g.device == t.device, (j, name)
             np.testing.assert_allclose(g.double().numpy(), t.double().numpy(), rtol=tol,
                                        atol=tol, err_msg=f"{j} {name}")
+
+
+# -- shared by tests/mpi/test_trainer.py, tests/mpi/test_trainer_device.py and
+#    tests/unit/test_optimizer_state.py -------------------------------------------------
+#: the torch optimizers whose state has a torch format, with arguments that use all of it
+STATE_OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True,
+                              "weight_decay": 1e-3}),
+    "adam-amsgrad": (torch.optim.Adam, {"lr": 0.01, "amsgrad": True, "weight_decay": 1e-3}),
+    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05}),
+    # torch's other elementwise optimizers: scalars (NAdam's mu_product, ASGD's eta
+    # and mu) and states torch makes in its constructor (Adagrad's sum)
+    "nadam": (torch.optim.NAdam, {"lr": 0.01, "weight_decay": 1e-3}),
+    "asgd": (torch.optim.ASGD, {"lr": 0.01, "t0": 2}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.05, "initial_accumulator_value": 0.1}),
+    "rmsprop-centered": (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.9, "centered": True}),
+    "rprop": (torch.optim.Rprop, {"lr": 0.01}),
+}
+
+
+def small_net(dtype):
+    """The two-layer model of the join and device runs, seeded, in ``dtype``."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 4)).to(dtype)
+
+
+def update(trainer, net, how):
+    """The update after backward, as ``how`` says, then the scheduler's step.
+
+    ``"clip"``: the clipping pattern of Gluon (``allreduce_grads``, clip, ``update``);
+    ``"clip-ddp"``: DDP's (``.grad`` is averaged when backward returns: clip, ``step``);
+    anything else: ``step``.
+    """
+    if how == "clip":
+        trainer.allreduce_grads()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+        trainer.update()
+    elif how == "clip-ddp":
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+        trainer.step()
+    else:
+        trainer.step()
+    trainer.lr_scheduler.step()
+
+
+def finish(trainer, net, join):
+    """Joins (with ``join``), then closes the Trainer.
+
+    Returns:
+        (weights, update count, the rank that joined last or None).
+    """
+    last = trainer.join() if join else None
+    weights = {n: p.detach().clone() for n, p in net.named_parameters()}
+    updates = trainer.num_update
+    trainer.close()
+    return weights, updates, last

@@ -16,6 +16,16 @@ MPIRUN = ROOT / "scripts" / "mpirun.sh"
 LAUNCH_FAILED = "The PMIx server's listener thread failed to start"
 
 
+#: the failure detector's timeout for jobs whose ranks die by SIGKILL: the launcher's
+#: daemon reports such a death at once, whatever the timeout, and a long one keeps a
+#: live rank of a loaded machine from being taken for dead (at the default 2 s a rank
+#: importing torch beside two other 4-rank jobs was declared lost: its heartbeats
+#: starved). Shared memory sees a death only through the detector: within this.
+KILL_DETECTOR = 10.0
+#: the longest such a death may take to be seen before a test calls it a hang
+KILL_SEEN_WITHIN = KILL_DETECTOR + 20
+
+
 def launch(cmd, env):
     """Runs a launcher command; returns (returncode, output). A launch that failed
     before any rank started is tried once more, and the output says so."""

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from .conftest import MPIRUN, launch
+from .conftest import KILL_DETECTOR, MPIRUN, launch
 
 pytest.importorskip("torch")
 
@@ -25,11 +25,9 @@ def test_bench_ft_times_the_variants_and_a_recovery(tmp_path, redundancy):
            "-m", "mpikv", "bench", "ft", "--model", "tiny", "--every", "2", "--blocks", "1",
            "--warmup", "0", "--kill", "0@5", "--steps", "8", "--resnet-batch", "2",
            "--resnet-image", "8", "--dir", str(tmp_path), "--json", "--redundancy", redundancy]
-    # A SIGKILL is seen at once (the launcher's daemon reports it), whatever the failure
-    # detector's timeout: a long one keeps a live rank of a loaded machine from being
-    # taken for dead (seen once at the default 2 s, load average ~30, in a 3-rank run).
+    # (seen once at the default 2 s, load average ~30, in a 3-rank run: KILL_DETECTOR)
     env = dict(os.environ, PYTHONUNBUFFERED="1", MPIKV_AUTOTUNE="0",
-               MPIKV_FT_DETECTOR_TIMEOUT="10")
+               MPIKV_FT_DETECTOR_TIMEOUT=str(KILL_DETECTOR))
     rc, out = launch(cmd, env)
     assert rc != 124, f"the job hung:\n{out}"
     assert rc == 0, out   # (the survivors of a SIGKILL end with status 0)

@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-from .conftest import MPIRUN, launch
-from .test_rank_lost import DETECTOR, SEEN_WITHIN, leftovers
+from .conftest import KILL_DETECTOR, KILL_SEEN_WITHIN, MPIRUN, launch
+from .test_rank_lost import leftovers
 
 SCRIPT = "tests/jobs/scripts/elastic_store.py"
 
@@ -24,7 +24,7 @@ def run_job(directory, kill, min_workers, redundancy="checkpoint", n=3, env=None
     token = f"mpikv-ft-{uuid.uuid4().hex[:12]}"
     cmd = ["timeout", "-k", "5", "60", str(MPIRUN), "--ft", "-n", str(n), sys.executable,
            SCRIPT, str(directory), kill, str(min_workers), token, redundancy]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MPIKV_FT_DETECTOR_TIMEOUT=str(DETECTOR),
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MPIKV_FT_DETECTOR_TIMEOUT=str(KILL_DETECTOR),
                **(env or {}))
     rc, out = launch(cmd, env)
     assert rc != 124, f"the job hung:\n{out}"
@@ -44,7 +44,7 @@ def test_survivors_go_on_from_the_latest_checkpoint_with_the_exact_sum(tmp_path,
         # Killed in step 7: the checkpoint after step 6 (every 3), step 6 again.
         went_on = re.search(rf"rank {r}: step 6 on 2 workers as rank {new_rank} at ([\d.]+)",
                             out)
-        assert went_on and float(went_on.group(1)) - died < SEEN_WITHIN, out
+        assert went_on and float(went_on.group(1)) - died < KILL_SEEN_WITHIN, out
         said = re.search(rf"rank {r}: finished on 2 workers as rank {new_rank}; "
                          rf"max difference ([\d.e+-]+)", out)
         assert said and float(said.group(1)) <= 1e-10, out   # every batch summed once

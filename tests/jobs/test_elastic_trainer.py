@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-from .conftest import MPIRUN, launch
-from .test_rank_lost import DETECTOR, SEEN_WITHIN, leftovers
+from .conftest import KILL_DETECTOR, KILL_SEEN_WITHIN, MPIRUN, launch
+from .test_rank_lost import leftovers
 
 SCRIPT = "tests/jobs/scripts/elastic_train.py"
 
@@ -26,7 +26,7 @@ def launch_job(directory, redundancy, kills="0@3,1@10", n=3, env=None):
     cmd = ["timeout", "-k", "5", "90", str(MPIRUN), "--ft", "-n", str(n), sys.executable,
            SCRIPT, str(directory), kills, "1", token, redundancy]
     env = dict(os.environ, PYTHONUNBUFFERED="1", MPIKV_AUTOTUNE="0",
-               MPIKV_FT_DETECTOR_TIMEOUT=str(DETECTOR), **(env or {}))
+               MPIKV_FT_DETECTOR_TIMEOUT=str(KILL_DETECTOR), **(env or {}))
     rc, out = launch(cmd, env)
     assert rc != 124, f"the job hung:\n{out}"
     assert leftovers(token) == [], out
@@ -66,7 +66,10 @@ def test_killed_ranks_cost_the_steps_since_the_checkpoint_and_the_weights_are_ex
     # committed, and the survivors went back to the one trainer.run made at the start.
     for r, as_rank in ((1, 0), (2, 1)):
         assert f"rank {r}: step 0 on 2 workers as rank {as_rank} at " in out, out
-    # Then rank 1 (of the two left) in step 10, its step-9 checkpoint being written.
+    # Then rank 1 (of the two left) in step 10, its step-9 checkpoint being written:
+    # 9 where that write ended in time to be committed at step 10's zero_grad (before
+    # the kill), else 6 (committed at the latest when the one of 9 started). Both are
+    # right; which one depends on the disk and the load.
     again = re.search(r"rank 2: step (\d+) on 1 workers as rank 0 at ([\d.]+)", out)
     assert again and int(again.group(1)) in (6, 9), out
     # From each kill to the survivors' next completed step: usually a fraction of a
@@ -74,8 +77,8 @@ def test_killed_ranks_cost_the_steps_since_the_checkpoint_and_the_weights_are_ex
     done = {(int(r), int(n)): float(t) for r, n, t in re.findall(
         r"rank (\d): step \d+ completed on (\d) workers at ([\d.]+)", out)}
     assert set(done) == {(1, 2), (2, 2), (2, 1)}, out
-    assert all(done[(r, 2)] - died[0][1] < SEEN_WITHIN for r in (1, 2)), out
-    assert done[(2, 1)] - died[1][1] < SEEN_WITHIN, out
+    assert all(done[(r, 2)] - died[0][1] < KILL_SEEN_WITHIN for r in (1, 2)), out
+    assert done[(2, 1)] - died[1][1] < KILL_SEEN_WITHIN, out
     finished_exactly(out)
 
 
@@ -119,8 +122,11 @@ def test_a_rank_lost_during_the_recovery_is_recovered_from_in_turn(tmp_path, red
                                                                    second, step):
     # 4 ranks: rank 1 killed in step 5; rank `second` as the recovery starts making
     # the survivors' store: the two left recover again and end with the exact weights.
+    # The step-3 checkpoint is committed before the loop goes on (BACKGROUND=0): a
+    # background write might not have committed by step 5 on a loaded machine, and
+    # the survivors would go on from step 0, not the step asserted below.
     out = launch_job(tmp_path / "ckpt", redundancy, kills="1@5", n=4,
-                     env={"DIE_IN_RECOVERY": str(second)})
+                     env={"DIE_IN_RECOVERY": str(second), "BACKGROUND": "0"})
     assert f"rank {second}: dying in the recovery at " in out, out
     alive = [r for r in range(4) if r not in (1, second)]
     for as_rank, r in enumerate(alive):
@@ -159,8 +165,10 @@ def test_with_buddy_copies_a_rank_lost_with_its_buddy_goes_back_to_the_checkpoin
 def test_a_rank_killed_inside_backward_while_buckets_are_reduced(tmp_path, redundancy, step):
     # 3 ranks, one bucket per parameter: rank 1 dies in step 5 when its first layer's
     # gradient is made, the other buckets' reductions under way on every rank.
+    # BACKGROUND=0: the step-3 checkpoint is committed before step 4 starts, not when
+    # a background write happens to end (see the test above).
     out = launch_job(tmp_path / "ckpt", redundancy, kills="1@5", n=3,
-                     env={"KILL_IN": "backward"})
+                     env={"KILL_IN": "backward", "BACKGROUND": "0"})
     assert "rank 1: dying in step 5 in backward at " in out, out
     for r, as_rank in ((0, 0), (2, 1)):
         assert re.findall(rf"rank {r}: step (\d+) on 2 workers as rank {as_rank} at ", out) \

@@ -14,9 +14,12 @@ from .conftest import run_with_defaults
 pytest.importorskip("torch")
 
 SCRIPT = "tests/jobs/scripts/uneven_calls.py"
-#: seconds for the whole job, start-up included (8-12 s here: importing torch on
-#: 2-3 ranks over 2 cores, the store's autotune); a hang ends at 120 s (124)
-BOUND = 30
+#: seconds for the whole job, start-up included: 8-12 s on a quiet machine (importing
+#: torch on 2-3 ranks over 2 cores, the store's autotune), several times that under
+#: load. It only tells a job that ended on its own from one that waited for the
+#: default 600 s timeout, which run_with_defaults kills at 120 s (124); what ended
+#: the job is asserted from its output (the MismatchError headline).
+BOUND = 100
 STEPS = "the ranks ran different numbers of steps; for uneven data use trainer.join()"
 SAVE = "save_checkpoint is collective: every rank must call it"
 

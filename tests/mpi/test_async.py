@@ -3,20 +3,19 @@
 import numpy as np
 import pytest
 
-import mpikv
 from mpikv import errors, optimizer
 
-from .conftest import TEST_TIMEOUT, raises_everywhere
+from .conftest import raises_everywhere
 
 pytestmark = pytest.mark.mpi
 
 
-def _store():
-    return mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=50, bucket_bytes=256)
+#: the options of every store here
+OPTIONS = dict(bigarray_bound=50, bucket_bytes=256)
 
 
-def test_many_async_pushpulls_then_wait(comm):
-    kv = _store()
+def test_many_async_pushpulls_then_wait(make_store, comm):
+    kv = make_store(**OPTIONS)
     keys = list(range(20))
     kv.init(keys, [np.zeros(10 + k) for k in keys])
     values = [[np.full(10 + k, float(step * 100 + k + comm.rank)) for k in keys]
@@ -31,8 +30,8 @@ def test_many_async_pushpulls_then_wait(comm):
             assert (arr == comm.size * (step * 100 + k) + ranks).all(), (step, k)
 
 
-def test_async_then_sync_keeps_order(comm):
-    kv = _store()
+def test_async_then_sync_keeps_order(make_store, comm):
+    kv = make_store(**OPTIONS)
     kv.init(1, np.zeros(60))  # split over the owners
     kv.set_optimizer(optimizer.SGD(learning_rate=1.0))
     h = kv.push_async(1, np.ones(60))
@@ -48,8 +47,8 @@ def test_async_then_sync_keeps_order(comm):
     assert (out == -2 * comm.size).all()
 
 
-def test_priorities_per_key(comm):
-    kv = _store()
+def test_priorities_per_key(make_store, comm):
+    kv = make_store(**OPTIONS)
     keys = list(range(8))
     kv.init(keys, [np.zeros(30) for _ in keys])
     vals = [np.full(30, float(k)) for k in keys]
@@ -60,8 +59,8 @@ def test_priorities_per_key(comm):
     assert "one int per key" in msg
 
 
-def test_async_errors_are_raised_at_the_call_on_every_rank(comm):
-    kv = _store()
+def test_async_errors_are_raised_at_the_call_on_every_rank(make_store, comm):
+    kv = make_store(**OPTIONS)
     kv.init(1, np.zeros(3))
     bad = np.zeros(4) if comm.rank == 0 else np.zeros(3)
     raises_everywhere(comm, errors.ShapeError, lambda: kv.push_async(1, bad))

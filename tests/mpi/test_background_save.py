@@ -7,7 +7,6 @@ import threading
 import numpy as np
 import pytest
 
-import mpikv
 from mpikv import RowSparse, errors, optimizer, statefile
 
 from .conftest import TEST_TIMEOUT, raises_everywhere
@@ -17,8 +16,9 @@ pytestmark = pytest.mark.mpi
 SHAPES = {"a": (7, 5), "b": (33,), "c": (2, 3, 4)}
 
 
-def _store():
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=16)
+def _filled(make_store):
+    """A store holding SHAPES, SGD with momentum and a row table; and its keys."""
+    kv = make_store(bigarray_bound=16)
     keys = sorted(SHAPES, key=str)
     kv.init(keys, [np.arange(np.prod(SHAPES[k]), dtype=np.float64).reshape(SHAPES[k]) / 7
                    for k in keys])
@@ -40,9 +40,9 @@ def _values(kv, keys):
     return [*out, rows.data.copy()]
 
 
-def test_the_checkpoint_holds_what_the_call_copied(comm, shared_dir, monkeypatch):
+def test_the_checkpoint_holds_what_the_call_copied(make_store, comm, shared_dir, monkeypatch):
     path = os.path.join(shared_dir, "ck")
-    kv, keys = _store()
+    kv, keys = _filled(make_store)
     _step(kv, keys, comm, 1.0)
     want = _values(kv, keys)
     # The writes start only once the next step changed every value and state.
@@ -61,7 +61,7 @@ def test_the_checkpoint_holds_what_the_call_copied(comm, shared_dir, monkeypatch
     assert handle.committed and handle.done() and os.path.exists(path)
     handle.wait()                    # a second wait commits nothing more
     # a store that loads it has the values (and momentum) of the call, not of later
-    fresh, _ = _store()
+    fresh, _ = _filled(make_store)
     fresh.load_checkpoint(path)
     for got, w in zip(_values(fresh, keys), want):
         np.testing.assert_array_equal(got, w)
@@ -74,9 +74,9 @@ def test_the_checkpoint_holds_what_the_call_copied(comm, shared_dir, monkeypatch
 
 @pytest.mark.parametrize("then", ["save_checkpoint", "save_checkpoint_async",
                                   "load_checkpoint", "close"])
-def test_a_later_collective_call_commits_the_pending_save_first(comm, shared_dir, then):
+def test_a_later_collective_call_commits_the_pending_save_first(make_store, comm, shared_dir, then):
     first, second = os.path.join(shared_dir, "first"), os.path.join(shared_dir, "second")
-    kv, keys = _store()
+    kv, keys = _filled(make_store)
     want = _values(kv, keys)
     handle = kv.save_checkpoint_async(first)
     _step(kv, keys, comm, 2.0)
@@ -97,10 +97,10 @@ def test_a_later_collective_call_commits_the_pending_save_first(comm, shared_dir
         kv.close()
 
 
-def test_a_write_that_fails_on_one_rank_fails_everywhere_and_commits_nothing(
+def test_a_write_that_fails_on_one_rank_fails_everywhere_and_commits_nothing(make_store,
         comm, shared_dir, monkeypatch):
     path = os.path.join(shared_dir, "ck")
-    kv, keys = _store()
+    kv, keys = _filled(make_store)
     kv.save_checkpoint(path)
     before = _values(kv, keys)
     if comm.rank == comm.size - 1:
@@ -113,7 +113,7 @@ def test_a_write_that_fails_on_one_rank_fails_everywhere_and_commits_nothing(
     assert "No space left on device" in text and "nothing was applied" in text
     handle.wait()   # the failure is raised once
     monkeypatch.undo()
-    fresh, _ = _store()
+    fresh, _ = _filled(make_store)
     fresh.load_checkpoint(path)   # the previous checkpoint, whole
     for got, w in zip(_values(fresh, keys), before):
         np.testing.assert_array_equal(got, w)
@@ -121,10 +121,10 @@ def test_a_write_that_fails_on_one_rank_fails_everywhere_and_commits_nothing(
     fresh.close()
 
 
-def test_a_wait_on_some_ranks_only_is_a_mismatch_everywhere(comm, shared_dir):
+def test_a_wait_on_some_ranks_only_is_a_mismatch_everywhere(make_store, comm, shared_dir):
     if comm.size == 1:
         pytest.skip("needs two ranks")
-    kv, keys = _store()
+    kv, keys = _filled(make_store)
     handle = kv.save_checkpoint_async(os.path.join(shared_dir, "ck"))
     call = handle.wait if comm.rank == 0 else (lambda: kv.barrier())
     text = raises_everywhere(comm, errors.MismatchError, call)

@@ -6,7 +6,6 @@ import pytest
 
 import mpikv
 
-from .conftest import TEST_TIMEOUT
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -47,13 +46,13 @@ def check_sums(comm, kv, put, size, op):
 
 @pytest.mark.parametrize("size", [7, 300])   # 300: split over the owners (bound 100)
 @pytest.mark.parametrize("op", ["push_pull", "pushpull"])
-def test_bfloat16_sums_are_float32_sums_rounded_once(comm, size, op):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=100)
+def test_bfloat16_sums_are_float32_sums_rounded_once(make_store, comm, size, op):
+    kv = make_store(bigarray_bound=100)
     check_sums(comm, kv, lambda a: a, size, op)
 
 
-def test_two_device_values_per_rank_sum_once(comm):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+def test_two_device_values_per_rank_sum_once(make_store, comm):
+    kv = make_store()
     kv.init("x", np.zeros(5, BF16))
     a, b = contribution(kv.rank, 5, 1), contribution(kv.rank + 100, 5, 1)
     kv.push("x", [a, b])
@@ -66,9 +65,9 @@ def test_two_device_values_per_rank_sum_once(comm):
     np.testing.assert_array_equal(out.view(np.uint16), total.astype(BF16).view(np.uint16))
 
 
-def test_torch_bfloat16_tensors_without_copies(comm):
+def test_torch_bfloat16_tensors_without_copies(make_store, comm):
     torch = pytest.importorskip("torch")
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv = make_store()
     kv.init("t", torch.zeros(6, dtype=torch.bfloat16))
     mine = torch.from_numpy(contribution(kv.rank, 6, 2).view(np.int16)).view(torch.bfloat16)
     kv.pushpull("t", mine)   # the sum lands in the tensor itself
@@ -77,16 +76,17 @@ def test_torch_bfloat16_tensors_without_copies(comm):
                                   want.view(np.uint16))
 
 
-def test_bfloat16_values_and_adam_states_round_trip_a_checkpoint(comm, tmp_path_factory):
+def test_bfloat16_values_and_adam_states_round_trip_a_checkpoint(make_store, comm,
+                                                                 tmp_path_factory):
     path = comm.bcast(str(tmp_path_factory.mktemp("bf16")) if comm.rank == 0 else None)
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=100)
+    kv = make_store(bigarray_bound=100)
     kv.init(["x", "y"], [contribution(0, 300, 3), contribution(0, 9, 4)])
     kv.set_optimizer(mpikv.optimizer.Adam(learning_rate=0.01))
     kv.push(["x", "y"], [contribution(kv.rank, 300, 5), contribution(kv.rank, 9, 6)])
     kv.save_checkpoint(f"{path}/ck")
     before = [np.zeros(300, BF16), np.zeros(9, BF16)]
     kv.pull(["x", "y"], out=before)
-    other = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=100)
+    other = make_store(bigarray_bound=100)
     other.load_checkpoint(f"{path}/ck")
     after = [np.zeros(300, BF16), np.zeros(9, BF16)]
     other.pull(["x", "y"], out=after)
@@ -95,11 +95,11 @@ def test_bfloat16_values_and_adam_states_round_trip_a_checkpoint(comm, tmp_path_
         np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
-def test_torch_bfloat16_without_ml_dtypes_is_an_error_on_every_rank(comm, monkeypatch):
+def test_torch_bfloat16_without_ml_dtypes_is_an_error_on_every_rank(make_store, comm, monkeypatch):
     torch = pytest.importorskip("torch")
     from mpikv import dtypes
     from .conftest import raises_everywhere
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv = make_store()
     if comm.rank == comm.size - 1:   # one rank lacks the package
         monkeypatch.setattr(dtypes, "BFLOAT16", None)
     message = raises_everywhere(comm, mpikv.DTypeError,

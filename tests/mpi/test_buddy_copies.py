@@ -14,7 +14,7 @@ import pytest
 import mpikv
 from mpikv import mirror
 
-from .conftest import TEST_TIMEOUT, raises_everywhere
+from .conftest import raises_everywhere
 
 pytestmark = pytest.mark.mpi
 
@@ -31,8 +31,9 @@ def _total(step, n):
     return {k: sum(_grads(step, r)[k] for r in range(n)) for k in SHAPES}
 
 
-def _store(comm=None):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=16, comm=comm)
+def _with_sgd(make_store, comm=None):
+    """A store (on ``comm``, else every rank) with SGD and momentum."""
+    kv = make_store(bigarray_bound=16, comm=comm)
     kv.set_optimizer(mpikv.optimizer.SGD(learning_rate=0.125, momentum=0.5))
     return kv
 
@@ -84,12 +85,12 @@ def _as_survivors(comm, lost, body):
 
 
 @pytest.mark.parametrize("which", ["first", "middle", "last"])
-def test_the_survivors_write_the_last_step_and_go_on_exactly(comm, shared_dir, which):
+def test_the_survivors_write_the_last_step_and_go_on_exactly(make_store, comm, shared_dir, which):
     n = comm.size
     if n == 1:
         pytest.skip("needs two ranks")
     lost = {"first": 0, "middle": n // 2, "last": n - 1}[which]
-    kv = _store()
+    kv = _with_sgd(make_store)
     _train(kv, 3, n)
     # What an uninterrupted run gives after one more step.
     kv.push(list(SHAPES), list(_grads(4, comm.rank).values()))
@@ -97,7 +98,7 @@ def test_the_survivors_write_the_last_step_and_go_on_exactly(comm, shared_dir, w
     survivors = [r for r in range(n) if r != lost]
 
     def survive(sub):
-        new = _store(sub)
+        new = _with_sgd(make_store, sub)
         loss = types.SimpleNamespace(lost=[lost], survivors=survivors)
         written = []
 
@@ -116,7 +117,7 @@ def test_the_survivors_write_the_last_step_and_go_on_exactly(comm, shared_dir, w
     kv.close()
 
 
-def test_a_second_loss_during_the_recovery_is_covered_by_the_first_stores_copies(
+def test_a_second_loss_during_the_recovery_is_covered_by_the_first_stores_copies(make_store,
         comm, shared_dir):
     """Rank 1 lost, then, while the survivors' store (0, 2, 3) recovers, its rank 2
     (the first store's 3): the first store's copies still hold both parts (their
@@ -124,7 +125,7 @@ def test_a_second_loss_during_the_recovery_is_covered_by_the_first_stores_copies
     n = comm.size
     if n != 4:
         pytest.skip("needs 4 ranks")
-    kv = _store()
+    kv = _with_sgd(make_store)
     _train(kv, 3, n)
     kv.push(list(SHAPES), list(_grads(4, comm.rank).values()))
     expected = _values(kv)
@@ -132,8 +133,8 @@ def test_a_second_loss_during_the_recovery_is_covered_by_the_first_stores_copies
     then = types.SimpleNamespace(lost=[2], survivors=[0, 1])   # in the survivors' numbering
 
     def survive(sub):
-        recovering = _store(sub)   # (the recovery's own store: it had taken no copy)
-        new = _store(sub)
+        recovering = _with_sgd(make_store, sub)   # (the recovery's own store: it had taken no copy)
+        new = _with_sgd(make_store, sub)
         step = new.restore_copies(recovering, then, lambda s: f"{shared_dir}/step-{s}",
                                   older=(kv, mirror.combine(first, then)))
         recovering.close()
@@ -143,19 +144,20 @@ def test_a_second_loss_during_the_recovery_is_covered_by_the_first_stores_copies
     kv.close()
 
 
-def test_a_rank_lost_with_its_buddy_writes_nothing_and_says_so(comm, shared_dir, monkeypatch):
+def test_a_rank_lost_with_its_buddy_writes_nothing_and_says_so(make_store, comm, shared_dir,
+                                                               monkeypatch):
     """The survivors then go on from the newest periodic checkpoint (tests/jobs)."""
     n = comm.size
     if n < 3:
         pytest.skip("needs a survivor beside two lost ranks")
-    kv = _store()
+    kv = _with_sgd(make_store)
     _train(kv, 2, n)
     lost = [1, 2]
     said = []
     monkeypatch.setattr(mirror.log, "warning", lambda msg, *args: said.append(msg % args))
 
     def survive(sub):
-        new = _store(sub)
+        new = _with_sgd(make_store, sub)
         loss = types.SimpleNamespace(lost=lost, survivors=[r for r in range(n) if r not in lost])
         written = new.restore_copies(kv, loss, lambda s: f"{shared_dir}/step-{s}")
         new.close()
@@ -168,15 +170,15 @@ def test_a_rank_lost_with_its_buddy_writes_nothing_and_says_so(comm, shared_dir,
     kv.close()
 
 
-def test_no_copy_yet_writes_nothing(comm, shared_dir):
+def test_no_copy_yet_writes_nothing(make_store, comm, shared_dir):
     n = comm.size
     if n == 1:
         pytest.skip("needs two ranks")
-    kv = _store()
+    kv = _with_sgd(make_store)
     kv.init("w", np.zeros(3))
 
     def survive(sub):
-        new = _store(sub)
+        new = _with_sgd(make_store, sub)
         loss = types.SimpleNamespace(lost=[n - 1], survivors=list(range(n - 1)))
         written = new.restore_copies(kv, loss, lambda s: f"{shared_dir}/step-{s}")
         new.close()

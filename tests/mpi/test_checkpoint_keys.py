@@ -8,16 +8,12 @@ import pytest
 import mpikv
 from mpikv import errors, optimizer
 
-from .conftest import TEST_TIMEOUT, raises_everywhere
+from .conftest import raises_everywhere
 
 pytestmark = pytest.mark.mpi
 
 INTS = np.arange(5, dtype=np.int32)
 FLOATS = np.full(6, 2.0, np.float32)
-
-
-def _store(bound):
-    return mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=bound)
 
 
 def _push_int_key(kv, comm):
@@ -27,10 +23,10 @@ def _push_int_key(kv, comm):
 
 @pytest.mark.parametrize("optimizer_from", ["set_optimizer", "file"])
 @pytest.mark.parametrize("bound", [1_000_000, 4], ids=["whole", "split"])
-def test_int_key_loaded_from_a_checkpoint_is_refused_like_one_made_by_init(
+def test_int_key_loaded_from_a_checkpoint_is_refused_like_one_made_by_init(make_store, 
         comm, shared_dir, bound, optimizer_from):
     path = os.path.join(shared_dir, "ckpt")
-    kv = _store(bound)
+    kv = make_store(bigarray_bound=bound)
     kv.init(["i", "w"], [INTS, FLOATS])
     if optimizer_from == "file":
         kv.set_optimizer(optimizer.SGD(learning_rate=0.1))
@@ -40,7 +36,7 @@ def test_int_key_loaded_from_a_checkpoint_is_refused_like_one_made_by_init(
     want = _push_int_key(kv, comm)  # the key was made by init
     assert "key 'i' holds integers" in want
 
-    fresh = _store(bound)
+    fresh = make_store(bigarray_bound=bound)
     fresh.load_checkpoint(path)  # creates both keys
     if optimizer_from != "file":
         fresh.set_optimizer(optimizer.SGD(learning_rate=0.1))

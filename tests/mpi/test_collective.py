@@ -6,7 +6,7 @@ import pytest
 import mpikv
 from mpikv import errors
 
-from .conftest import TEST_TIMEOUT, raises_everywhere
+from .conftest import raises_everywhere
 
 pytestmark = pytest.mark.mpi
 SHAPE = (2, 3)
@@ -18,11 +18,11 @@ def pulled(kv, key, shape=SHAPE, dtype=np.float64):
     return out
 
 
-def test_properties(kv, comm):
+def test_properties(make_store, kv, comm):
     assert kv.type == "dist_sync"
     assert kv.rank == comm.rank
     assert kv.num_workers == comm.size
-    assert mpikv.create("dist_sync_device").type == "dist_sync_device"
+    assert make_store("dist_sync_device").type == "dist_sync_device"
 
 
 def test_init_takes_rank_zeros_value(kv, comm):
@@ -173,9 +173,9 @@ def test_plan_is_the_same_on_every_rank(kv_split, comm):
     assert all(s == shards for s in comm.allgather(shards))
 
 
-def test_subcommunicator(comm):
+def test_subcommunicator(make_store, comm):
     sub = comm.Split(comm.rank % 2, comm.rank)
-    kv = mpikv.create("dist_sync", comm=sub, timeout=TEST_TIMEOUT)
+    kv = make_store(comm=sub)
     assert kv.num_workers == sub.size and kv.rank == sub.rank
     kv.init(1, np.zeros(2))
     kv.push(1, np.full(2, float(comm.rank)))
@@ -204,11 +204,11 @@ def test_bad_comm():
         mpikv.create("dist_sync", comm="world")
 
 
-def test_a_late_rank_is_waited_for_and_calls_go_on(comm):
+def test_a_late_rank_is_waited_for_and_calls_go_on(make_store, comm):
     """Ranks waiting past the announcement time (a quarter of the timeout) tell the
     others they are there; the call still completes and later calls are unaffected."""
     import time
-    kv = mpikv.create("dist_sync", timeout=4)
+    kv = make_store(timeout=4)
     kv.init([1, 2], [np.zeros(3), np.zeros(3)])
     for step in range(3):
         if comm.rank == 0 and step == 1:
@@ -223,11 +223,11 @@ def test_a_late_rank_is_waited_for_and_calls_go_on(comm):
 
 
 @pytest.mark.parametrize("bad", ["shape", "dtype", "priority", "readonly_out", "op"])
-def test_repeated_one_key_call_errors_everywhere(comm, bad):
+def test_repeated_one_key_call_errors_everywhere(make_store, comm, bad):
     """A repeated one-key call runs on its remembered route; a rank whose call differs
     (and so takes the general path) still makes every rank raise the same error,
     and nothing is applied."""
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv = make_store()
     kv.init(1, np.zeros(4, np.float32))
     out = np.zeros(4, np.float32)
     for _ in range(2):   # the second call runs on the remembered route
@@ -265,14 +265,14 @@ def test_repeated_one_key_call_errors_everywhere(comm, bad):
     ("bigarray_bound", 10, None), ("bucket_bytes", 64, None), ("reducer", "reduce_bcast", None),
     ("shared_memory", False, None),
 ])
-def test_store_options_that_differ_between_ranks_are_an_error_everywhere(comm, option, value,
-                                                                         default):
+def test_store_options_that_differ_between_ranks_are_an_error_everywhere(
+        make_store, comm, option, value, default):
     kwargs = {option: value if comm.rank == 0 else default}
     if comm.size == 1:  # nothing to differ from: the store is made
-        mpikv.create("dist_sync", timeout=120, **kwargs)
+        make_store(**kwargs)
         return
     message = raises_everywhere(comm, mpikv.MismatchError,
-                                lambda: mpikv.create("dist_sync", timeout=120, **kwargs))
+                                lambda: make_store(**kwargs))
     assert f"different store options: {option} is" in message and "rank 0" in message
 
 

@@ -17,7 +17,7 @@ from mpikv.agreement import format_ranks
 from mpikv.errors import DTypeError, InputError, MismatchError
 from mpikv.transport.counting import counting
 
-from .conftest import TEST_TIMEOUT, raises_everywhere
+from .conftest import raises_everywhere
 
 pytestmark = pytest.mark.mpi
 F = np.float32
@@ -29,8 +29,8 @@ RATE = 2   # MXNet's tests push through an updater that adds rate * the sum
 SHAPES = {"a": (2, 3), "b": (3, 5), "big": (5, 7)}
 
 
-def store(**kw):
-    return mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=10, **kw)
+def store(make_store, **kw):
+    return make_store(bigarray_bound=10, **kw)
 
 
 def adder(key, value, stored):
@@ -97,10 +97,10 @@ def assert_pulls_equal(kv, ref, keys, comm=None):
 
 
 # -- 2-bit: MXNet's behaviour --------------------------------------------------
-def test_2bit_holds_small_values_back_until_they_cross(comm):
+def test_2bit_holds_small_values_back_until_they_cross(make_store, comm):
     """MXNet's check_compr_residual: 0.4 is held back; + 0.1 crosses (t from every
     rank); 0.2 is held back; + 0.3 crosses again; the residual is then 0."""
-    kv = store()
+    kv = store(make_store)
     kv.set_gradient_compression({"type": "2bit", "threshold": T})
     kv.set_updater(adder)
     keys = list(SHAPES)
@@ -150,10 +150,10 @@ def push_and_pull(kv, how, keys, mine, bufs):
 
 @pytest.mark.parametrize("how", ["push_pull", "pushpull", "pushpull_out", "zero_copy",
                                  "async"])
-def test_2bit_sums_are_every_ranks_dequantised_values(comm, how):
+def test_2bit_sums_are_every_ranks_dequantised_values(make_store, comm, how):
     """MXNet's check_compr_random, at every rank: the sum is the float32 sum over ranks
     of each rank's dequantised residual + gradient; the residual stays on the sender."""
-    kv = store()
+    kv = store(make_store)
     kv.set_gradient_compression({"type": "2bit", "threshold": T})
     keys = list(SHAPES)
     kv.init(keys, [np.zeros(s, F) for s in SHAPES.values()])
@@ -170,9 +170,9 @@ def test_2bit_sums_are_every_ranks_dequantised_values(comm, how):
                                           sims[k].residuals[kv.rank])
 
 
-def test_2bit_device_values_are_summed_exactly_before_compression(comm):
+def test_2bit_device_values_are_summed_exactly_before_compression(make_store, comm):
     """MXNet's dist stores merge a worker's devices uncompressed, then compress."""
-    kv = store()
+    kv = store(make_store)
     kv.set_gradient_compression({"type": "2bit", "threshold": T})
     kv.init("w", np.zeros(40, F))
     sim = TwoBitRanks(comm.size, 40)
@@ -186,10 +186,10 @@ def test_2bit_device_values_are_summed_exactly_before_compression(comm):
 
 
 @pytest.mark.parametrize("zero_copy", [False, True])
-def test_2bit_with_sgd_on_the_owners(comm, zero_copy):
+def test_2bit_with_sgd_on_the_owners(make_store, comm, zero_copy):
     """The owners update with the dequantised sums: the same weights as one process
     whose SGD is given those sums."""
-    kv = store()
+    kv = store(make_store)
     kv.set_gradient_compression({"type": "2bit", "threshold": T})
     keys = list(SHAPES)
     init = [np.full(s, 0.25, F) for s in SHAPES.values()]
@@ -219,8 +219,8 @@ def test_2bit_with_sgd_on_the_owners(comm, zero_copy):
 # -- 16-bit ----------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["fp16", "bf16"])
 @pytest.mark.parametrize("how", ["push_pull", "pushpull", "zero_copy"])
-def test_sixteen_bit_equals_cast_sum_cast(comm, kind, how):
-    kv = store()
+def test_sixteen_bit_equals_cast_sum_cast(make_store, comm, kind, how):
+    kv = store(make_store)
     kv.set_gradient_compression({"type": kind})
     keys = list(SHAPES)
     kv.init(keys, [np.zeros(s, F) for s in SHAPES.values()])
@@ -239,8 +239,8 @@ def test_sixteen_bit_equals_cast_sum_cast(comm, kind, how):
 
 
 @pytest.mark.parametrize("kind", ["fp16", "bf16"])
-def test_sixteen_bit_with_sgd_on_the_owners(comm, kind):
-    kv = store()
+def test_sixteen_bit_with_sgd_on_the_owners(make_store, comm, kind):
+    kv = store(make_store)
     kv.set_gradient_compression({"type": kind})
     keys = list(SHAPES)
     kv.init(keys, [np.ones(s, F) for s in SHAPES.values()])
@@ -256,10 +256,9 @@ def test_sixteen_bit_with_sgd_on_the_owners(comm, kind):
 
 
 # -- what moves ------------------------------------------------------------------
-def _bytes_of(comm, kind, optimizer, n):
+def _bytes_of(make_store, comm, kind, optimizer, n):
     """Bytes one push (+ pull) of an n-value key brings to this rank."""
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, reducer="allreduce",
-                      bigarray_bound=n)                  # split over the owners
+    kv = make_store(reducer="allreduce", bigarray_bound=n)   # split over the owners
     if kind != "none":
         kv.set_gradient_compression({"type": kind})
     kv.init("g", np.zeros(n, F))
@@ -275,14 +274,14 @@ def _bytes_of(comm, kind, optimizer, n):
 
 
 @pytest.mark.parametrize("optimizer", [False, True])
-def test_bytes_on_the_wire_shrink(comm, optimizer):
+def test_bytes_on_the_wire_shrink(make_store, comm, optimizer):
     n, p, me = 4096 * 3, comm.size, comm.rank
     block = n // p if n % p == 0 else None
     counts = [n * (r + 1) // p - n * r // p for r in range(p)]
     mine = counts[me] if block is None else block
-    none = _bytes_of(comm, "none", optimizer, n)
-    two = _bytes_of(comm, "2bit", optimizer, n)
-    half = _bytes_of(comm, "fp16", optimizer, n)
+    none = _bytes_of(make_store, comm, "none", optimizer, n)
+    two = _bytes_of(make_store, comm, "2bit", optimizer, n)
+    half = _bytes_of(make_store, comm, "fp16", optimizer, n)
     pull = (n - mine) * 4 if optimizer else 0   # pulls move float32, as in MXNet
     # Uncompressed: an Allreduce of the float32 key (every rank gets the sums).
     assert none == (round(2 * (p - 1) * 4 * n / p), pull)
@@ -300,8 +299,8 @@ def test_bytes_on_the_wire_shrink(comm, optimizer):
 
 
 # -- errors on every rank -----------------------------------------------------------
-def test_non_float32_keys_are_an_error_on_every_rank_with_nothing_applied(comm):
-    kv = store()
+def test_non_float32_keys_are_an_error_on_every_rank_with_nothing_applied(make_store, comm):
+    kv = store(make_store)
     kv.set_gradient_compression({"type": "2bit", "threshold": T})
     kv.init(["f", "d", "i"], [np.zeros(4, F), np.zeros(4), np.zeros(4, np.int32)])  # init: fine
     for key, dtype, value in (("d", "float64", np.ones(4)), ("i", "int32", np.ones(4, np.int32))):
@@ -325,9 +324,10 @@ def test_non_float32_keys_are_an_error_on_every_rank_with_nothing_applied(comm):
                        "'fp16', 'bf16')"),
 ])
 @pytest.mark.parametrize("where", ["every rank", "last rank"])
-def test_bad_parameters_are_an_error_on_every_rank_with_nothing_set(comm, params, message,
+def test_bad_parameters_are_an_error_on_every_rank_with_nothing_set(make_store, comm, params,
+                                                                    message,
                                                                     where):
-    kv = store()
+    kv = store(make_store)
     kv.init("w", np.zeros(4, F))
     last = comm.size - 1
     bad = where == "every rank" or kv.rank == last
@@ -342,10 +342,10 @@ def test_bad_parameters_are_an_error_on_every_rank_with_nothing_set(comm, params
     np.testing.assert_array_equal(out, np.full(4, F(0.3) * comm.size, F))
 
 
-def test_ranks_with_different_parameters_raise_mismatch(comm):
+def test_ranks_with_different_parameters_raise_mismatch(make_store, comm):
     if comm.size == 1:
         pytest.skip("needs two ranks")
-    kv = store()
+    kv = store(make_store)
     t = 0.5 if kv.rank == 0 else 0.25
     msg = raises_everywhere(comm, MismatchError, lambda: kv.set_gradient_compression(
         {"type": "2bit", "threshold": t}))
@@ -356,11 +356,11 @@ def test_ranks_with_different_parameters_raise_mismatch(comm):
     assert kv.gradient_compression is None
 
 
-def test_push_fingerprint_covers_the_compression_settings(comm):
+def test_push_fingerprint_covers_the_compression_settings(make_store, comm):
     """Ranks whose settings differ (here forced on rank 0 alone) cannot push."""
     if comm.size == 1:
         pytest.skip("needs two ranks")
-    kv = store()
+    kv = store(make_store)
     kv.init("w", np.zeros(4, F))
     if kv.rank == 0:
         kv._engine.set_compression({"type": "fp16"}, per_device=False)
@@ -376,8 +376,8 @@ def test_push_fingerprint_covers_the_compression_settings(comm):
     np.testing.assert_array_equal(out, np.zeros(4, F))
 
 
-def test_init_is_exact_and_sixteen_bit_keeps_residual_free(comm):
-    kv = store()
+def test_init_is_exact_and_sixteen_bit_keeps_residual_free(make_store, comm):
+    kv = store(make_store)
     kv.set_gradient_compression({"type": "bf16"})
     value = np.array([1 + 2 ** -20, 3.0, -7.25], F)     # not a bfloat16 value
     kv.init("x", value)
@@ -390,8 +390,8 @@ def test_init_is_exact_and_sixteen_bit_keeps_residual_free(comm):
 
 # -- GPU values (the cupy stand-in of tests/fakecupy.py; real cupy where a GPU is) --------
 @pytest.mark.parametrize("kind", ["2bit", "bf16"])
-def test_gpu_values_are_encoded_on_the_host(comm, cp, kind):
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=10)
+def test_gpu_values_are_encoded_on_the_host(make_store, comm, cp, kind):
+    kv = make_store("dist_sync_device", bigarray_bound=10)
     kv.set_gradient_compression({"type": kind})
     keys = list(SHAPES)
     kv.init(keys, [cp.zeros(s, cp.float32) for s in SHAPES.values()])

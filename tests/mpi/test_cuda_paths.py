@@ -9,12 +9,11 @@ import logging
 import numpy as np
 import pytest
 
-import mpikv
 from mpikv.transport import cuda
 
 from .. import fakecupy
 from ..conftest import gpu_required
-from .conftest import TEST_TIMEOUT, raises_everywhere
+from .conftest import raises_everywhere
 
 pytestmark = pytest.mark.mpi
 
@@ -33,10 +32,10 @@ def _transport(kv):
     return kv._transport
 
 
-def test_pull_only_stages_reductions_and_not_pulls(fake_cp, comm, monkeypatch):
+def test_pull_only_stages_reductions_and_not_pulls(make_store, fake_cp, comm, monkeypatch):
     monkeypatch.setenv(cuda.ENV, "pull")
     cp = fake_cp
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT)
+    kv = make_store("dist_sync_device")
     t = _transport(kv)
     assert t.cuda.paths == {"reduce": "staged", "pull": "direct"}
     assert t.staging.direct is False and t.pull_staging.direct is True
@@ -57,22 +56,22 @@ def test_pull_only_stages_reductions_and_not_pulls(fake_cp, comm, monkeypatch):
 
 @pytest.mark.parametrize("value,paths", [("1", ("direct", "direct")),
                                          ("0", ("staged", "staged"))])
-def test_same_setting_everywhere_is_kept(comm, monkeypatch, value, paths):
+def test_same_setting_everywhere_is_kept(make_store, comm, monkeypatch, value, paths):
     monkeypatch.setenv(cuda.ENV, value)
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv = make_store()
     assert _transport(kv).cuda.paths == dict(zip(("reduce", "pull"), paths))
     assert _transport(kv).cuda.source == f"MPIKV_CUDA_AWARE={value}"
     kv.close()
 
 
-def test_ranks_that_differ_all_stage(comm, monkeypatch, caplog):
+def test_ranks_that_differ_all_stage(make_store, comm, monkeypatch, caplog):
     if comm.size < 2:
         pytest.skip("needs 2 ranks")
     monkeypatch.setenv(cuda.ENV, "1" if comm.rank == 0 else "pull")
     monkeypatch.setattr(cuda, "_disagreement_logged", [])
     with caplog.at_level(logging.WARNING, logger="mpikv.gpu"):
-        kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
-        kv2 = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+        kv = make_store()
+        kv2 = make_store()
     for store in (kv, kv2):
         d = _transport(store).cuda
         # pulls: direct everywhere; reductions: staged on rank 1, so staged everywhere
@@ -84,8 +83,8 @@ def test_ranks_that_differ_all_stage(comm, monkeypatch, caplog):
     kv2.close()
 
 
-def test_bad_override_on_one_rank_fails_every_rank(comm, monkeypatch):
+def test_bad_override_on_one_rank_fails_every_rank(make_store, comm, monkeypatch):
     monkeypatch.setenv(cuda.ENV, "maybe" if comm.rank == 0 else "1")
     msg = raises_everywhere(comm, ValueError,
-                            lambda: mpikv.create("dist_sync", timeout=TEST_TIMEOUT))
+                            lambda: make_store())
     assert "MPIKV_CUDA_AWARE" in msg

@@ -102,13 +102,13 @@ class _nothing:
 
 
 @pytest.mark.parametrize("name", list(HABITS))
-def test_a_ddp_habit_gives_ddp_s_weights_buffers_and_numbers(comm, gloo, name):
+def test_a_ddp_habit_gives_ddp_s_weights_buffers_and_numbers(make_store, comm, gloo, name):
     from torch.nn.parallel import DistributedDataParallel
     habit = HABITS[name]
     kw = {"lr": 0.1, "momentum": 0.9}
 
     ours = BNNet()
-    trainer = mpikv.torch.Trainer(ours, torch.optim.SGD, kw, mpikv.create("dist_sync", timeout=120),
+    trainer = mpikv.torch.Trainer(ours, torch.optim.SGD, kw, make_store(),
                                   lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5))
 
     def our_step():
@@ -134,10 +134,10 @@ def test_a_ddp_habit_gives_ddp_s_weights_buffers_and_numbers(comm, gloo, name):
     trainer.close()
 
 
-def test_buffers_are_rank_0_s_before_each_forward_and_switchable_off(comm):
+def test_buffers_are_rank_0_s_before_each_forward_and_switchable_off(make_store, comm):
     net = BNNet()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
-                                  mpikv.create("dist_sync", timeout=120))
+                                  make_store())
     x = torch.full((4, 8), float(comm.rank), dtype=torch.float64)
     net(x).sum().backward()   # each rank's own statistics
     trainer.step()
@@ -161,7 +161,7 @@ def test_buffers_are_rank_0_s_before_each_forward_and_switchable_off(comm):
 
     off = BNNet()
     trainer = mpikv.torch.Trainer(off, torch.optim.SGD, {"lr": 0.1},
-                                  mpikv.create("dist_sync", timeout=120), broadcast_buffers=False)
+                                  make_store(), broadcast_buffers=False)
     off(x).sum().backward()
     trainer.step()
     off(x).sum().backward()
@@ -171,18 +171,18 @@ def test_buffers_are_rank_0_s_before_each_forward_and_switchable_off(comm):
     trainer.close()
 
 
-def test_buffers_need_the_module(comm):
+def test_buffers_need_the_module(make_store, comm):
     net = BNNet()
     with pytest.raises(mpikv.ValueTypeError, match="broadcast_buffers=True needs the model"):
         mpikv.torch.Trainer(net.named_parameters(), torch.optim.SGD, {"lr": 0.1},
-                            mpikv.create("dist_sync", timeout=120), broadcast_buffers=True)
+                            make_store(), broadcast_buffers=True)
 
 
-def test_buffers_come_back_from_a_checkpoint_exactly(comm, tmp_path_factory):
+def test_buffers_come_back_from_a_checkpoint_exactly(make_store, comm, tmp_path_factory):
     path = comm.bcast(str(tmp_path_factory.mktemp("bn") / "ckpt") if comm.rank == 0 else None)
     net = BNNet()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
-                                  mpikv.create("dist_sync", timeout=120))
+                                  make_store())
     x = torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(comm.rank))
     for _ in range(3):
         trainer.zero_grad()
@@ -200,17 +200,18 @@ def test_buffers_come_back_from_a_checkpoint_exactly(comm, tmp_path_factory):
     trainer.close()
 
 
-def test_a_checkpoint_whose_buffers_do_not_fit_is_refused_on_every_rank(comm, tmp_path_factory):
+def test_a_checkpoint_whose_buffers_do_not_fit_is_refused_on_every_rank(
+        make_store, comm, tmp_path_factory):
     path = comm.bcast(str(tmp_path_factory.mktemp("bn2") / "ckpt") if comm.rank == 0 else None)
     net = BNNet()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
-                                  mpikv.create("dist_sync", timeout=120))
+                                  make_store())
     trainer.save_checkpoint(path)
     trainer.close()
     other = BNNet()
     other.bn.register_buffer("extra", torch.zeros(2))
     trainer = mpikv.torch.Trainer(other, torch.optim.SGD, {"lr": 0.1},
-                                  mpikv.create("dist_sync", timeout=120))
+                                  make_store())
     message = raises_everywhere(comm, mpikv.StateFileError, lambda: trainer.load_checkpoint(path))
     assert "not in the checkpoint: bn.extra" in message
     trainer.close()
@@ -232,13 +233,13 @@ class ConvBN(torch.nn.Module):
         return self.fc(torch.tanh(self.bn2(self.bn(self.conv(x)))).flatten(1))
 
 
-def test_sync_batchnorm_trains_as_batchnorm_on_the_global_batch(comm):
+def test_sync_batchnorm_trains_as_batchnorm_on_the_global_batch(make_store, comm):
     # convert_sync_batchnorm: the statistics are the global batch's, through the store
     # (torch.distributed is not initialised: torch's own module would use each rank's).
     net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(ConvBN())
     ref = ConvBN()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9},
-                                  mpikv.create("dist_sync", timeout=120))
+                                  make_store())
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     per = cases.GLOBAL_BATCH // comm.size
     rows = slice(comm.rank * per, (comm.rank + 1) * per)
@@ -262,7 +263,7 @@ def test_sync_batchnorm_trains_as_batchnorm_on_the_global_batch(comm):
     assert "forward" not in net.bn.__dict__   # torch's own forward again
 
 
-def test_joined_ranks_take_the_buffers_of_the_first_rank_still_training(comm):
+def test_joined_ranks_take_the_buffers_of_the_first_rank_still_training(make_store, comm):
     # Rank 0 runs out of data first: the buffers then come from rank 1, and rank 0,
     # joined, takes them too. The weights are those of ranks stepping with zero losses
     # (BatchNorm normalises with batch statistics: the buffers do not change them).
@@ -272,7 +273,7 @@ def test_joined_ranks_take_the_buffers_of_the_first_rank_still_training(comm):
     def run(join):
         net = BNNet()
         trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9},
-                                      mpikv.create("dist_sync", timeout=120))
+                                      make_store())
         taken = []   # what the ranks took before each forward (after the Trainer's hook)
         net.register_forward_pre_hook(
             lambda m, a: taken.append({k: v.clone() for k, v in m.named_buffers()}))
@@ -309,13 +310,13 @@ def _rows(comm):
     return slice(comm.rank * per, (comm.rank + 1) * per)
 
 
-def test_gradients_set_to_none_after_backward_are_skipped_as_torch_skips_them(comm):
+def test_gradients_set_to_none_after_backward_are_skipped_as_torch_skips_them(make_store, comm):
     # Freezing a layer for one step (its .grad None on every rank): torch's optimizer
     # skips it, momentum and weight decay included; so do the owners.
     kw = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}
     net, ref = BNNet(), BNNet()
     # (with unused_parameters="error": a gradient set to None is not an unused parameter)
-    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, kw, mpikv.create("dist_sync", timeout=120),
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, kw, make_store(),
                                   unused_parameters="error")
     opt = torch.optim.SGD(ref.parameters(), **kw)
     for step in range(3):
@@ -333,12 +334,12 @@ def test_gradients_set_to_none_after_backward_are_skipped_as_torch_skips_them(co
     trainer.close()
 
 
-def test_a_gradient_set_to_none_on_some_ranks_only_is_an_error_on_every_rank(comm):
+def test_a_gradient_set_to_none_on_some_ranks_only_is_an_error_on_every_rank(make_store, comm):
     if comm.size == 1:
         pytest.skip("needs ranks that differ")
     net = BNNet()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
-                                  mpikv.create("dist_sync", timeout=120))
+                                  make_store())
     before = _state(net)
     x, y = cases.data(0, 0)
     torch.nn.functional.mse_loss(net(x[_rows(comm)]), y[_rows(comm)]).backward()
@@ -352,7 +353,7 @@ def test_a_gradient_set_to_none_on_some_ranks_only_is_an_error_on_every_rank(com
     trainer.close()
 
 
-def test_a_gradient_set_by_hand_on_a_parameter_backward_did_not_reach_is_applied(comm):
+def test_a_gradient_set_by_hand_on_a_parameter_backward_did_not_reach_is_applied(make_store, comm):
     class TwoHeads(BNNet):
         def __init__(self):
             super().__init__()
@@ -360,7 +361,7 @@ def test_a_gradient_set_by_hand_on_a_parameter_backward_did_not_reach_is_applied
 
     net = TwoHeads()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
-                                  mpikv.create("dist_sync", timeout=120))
+                                  make_store())
     before = net.head.weight.detach().clone()
     x, y = cases.data(0, 0)
     torch.nn.functional.mse_loss(net(x[_rows(comm)]), y[_rows(comm)]).backward()  # no head
@@ -370,10 +371,10 @@ def test_a_gradient_set_by_hand_on_a_parameter_backward_did_not_reach_is_applied
     trainer.close()
 
 
-def test_a_second_backward_with_each_rank_s_data_gives_the_average_of_both(comm):
+def test_a_second_backward_with_each_rank_s_data_gives_the_average_of_both(make_store, comm):
     net, ref = BNNet(), BNNet()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
-                                  mpikv.create("dist_sync", timeout=120), broadcast_buffers=False)
+                                  make_store(), broadcast_buffers=False)
     (x, y), (x2, y2) = cases.data(0, 0), cases.data(0, 1)
     rows = _rows(comm)
     torch.nn.functional.mse_loss(net(x[rows]), y[rows]).backward()
@@ -390,12 +391,12 @@ def test_a_second_backward_with_each_rank_s_data_gives_the_average_of_both(comm)
     trainer.close()
 
 
-def test_consolidating_while_a_rank_has_joined_is_an_error_there_and_join_goes_on(comm):
+def test_consolidating_while_a_rank_has_joined_is_an_error_there_and_join_goes_on(make_store, comm):
     if comm.size == 1:
         pytest.skip("needs a joined rank")
     net = BNNet()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9},
-                                  mpikv.create("dist_sync", timeout=120))
+                                  make_store())
     x, y = cases.data(0, 0)
     trainer.zero_grad()
     torch.nn.functional.mse_loss(net(x), y).backward()
@@ -415,12 +416,12 @@ def test_consolidating_while_a_rank_has_joined_is_an_error_there_and_join_goes_o
     trainer.close()
 
 
-def test_a_consolidation_on_rank_0_only_is_named_in_the_trainer_s_terms(comm):
+def test_a_consolidation_on_rank_0_only_is_named_in_the_trainer_s_terms(make_store, comm):
     if comm.size == 1:
         pytest.skip("needs ranks that differ")
     net = BNNet()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
-                                  mpikv.create("dist_sync", timeout=120), broadcast_buffers=False)
+                                  make_store(), broadcast_buffers=False)
     x, y = cases.data(0, 0)
 
     def rank_0_consolidates():
@@ -435,12 +436,12 @@ def test_a_consolidation_on_rank_0_only_is_named_in_the_trainer_s_terms(comm):
     trainer.close()
 
 
-def test_join_after_eval_forwards_keeps_the_buffer_sharing_agreed(comm):
+def test_join_after_eval_forwards_keeps_the_buffer_sharing_agreed(make_store, comm):
     # Uneven data, an eval every two batches, join() each epoch: the next epoch's
     # forwards share the buffers on every rank alike.
     net = BNNet()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
-                                  mpikv.create("dist_sync", timeout=120))
+                                  make_store())
     for epoch in range(2):
         for step in range(3 if comm.rank == 0 else 2):
             x, y = cases.data(step, comm.rank)
@@ -456,13 +457,13 @@ def test_join_after_eval_forwards_keeps_the_buffer_sharing_agreed(comm):
     trainer.close()
 
 
-def test_a_copy_of_the_model_is_a_plain_model(comm, tmp_path_factory):
+def test_a_copy_of_the_model_is_a_plain_model(make_store, comm, tmp_path_factory):
     # The EMA or best-model habit: copy.deepcopy and torch.save of the Trainer's model
     # work, and the copy runs as a plain torch model (no store calls).
     import copy
     net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(BNNet())
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
-                                  mpikv.create("dist_sync", timeout=120))
+                                  make_store())
     x, y = cases.data(0, 0)
     torch.nn.functional.mse_loss(net(x), y).backward()
     trainer.step()
@@ -479,7 +480,7 @@ def test_a_copy_of_the_model_is_a_plain_model(comm, tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_weights_loaded_after_the_optimizer_state_are_kept_by_the_masters(comm, dtype):
+def test_weights_loaded_after_the_optimizer_state_are_kept_by_the_masters(make_store, comm, dtype):
     # The usual resume order of a DDP script: optimizer state, then the model's weights.
     if dtype == "bfloat16":
         pytest.importorskip("ml_dtypes")
@@ -487,7 +488,7 @@ def test_weights_loaded_after_the_optimizer_state_are_kept_by_the_masters(comm, 
     torch.manual_seed(0)
     net = torch.nn.Linear(4, 3).to(dt)
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.0, "momentum": 0.9},
-                                  mpikv.create("dist_sync", timeout=120))
+                                  make_store())
     x = torch.randn(6, 4).to(dt)
     net(x).float().sum().backward()
     trainer.step()

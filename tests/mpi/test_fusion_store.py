@@ -19,11 +19,11 @@ SHAPES = [(3 + i % 5, 2) if i < 30 else (15, 11) for i in KEYS]
 DTYPES = [np.float32 if i % 3 else np.float64 for i in KEYS]
 
 
-def _store(**kw):
-    # 200-byte buckets: many buckets, and keys that fill one alone.
+def _options(**kw):
+    """The options of the stores here: 200-byte buckets (many buckets, and keys that
+    fill one alone)."""
     kw.setdefault("reducer", os.environ.get("MPIKV_REDUCER", "allreduce"))
-    return mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=100,
-                        bucket_bytes=200, **kw)
+    return dict(bigarray_bound=100, bucket_bytes=200, **kw)
 
 
 def _grads(rank, step=0):
@@ -40,8 +40,8 @@ def algorithm(request, monkeypatch):
     return request.param
 
 
-def test_fused_push_pull_every_algorithm(comm, algorithm):
-    kv = _store()
+def test_fused_push_pull_every_algorithm(make_store, comm, algorithm):
+    kv = make_store(**_options())
     kv.init(KEYS, [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)])
     kv.push(KEYS, _grads(comm.rank))
     outs = [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)]
@@ -57,8 +57,8 @@ def test_fused_push_pull_every_algorithm(comm, algorithm):
     assert (out == _total(comm, sub[0], 1)).all()
 
 
-def test_fused_owner_path_every_algorithm(comm, algorithm):
-    kv = _store()
+def test_fused_owner_path_every_algorithm(make_store, comm, algorithm):
+    kv = make_store(**_options())
     kv.init(KEYS, [np.ones(s, d) for s, d in zip(SHAPES, DTYPES)])
     kv.set_optimizer(optimizer.SGD(learning_rate=0.5))
     kv.push(KEYS, _grads(comm.rank))
@@ -73,8 +73,8 @@ def test_fused_owner_path_every_algorithm(comm, algorithm):
     np.testing.assert_allclose(out, 1 - 1.0 * _total(comm, 5))
 
 
-def test_updater_in_fused_buckets_runs_once_per_key_on_its_owner(comm):
-    kv = _store()
+def test_updater_in_fused_buckets_runs_once_per_key_on_its_owner(make_store, comm):
+    kv = make_store(**_options())
     kv.init(KEYS, [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)])
     ran = []
     kv.set_updater(lambda key, value, stored: (ran.append(key), stored.__iadd__(value)))
@@ -87,8 +87,8 @@ def test_updater_in_fused_buckets_runs_once_per_key_on_its_owner(comm):
     assert all((o == _total(comm, k)).all() for k, o in zip(KEYS, outs))
 
 
-def test_zero_copy_pushpull_leaves_the_sum_in_the_buffers(comm):
-    kv = _store()
+def test_zero_copy_pushpull_leaves_the_sum_in_the_buffers(make_store, comm):
+    kv = make_store(**_options())
     kv.init(KEYS, [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)])
     bufs = kv.gradient_buffers(KEYS)
     assert [b.shape for b in bufs] == SHAPES and [b.dtype for b in bufs] == [
@@ -107,8 +107,8 @@ def test_zero_copy_pushpull_leaves_the_sum_in_the_buffers(comm):
     assert all(a is b for a, b in zip(kv.gradient_buffers(KEYS), bufs))
 
 
-def test_zero_copy_with_optimizer_and_mixed_inputs(comm):
-    kv = _store()
+def test_zero_copy_with_optimizer_and_mixed_inputs(make_store, comm):
+    kv = make_store(**_options())
     kv.init(KEYS, [np.ones(s, d) for s, d in zip(SHAPES, DTYPES)])
     kv.set_optimizer(optimizer.SGD(learning_rate=0.5))
     bufs = kv.gradient_buffers(KEYS)
@@ -124,8 +124,8 @@ def test_zero_copy_with_optimizer_and_mixed_inputs(comm):
         np.testing.assert_allclose(o, 1 - 0.5 * _total(comm, k))
 
 
-def test_zero_copy_refuses_float16_and_unknown_keys(comm):
-    kv = _store()
+def test_zero_copy_refuses_float16_and_unknown_keys(make_store, comm):
+    kv = make_store(**_options())
     kv.init([1, 2], [np.zeros(3, np.float16), np.zeros(3, np.float32)])
     with pytest.raises(errors.DTypeError, match="float16"):
         kv.gradient_buffers([1, 2])
@@ -146,8 +146,8 @@ def test_bad_reducer_name_is_an_error():
     assert config.resolve(environ={"MPIKV_ALGORITHM": "reduce_scatter"}).reducer == "reduce_scatter"
 
 
-def test_pushpull_of_one_big_key_sums_in_the_callers_array(comm):
-    kv = _store()  # bound 100: the key is split over the owners
+def test_pushpull_of_one_big_key_sums_in_the_callers_array(make_store, comm):
+    kv = make_store(**_options())  # bound 100: the key is split over the owners
     kv.init("w", np.zeros(500, np.float32))
     value = np.full(500, comm.rank + 1.0, np.float32)
     kv.pushpull("w", value)
@@ -164,8 +164,8 @@ def test_pushpull_of_one_big_key_sums_in_the_callers_array(comm):
     assert (big[::2] == total).all() and (big[1::2] == comm.rank + 1).all()
 
 
-def test_zero_copy_buffers_use_node_shared_memory(comm):
-    kv = _store()
+def test_zero_copy_buffers_use_node_shared_memory(make_store, comm):
+    kv = make_store(**_options())
     kv.init(KEYS, [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)])
     bufs = kv.gradient_buffers(KEYS)
     # One node here: shared windows whenever there is more than one rank.
@@ -201,8 +201,8 @@ def test_shared_memory_off_and_hierarchical_nodes(comm):
     assert all((b == _total(comm, k)).all() for k, b in zip(KEYS, bufs))
 
 
-def test_shared_memory_can_be_turned_off(comm):
-    kv = _store(shared_memory=False)
+def test_shared_memory_can_be_turned_off(make_store, comm):
+    kv = make_store(**_options(shared_memory=False))
     kv.init(KEYS, [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)])
     bufs = kv.gradient_buffers(KEYS)
     assert not kv.uses_shared_memory(KEYS)
@@ -212,8 +212,8 @@ def test_shared_memory_can_be_turned_off(comm):
     assert all((b == _total(comm, k)).all() for k, b in zip(KEYS, bufs))
 
 
-def test_one_array_given_for_two_keys_is_not_summed_twice(comm):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bucket_bytes=16)  # a bucket per key
+def test_one_array_given_for_two_keys_is_not_summed_twice(make_store, comm):
+    kv = make_store(bucket_bytes=16)  # a bucket per key
     kv.init([1, 2], [np.zeros(4, np.float32)] * 2)
     a = np.ones(4, np.float32)
     kv.pushpull([1, 2], [a, a])
@@ -222,8 +222,8 @@ def test_one_array_given_for_two_keys_is_not_summed_twice(comm):
     assert (o[0] == comm.size).all() and (o[1] == comm.size).all()
 
 
-def test_a_cached_key_list_does_not_admit_equal_non_int_keys(comm):
-    kv = _store()
+def test_a_cached_key_list_does_not_admit_equal_non_int_keys(make_store, comm):
+    kv = make_store(**_options())
     kv.init([1, 2], [np.zeros(3, np.float32)] * 2)
     vals = [np.ones(3, np.float32)] * 2
     kv.push([1, 2], vals)
@@ -235,8 +235,8 @@ def test_a_cached_key_list_does_not_admit_equal_non_int_keys(comm):
     raises_everywhere(comm, errors.KeyTypeError, lambda: kv.pushpull([1.0, 2], zero))
 
 
-def test_priority_values(comm):
-    kv = _store()
+def test_priority_values(make_store, comm):
+    kv = make_store(**_options())
     kv.init(3, np.zeros(4, np.float32))
     kv.push(3, np.ones(4, np.float32), priority=np.int64(-1))  # numpy ints are ints
     for bad in ("high", 2.5, True):
@@ -248,8 +248,9 @@ def test_priority_values(comm):
         kv.push(3, np.ones(4, np.float32), priority=p)  # equal values agree
 
 
-def test_zero_copy_then_checkpoint_load_gives_the_store_its_own_memory(comm, mpi_tmp_path):
-    kv = _store()
+def test_zero_copy_then_checkpoint_load_gives_the_store_its_own_memory(make_store, comm,
+                                                                       mpi_tmp_path):
+    kv = make_store(**_options())
     keys = [0, 1]
     kv.init(keys, [np.zeros(4, np.float32)] * 2)
     bufs = kv.gradient_buffers(keys)
@@ -269,8 +270,8 @@ def test_zero_copy_then_checkpoint_load_gives_the_store_its_own_memory(comm, mpi
     assert all((b == 2 * comm.size).all() for b in bufs)
 
 
-def test_per_key_priorities_follow_the_keys_not_the_list_order(comm):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bucket_bytes=16)  # a bucket per key
+def test_per_key_priorities_follow_the_keys_not_the_list_order(make_store, comm):
+    kv = make_store(bucket_bytes=16)  # a bucket per key
     kv.init([0, 1], [np.zeros(4, np.float32), np.zeros(8, np.float32)])
     keys = [0, 1] if comm.rank % 2 == 0 else [1, 0]
     prio = {0: 5, 1: 7}
@@ -281,16 +282,16 @@ def test_per_key_priorities_follow_the_keys_not_the_list_order(comm):
     assert (o[0] == comm.size).all() and (o[1] == 100 * comm.size).all()
 
 
-def test_cached_key_list_still_rejects_a_2d_array_as_the_value_list(comm):
-    kv = _store()
+def test_cached_key_list_still_rejects_a_2d_array_as_the_value_list(make_store, comm):
+    kv = make_store(**_options())
     kv.init([0, 1], [np.zeros(4, np.float32)] * 2)
     kv.push([0, 1], [np.ones(4, np.float32)] * 2)
     kv.push([0, 1], [np.ones(4, np.float32)] * 2)
     raises_everywhere(comm, errors.InputError, lambda: kv.push([0, 1], np.ones((2, 4), np.float32)))
 
 
-def test_missing_values_on_a_known_key_list_are_an_error_everywhere(comm):
-    kv = _store()
+def test_missing_values_on_a_known_key_list_are_an_error_everywhere(make_store, comm):
+    kv = make_store(**_options())
     kv.init([0, 1], [np.zeros(4, np.float32)] * 2)
     kv.push([0, 1], [np.ones(4, np.float32)] * 2)
     raises_everywhere(comm, errors.ValueTypeError, lambda: kv.push([0, 1], None))
@@ -300,8 +301,8 @@ def test_missing_values_on_a_known_key_list_are_an_error_everywhere(comm):
                       lambda: kv.pushpull([0, 1], None if comm.rank == comm.size - 1 else bufs))
 
 
-def test_shared_buffers_given_crosswise_still_sum_right(comm):
-    kv = _store()
+def test_shared_buffers_given_crosswise_still_sum_right(make_store, comm):
+    kv = make_store(**_options())
     kv.init([0, 1], [np.zeros(4, np.float32)] * 2)
     bufs = kv.gradient_buffers([0, 1])
     bufs[0][:] = 1
@@ -319,12 +320,11 @@ def test_shared_buffers_given_crosswise_still_sum_right(comm):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_ranks_whose_inputs_take_different_routes_still_match(comm, name):
+def test_ranks_whose_inputs_take_different_routes_still_match(make_store, comm, name):
     """One key, summed from the caller's array where it can be: one rank sums in
     its own array (out=None), one into an output, one from a non-contiguous
     array (packed first). The strategy must call the same collectives on all."""
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, reducer=name, direct_bytes=64,
-                      bucket_bytes=256)
+    kv = make_store(reducer=name, direct_bytes=64, bucket_bytes=256)
     n = 300
     kv.init("w", np.zeros(n, np.float32))
     total = sum(r + 1 for r in range(comm.size))
@@ -347,7 +347,8 @@ def test_ranks_whose_inputs_take_different_routes_still_match(comm, name):
     assert (out == total).all()
 
 
-def test_columns_naming_different_strategies_still_match(comm, tmp_path_factory, monkeypatch):
+def test_columns_naming_different_strategies_still_match(make_store, comm, tmp_path_factory,
+                                                         monkeypatch):
     """A cached table whose in-place and out-of-place columns name different
     strategies: ranks whose one-key inputs take different routes must still
     run the same one."""
@@ -364,7 +365,7 @@ def test_columns_naming_different_strategies_still_match(comm, tmp_path_factory,
     if comm.rank == 0:
         assert tuning.write_cache(tuning.cache_path(key), key, table) is None
     comm.Barrier()
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, autotune=False, direct_bytes=64)
+    kv = make_store(autotune=False, direct_bytes=64)
     assert "hand-made" in kv.tuning_table.source or comm.size == 1
     n = 300
     kv.init("w", np.zeros(n, np.float32))
@@ -407,12 +408,12 @@ def MPI_UNDEFINED():
     return MPI.UNDEFINED
 
 
-def test_a_push_of_other_arrays_leaves_the_gradient_buffers_alone(comm):
+def test_a_push_of_other_arrays_leaves_the_gradient_buffers_alone(make_store, comm):
     """Before the buffers were ever pushed, a push of copies leaves them as they are and
     keeps the sum in the store's own memory, at every rank count (on more than one rank
     it once went through the buffers' shared window: they held the sum and became the
     stored values, so writing the next gradients into them changed what pull gave)."""
-    kv = _store()
+    kv = make_store(**_options())
     kv.init(KEYS, [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)])
     bufs = kv.gradient_buffers(KEYS)
     for b, g in zip(bufs, _grads(comm.rank, 1)):

@@ -18,7 +18,6 @@ Run: ``scripts/mpirun.sh -n 2 python -m pytest tests/mpi/test_gpu.py --with-mpi`
 import numpy as np
 import pytest
 
-import mpikv
 from mpikv import backends, optimizer
 from mpikv.transport import cuda
 
@@ -28,8 +27,8 @@ from .conftest import TEST_TIMEOUT
 pytestmark = pytest.mark.mpi
 
 @pytest.fixture
-def gkv(cp):
-    return mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT)
+def gkv(cp, make_store):
+    return make_store("dist_sync_device")
 
 
 def _tri(n):
@@ -82,8 +81,8 @@ def test_float16_summed_in_float32(cp, comm, gkv):
     np.testing.assert_array_equal(out.get(), want)
 
 
-def test_split_array(cp, comm):
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=10)
+def test_split_array(make_store, cp, comm):
+    kv = make_store("dist_sync_device", bigarray_bound=10)
     n, r = comm.size, comm.rank
     kv.init("big", cp.zeros(1001, cp.float32))
     kv.push("big", cp.arange(1001, dtype=cp.float32) * (r + 1))
@@ -148,7 +147,7 @@ def test_async_calls_on_this_ranks_gpu(cp, comm, gkv):
         assert not any(fakecupy.unfinished(a) for a in outs + grads)
 
 
-def test_optimizers_on_device_match_host(cp, comm):
+def test_optimizers_on_device_match_host(make_store, cp, comm):
     # The same steps on a host store and a device store give the same weights.
     r = comm.rank
     rng = np.random.default_rng(7)
@@ -160,7 +159,7 @@ def test_optimizers_on_device_match_host(cp, comm):
         kwargs = {"momentum": 0.9} if opt in ("sgd", "nag") else {}
         got = {}
         for where in ("host", "device"):
-            kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=100)
+            kv = make_store("dist_sync_device", bigarray_bound=100)
             put = (lambda a: cp.asarray(a)) if where == "device" else (lambda a: a.copy())
             keys = sorted(shapes)
             kv.init(keys, [put(init[k]) for k in keys])
@@ -174,10 +173,10 @@ def test_optimizers_on_device_match_host(cp, comm):
             np.testing.assert_allclose(dev, host, rtol=2e-5, atol=1e-6, err_msg=opt)
 
 
-def test_checkpoint_round_trip_of_gpu_values(cp, comm, tmp_path_factory):
+def test_checkpoint_round_trip_of_gpu_values(make_store, cp, comm, tmp_path_factory):
     r = comm.rank
     path = comm.bcast(str(tmp_path_factory.mktemp("ckpt") / "gpu.ckpt") if r == 0 else None)
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=10)
+    kv = make_store("dist_sync_device", bigarray_bound=10)
     kv.init(["w", "v"], [cp.ones(25, cp.float32), cp.zeros((2, 3), cp.float64)])
     kv.set_optimizer(optimizer.Adam(learning_rate=0.1))
     kv.push(["w", "v"], [cp.full(25, r + 1.0, cp.float32), cp.ones((2, 3), cp.float64)])
@@ -186,7 +185,7 @@ def test_checkpoint_round_trip_of_gpu_values(cp, comm, tmp_path_factory):
     want = [cp.empty(25, cp.float32), cp.empty((2, 3), cp.float64)]
     kv.pull(["w", "v"], out=want)
 
-    fresh = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=10)
+    fresh = make_store("dist_sync_device", bigarray_bound=10)
     fresh.load_checkpoint(path)  # keys come from the file, onto this rank's GPU
     fresh.push(["w", "v"], [cp.ones(25, cp.float32), cp.ones((2, 3), cp.float64)])
     got = [cp.empty(25, cp.float32), cp.empty((2, 3), cp.float64)]
@@ -195,7 +194,7 @@ def test_checkpoint_round_trip_of_gpu_values(cp, comm, tmp_path_factory):
         np.testing.assert_array_equal(g.get(), w.get())
     assert fresh.optimizer_state_nbytes() == kv.optimizer_state_nbytes()
 
-    host = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=10)
+    host = make_store(bigarray_bound=10)
     host.load_checkpoint(path)  # the same file, on the host
     host.push(["w", "v"], [np.ones(25, np.float32), np.ones((2, 3), np.float64)])
     out = [np.empty(25, np.float32), np.empty((2, 3), np.float64)]
@@ -272,11 +271,11 @@ def test_float16_device_list_summed_in_float32(cp, comm, gkv):
 
 
 @pytest.mark.parametrize("store", ["local", "device", "dist_sync", "dist_sync_device"])
-def test_every_store_type_takes_gpu_values(cp, comm, store):
+def test_every_store_type_takes_gpu_values(make_store, cp, comm, store):
     n, r = comm.size, comm.rank
     workers = 1 if store in ("local", "device") else n
     tri = r + 1 if workers == 1 else _tri(n)  # a local store sums only its own values
-    kv = mpikv.create(store, timeout=TEST_TIMEOUT)
+    kv = make_store(store)
     keys = ["a", "b"]
     kv.broadcast(keys, [cp.full(3, 7 + r, cp.float32), cp.zeros((2, 2), cp.float64)],
                  out=[cp.empty(3, cp.float32), cp.empty((2, 2), cp.float64)])
@@ -301,13 +300,13 @@ def test_every_store_type_takes_gpu_values(cp, comm, store):
     assert first.get().tolist() == [2 * tri - 0.5 * 2 * workers] * 3
 
 
-def test_store_on_one_gpu_values_on_another(cp, comm):
+def test_store_on_one_gpu_values_on_another(make_store, cp, comm):
     # Keys initialised while GPU 1 was current live there; later calls made
     # with GPU 0 current, on GPU 0 values, must still work on GPU 1's memory.
     if cp.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("needs two GPUs")
     n, r = comm.size, comm.rank
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=10)
+    kv = make_store("dist_sync_device", bigarray_bound=10)
     with cp.cuda.Device(1):
         kv.init(["w", "big"], [cp.ones(4, cp.float32), cp.zeros(30, cp.float32)])
     with cp.cuda.Device(0):
@@ -326,14 +325,14 @@ def test_store_on_one_gpu_values_on_another(cp, comm):
     np.testing.assert_allclose(outs[1].get(), np.full(30, n - 0.1, np.float32), rtol=1e-5)
 
 
-def test_async_handles_wait_for_every_gpu_they_touch(cp, comm):
+def test_async_handles_wait_for_every_gpu_they_touch(make_store, cp, comm):
     # Outputs on two GPUs, and a store on a GPU that is not the caller's: the
     # handle is done only when every GPU's work is, and the worker starts only
     # once the caller's earlier writes into the store's memory have finished.
     if cp.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("needs two GPUs")
     n = comm.size
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT)
+    kv = make_store("dist_sync_device")
     with cp.cuda.Device(1):
         kv.init("w", cp.zeros(4, cp.float32))
     with cp.cuda.Device(0):
@@ -356,11 +355,11 @@ def _other_gpu(cp, comm):
     return (comm.rank + 1) % count   # not the current GPU (rank % count)
 
 
-def test_keys_live_on_the_gpu_of_their_first_value(cp, comm):
+def test_keys_live_on_the_gpu_of_their_first_value(make_store, cp, comm):
     # model.to(f"cuda:{i}") sets no current GPU: a key's memory goes with its value.
     n, r = comm.size, comm.rank
     gpu = _other_gpu(cp, comm)
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=10)
+    kv = make_store("dist_sync_device", bigarray_bound=10)
     with cp.cuda.Device(gpu):
         values = [cp.full(4, 2, cp.float32), cp.zeros(30, cp.float32)]
     kv.init(["w", "big"], values)
@@ -374,12 +373,12 @@ def test_keys_live_on_the_gpu_of_their_first_value(cp, comm):
 
 
 @pytest.mark.parametrize("call", ["push", "pushpull", "sgd"])
-def test_values_from_another_gpu_are_read_after_their_writers(cp, comm, call):
+def test_values_from_another_gpu_are_read_after_their_writers(make_store, cp, comm, call):
     # The store's GPU is not the value's: the copy between them must come after the
     # kernel that wrote the value on its own GPU's stream (no synchronisation here).
     n, r = comm.size, comm.rank
     gpu = _other_gpu(cp, comm)
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT)
+    kv = make_store("dist_sync_device")
     kv.init(["a", "b"], [cp.zeros(5, cp.float32), cp.zeros(3, cp.float64)])
     if call == "sgd":
         kv.set_optimizer(optimizer.SGD(learning_rate=1.0, rescale_grad=1.0))
@@ -425,13 +424,12 @@ def test_sync_calls_return_outputs_complete_for_every_stream(cp, comm, gkv, call
 
 
 @pytest.mark.parametrize("where", ["host", "device"])
-def test_fused_push_of_the_stores_own_values_swapped(cp, comm, where):
+def test_fused_push_of_the_stores_own_values_swapped(make_store, cp, comm, where):
     # The inputs are views of the memory the sum is gathered into: overlaps of device
     # views are found by memory ranges, as for host arrays, and the bucket is gathered
     # elsewhere first.
     n = comm.size
-    kv = mpikv.create("dist_sync_device" if where == "device" else "dist_sync",
-                      timeout=TEST_TIMEOUT)
+    kv = make_store("dist_sync_device" if where == "device" else "dist_sync")
     make = cp if where == "device" else np
     kv.init(["a", "b"], [make.full(4, 1, np.float32), make.full(4, 2, np.float32)])
     va, vb = kv.value_buffers(["a", "b"])
@@ -458,13 +456,13 @@ def test_the_stand_in_poisons_device_buffers_a_host_only_mpi_gets(cp, comm):
 
 
 @pytest.mark.parametrize("how", ["pushpull", "pushpull_async"])
-def test_a_big_key_with_kernels_queued_before_each_call(cp, comm, how):
+def test_a_big_key_with_kernels_queued_before_each_call(make_store, cp, comm, how):
     # 50 kernels write the value before each call and nobody waits for them: the
     # sum must be exact. 64 KiB here; tests/gpu/test_stream_race.py is the 256 MiB
     # stress for a real GPU.
     n, r = comm.size, comm.rank
     size = (64 << 10) // 4
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT)
+    kv = make_store("dist_sync_device")
     kv.init("big", cp.zeros(size, cp.float32))
     grad = cp.zeros(size, cp.float32)
     for step in range(2):

@@ -9,10 +9,8 @@ path's, bit for bit: float32 sums rounded once, float32 master arithmetic.
 import numpy as np
 import pytest
 
-import mpikv
 
 from . import test_multi_precision as mp
-from .conftest import TEST_TIMEOUT
 from .test_bfloat16 import check_sums, contribution
 from .test_bfloat16 import reference as sum_reference
 
@@ -27,14 +25,14 @@ def _bits(a):
 
 @pytest.mark.parametrize("size", [7, 300])   # 300: split over the owners (bound 100)
 @pytest.mark.parametrize("op", ["push_pull", "pushpull"])
-def test_device_bfloat16_sums_are_float32_sums_rounded_once(cp, comm, size, op):
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=100)
+def test_device_bfloat16_sums_are_float32_sums_rounded_once(make_store, cp, comm, size, op):
+    kv = make_store("dist_sync_device", bigarray_bound=100)
     check_sums(comm, kv, cp.asarray, size, op)
 
 
-def test_several_gpus_bfloat16_values_are_summed_once(cp, comm):
+def test_several_gpus_bfloat16_values_are_summed_once(make_store, cp, comm):
     # Two values per rank (one per GPU), a host value among them: one float32 sum, one rounding.
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT)
+    kv = make_store("dist_sync_device")
     kv.init("x", cp.zeros(5, BF16))
     a = cp.asarray(contribution(kv.rank, 5, 1))
     with cp.cuda.Device((comm.rank + 1) % cp.cuda.runtime.getDeviceCount()):
@@ -52,8 +50,9 @@ def test_several_gpus_bfloat16_values_are_summed_once(cp, comm):
 
 
 @pytest.mark.parametrize("name", list(mp.OPTIMIZERS))
-def test_every_optimizer_on_device_bfloat16_is_the_float32_step_rounded_once(cp, comm, name):
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=16)
+def test_every_optimizer_on_device_bfloat16_is_the_float32_step_rounded_once(make_store, cp, comm,
+                                                                             name):
+    kv = make_store("dist_sync_device", bigarray_bound=16)
     kv.init(list(mp.SHAPES), [cp.asarray(mp.initial(k, BF16)) for k in mp.SHAPES])
     kv.set_optimizer(mp.OPTIMIZERS[name](multi_precision=True))
     want = mp.reference(name, BF16, [range(comm.size)] * mp.STEPS)
@@ -65,11 +64,11 @@ def test_every_optimizer_on_device_bfloat16_is_the_float32_step_rounded_once(cp,
         mp._assert_rounded(got, want[step], BF16, f"step {step}")
 
 
-def test_without_masters_each_step_is_rounded_as_on_the_host(cp, comm):
+def test_without_masters_each_step_is_rounded_as_on_the_host(make_store, cp, comm):
     # No master copy: the weight is widened, stepped in float32 and rounded every step.
     got = {}
     for where, put in (("host", lambda a: a), ("device", cp.asarray)):
-        kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=16)
+        kv = make_store("dist_sync_device", bigarray_bound=16)
         kv.init(list(mp.SHAPES), [put(mp.initial(k, BF16)) for k in mp.SHAPES])
         kv.set_optimizer(mp.OPTIMIZERS["adam"]())
         for step in range(mp.STEPS):
@@ -83,12 +82,13 @@ def test_without_masters_each_step_is_rounded_as_on_the_host(cp, comm):
                for h, k in zip(got["host"], mp.SHAPES))   # the steps did move the weights
 
 
-def test_device_bfloat16_values_and_masters_round_trip_a_checkpoint(cp, comm, tmp_path_factory):
+def test_device_bfloat16_values_and_masters_round_trip_a_checkpoint(make_store, cp, comm,
+                                                                    tmp_path_factory):
     path = comm.bcast(str(tmp_path_factory.mktemp("gbf16")) if comm.rank == 0 else None)
     keys = list(mp.SHAPES)
 
     def store():
-        kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=16)
+        kv = make_store("dist_sync_device", bigarray_bound=16)
         kv.init(keys, [cp.asarray(mp.initial(k, BF16)) for k in keys])
         kv.set_optimizer(mp.OPTIMIZERS["adam"](multi_precision=True))
         return kv
@@ -112,12 +112,12 @@ def test_device_bfloat16_values_and_masters_round_trip_a_checkpoint(cp, comm, tm
         np.testing.assert_array_equal(a, b)
 
 
-def test_torch_cuda_bfloat16_tensors_without_copies(cp, comm):
+def test_torch_cuda_bfloat16_tensors_without_copies(make_store, cp, comm):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available() or getattr(cp, "STAND_IN", False):
         pytest.skip("needs torch with CUDA and real cupy")
     device = torch.device("cuda", comm.rank % torch.cuda.device_count())
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT)
+    kv = make_store("dist_sync_device")
     kv.init("t", torch.zeros(6, dtype=torch.bfloat16, device=device))
     bits = torch.from_numpy(contribution(kv.rank, 6, 2).view(np.int16)).to(device)
     mine = bits.view(torch.bfloat16)

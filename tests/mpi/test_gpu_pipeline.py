@@ -10,12 +10,11 @@ Run: ``scripts/mpirun.sh -n 3 python -m pytest tests/mpi/test_gpu_pipeline.py --
 import numpy as np
 import pytest
 
-import mpikv
 from mpikv import errors, optimizer
 from mpikv.transport.pipeline import piece_ranges
 
 from .. import fakecupy
-from .conftest import TEST_TIMEOUT, raises_everywhere
+from .conftest import raises_everywhere
 
 pytestmark = pytest.mark.mpi
 
@@ -37,11 +36,10 @@ def _copies_down():
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 @pytest.mark.parametrize("reducer", ["allreduce", "reduce_bcast", "reduce_scatter"])
 @pytest.mark.parametrize("how", ["pushpull", "pushpull_async"])
-def test_pushpull_of_a_multi_piece_key_is_exact(cp, comm, dtype, reducer, how):
+def test_pushpull_of_a_multi_piece_key_is_exact(make_store, cp, comm, dtype, reducer, how):
     n, r = comm.size, comm.rank
     size = 1001   # not a multiple of any piece
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, staging_piece=PIECE,
-                      reducer=reducer)
+    kv = make_store("dist_sync_device", staging_piece=PIECE, reducer=reducer)
     assert kv._transport.staging.piece_bytes == PIECE
     kv.init("big", cp.zeros(size, dtype))
     # Integers small enough for float16's sums to be exact: rank-dependent, per element.
@@ -61,11 +59,11 @@ def test_pushpull_of_a_multi_piece_key_is_exact(cp, comm, dtype, reducer, how):
         assert pieces > 1 and _copies_down() - before >= pieces
 
 
-def test_sgd_pull_and_init_of_a_multi_piece_key_go_in_pieces(cp, comm):
+def test_sgd_pull_and_init_of_a_multi_piece_key_go_in_pieces(make_store, cp, comm):
     # The owner updates and broadcasts (Bcast in pieces); init broadcasts rank 0's value.
     n, r = comm.size, comm.rank
     size = 777
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, staging_piece=PIECE)
+    kv = make_store("dist_sync_device", staging_piece=PIECE)
     before = _copies_down()
     kv.init("w", cp.full(size, 1 if r == 0 else 99, cp.float32))
     pieces = len(piece_ranges(size, 4, PIECE))
@@ -80,9 +78,9 @@ def test_sgd_pull_and_init_of_a_multi_piece_key_go_in_pieces(cp, comm):
     np.testing.assert_array_equal(out.get(), np.full(size, 1 - 0.5 * n, np.float32))
 
 
-def test_whole_buffer_staging_when_the_piece_is_zero(cp, comm):
+def test_whole_buffer_staging_when_the_piece_is_zero(make_store, cp, comm):
     n, r = comm.size, comm.rank
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, staging_piece=0)
+    kv = make_store("dist_sync_device", staging_piece=0)
     kv.init("big", cp.zeros(1001, cp.float32))
     grad = cp.full(1001, r + 1, cp.float32)
     before = _copies_down()
@@ -92,24 +90,23 @@ def test_whole_buffer_staging_when_the_piece_is_zero(cp, comm):
         assert _copies_down() - before == 1
 
 
-def test_ranks_must_agree_on_the_piece(comm):
+def test_ranks_must_agree_on_the_piece(make_store, comm):
     if comm.size == 1:
         pytest.skip("one rank has nobody to disagree with")
     piece = PIECE if comm.rank == 0 else 2 * PIECE
     raises_everywhere(comm, errors.MismatchError,
-                      lambda: mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT,
-                                           staging_piece=piece))
+                      lambda: make_store("dist_sync_device", staging_piece=piece))
 
 
 @pytest.mark.parametrize("reducer", ["allreduce", "reduce_bcast"])
-def test_ranks_with_the_key_on_gpu_and_on_host_make_the_same_calls(cp, comm, reducer):
+def test_ranks_with_the_key_on_gpu_and_on_host_make_the_same_calls(make_store, cp, comm, reducer):
     """Rank 0 keeps a multi-piece key on its GPU, the others on the host: staged or not,
     each rank cuts Bcast and Allreduce into the same pieces (before, a host rank made
     one call where the GPU rank made several, and the job hung)."""
     n, r = comm.size, comm.rank
     size = 1001
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, staging_piece=PIECE,
-                      reducer=reducer, autotune=False)
+    kv = make_store("dist_sync_device", staging_piece=PIECE, reducer=reducer,
+                    autotune=False)
     mine = (np.arange(size) % 7 + r).astype(np.float32)
     value = cp.asarray(mine) if r == 0 else mine.copy()
     kv.init("w", value)
@@ -121,15 +118,15 @@ def test_ranks_with_the_key_on_gpu_and_on_host_make_the_same_calls(cp, comm, red
 
 
 @pytest.mark.parametrize("reducer", ["allreduce", "reduce_bcast", "reduce_scatter"])
-def test_ranks_with_keys_on_gpu_and_on_host_cut_the_same_buckets(cp, comm, reducer):
+def test_ranks_with_keys_on_gpu_and_on_host_cut_the_same_buckets(make_store, cp, comm, reducer):
     """A device store packs its keys in big buckets, with no key alone (``fusion.sizes``);
     rank 0 holds GPU values, the others host values: the buckets must be the same on
     every rank, or the calls would not match. Keys small and large (above ``direct_bytes``)."""
     n, r = comm.size, comm.rank
     sizes = [3, 700, 50, 2000, 9]
     keys = list(range(len(sizes)))
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, staging_piece=PIECE,
-                      reducer=reducer, autotune=False, direct_bytes=1024)
+    kv = make_store("dist_sync_device", staging_piece=PIECE, reducer=reducer,
+                    autotune=False, direct_bytes=1024)
     mine = [(np.arange(s) % 5 + r).astype(np.float32) for s in sizes]
     values = [cp.asarray(m) for m in mine] if r == 0 else [m.copy() for m in mine]
     kv.init(keys, values)
@@ -143,19 +140,19 @@ def test_ranks_with_keys_on_gpu_and_on_host_cut_the_same_buckets(cp, comm, reduc
             got = o.get() if r == 0 else o
             want = sum((np.arange(s) % 5 + q).astype(np.float32) for q in range(n))
             np.testing.assert_array_equal(got, want)
-    host = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, autotune=False, direct_bytes=1024)
+    host = make_store(autotune=False, direct_bytes=1024)
     host.init(keys, mine)
     assert len(host._engine.layout(keys).buckets) == 3   # 700 and 2000 elements alone
 
 
-def test_ranks_that_make_different_store_types_cut_the_same_buckets(comm):
+def test_ranks_that_make_different_store_types_cut_the_same_buckets(make_store, comm):
     """A Trainer makes a device store where its parameters are on a GPU, a host store
     elsewhere: one rank's device type makes every rank pack as a device store."""
     n, r = comm.size, comm.rank
     sizes = [3, 700, 50, 2000, 9]
     keys = list(range(len(sizes)))
     kind = "dist_sync_device" if r == n - 1 else "dist_sync"
-    kv = mpikv.create(kind, timeout=TEST_TIMEOUT, autotune=False, direct_bytes=1024)
+    kv = make_store(kind, autotune=False, direct_bytes=1024)
     values = [(np.arange(s) % 5 + r).astype(np.float32) for s in sizes]
     kv.init(keys, values)
     assert comm.allgather(len(kv._engine.layout(keys).buckets)) == [1] * n

@@ -12,7 +12,7 @@ import pytest
 import mpikv
 from mpikv.join import ReplayedCall, contribution as _contribution
 
-from .conftest import TEST_TIMEOUT, raises_everywhere
+from .conftest import raises_everywhere
 
 pytestmark = pytest.mark.mpi
 
@@ -86,8 +86,8 @@ MODES = {"push_pull": _push_pull, "pushpull": _pushpull, "one_key": _one_key,
 @pytest.mark.parametrize("extra", [1, 2, 3])
 @pytest.mark.parametrize("optimizer", [False, True], ids=["assign", "sgd"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_join_adds_zeros_until_every_rank_joined(comm, mode, optimizer, extra):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=50)
+def test_join_adds_zeros_until_every_rank_joined(make_store, comm, mode, optimizer, extra):
+    kv = make_store(bigarray_bound=50)
     rank, size = kv.rank, kv.num_workers
     keys = list(SHAPES)
     kv.init(keys, [np.ones(SHAPES[k]) for k in keys])
@@ -108,8 +108,8 @@ def test_join_adds_zeros_until_every_rank_joined(comm, mode, optimizer, extra):
     assert all(e == everyone[0] for e in everyone)
 
 
-def test_join_takes_part_in_barriers_and_gather_gradients(comm):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=50)
+def test_join_takes_part_in_barriers_and_gather_gradients(make_store, comm):
+    kv = make_store(bigarray_bound=50)
     rank = kv.rank
     keys = list(SHAPES)
     kv.init(keys, [np.zeros(SHAPES[k]) for k in keys])
@@ -126,8 +126,8 @@ def test_join_takes_part_in_barriers_and_gather_gradients(comm):
     assert kv.join() == 0
 
 
-def test_join_on_every_rank_at_once_returns_the_highest_rank(comm):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+def test_join_on_every_rank_at_once_returns_the_highest_rank(make_store, comm):
+    kv = make_store()
     kv.init("k", np.zeros(4))
     assert kv.join() == kv.num_workers - 1
     kv.pushpull("k", np.ones(4))   # the store goes on after a join
@@ -136,10 +136,10 @@ def test_join_on_every_rank_at_once_returns_the_highest_rank(comm):
     np.testing.assert_array_equal(out, np.full(4, kv.num_workers))
 
 
-def test_calls_joined_ranks_cannot_take_part_in_are_errors_on_the_others(comm):
+def test_calls_joined_ranks_cannot_take_part_in_are_errors_on_the_others(make_store, comm):
     if comm.Get_size() == 1:
         pytest.skip("needs a joined rank and a rank still training")
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv = make_store()
     kv.init("k", np.zeros(4))
     rank = kv.rank
     training = comm.Split(0 if rank == 0 else 1, rank)
@@ -158,10 +158,10 @@ def test_calls_joined_ranks_cannot_take_part_in_are_errors_on_the_others(comm):
     assert kv.join() == kv.num_workers - 1
 
 
-def test_init_message_names_the_joined_ranks(comm):
+def test_init_message_names_the_joined_ranks(make_store, comm):
     if comm.Get_size() == 1:
         pytest.skip("needs a joined rank and a rank still training")
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv = make_store()
     training = comm.Split(0 if kv.rank == 0 else 1, kv.rank)
     if kv.rank == 0:
         kv.join()
@@ -189,18 +189,18 @@ def summand(rank, step, shape, dtype):
     return (np.arange(int(np.prod(shape))).reshape(shape) + 10 * step + rank + 1).astype(dtype)
 
 
-def _store_of_zeros(comm):
+def _store_of_zeros(make_store, comm):
     """A store holding zeros under every key of SHAPES, and its keys; skips on one rank."""
     if comm.Get_size() == 1:
         pytest.skip("needs a joined rank and a rank still training")
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=50)
+    kv = make_store(bigarray_bound=50)
     keys = list(SHAPES)
     kv.init(keys, [np.zeros(SHAPES[k]) for k in keys])
     return kv, keys
 
 
-def test_join_replays_allreduce_with_zeros(comm):
-    kv, keys = _store_of_zeros(comm)
+def test_join_replays_allreduce_with_zeros(make_store, comm):
+    kv, keys = _store_of_zeros(make_store, comm)
     rank, size = kv.rank, kv.num_workers
     for step in range(rounds(rank, size)):
         active = [r for r in range(size) if step < rounds(r, size)]
@@ -223,8 +223,8 @@ def test_join_replays_allreduce_with_zeros(comm):
     np.testing.assert_array_equal(out[0], np.ones(SHAPES[keys[0]]))
 
 
-def test_on_call_sees_each_replayed_call_and_gives_the_allreduce_array(comm):
-    kv, keys = _store_of_zeros(comm)
+def test_on_call_sees_each_replayed_call_and_gives_the_allreduce_array(make_store, comm):
+    kv, keys = _store_of_zeros(make_store, comm)
     rank, size = kv.rank, kv.num_workers
     bufs = kv.gradient_buffers(keys)
     joined = size - 1

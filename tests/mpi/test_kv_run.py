@@ -6,7 +6,7 @@ import pytest
 
 import mpikv
 
-from .conftest import TEST_TIMEOUT, raises_everywhere
+from .conftest import raises_everywhere
 
 pytestmark = pytest.mark.mpi
 
@@ -15,15 +15,16 @@ def _accumulate(key, pushed, stored):
     stored += pushed
 
 
-def _store():
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+def _accumulating(make_store):
+    """A store that adds what is pushed to what it holds, "w" zeros."""
+    kv = make_store()
     kv.set_updater(_accumulate)
     kv.init("w", np.zeros(3))
     return kv
 
 
-def test_run_sums_each_batch_once_on_any_rank_count(shared_dir):
-    kv = _store()
+def test_run_sums_each_batch_once_on_any_rank_count(make_store, shared_dir):
+    kv = _accumulating(make_store)
     calls = []
 
     def step_fn(kv, i):
@@ -40,8 +41,8 @@ def test_run_sums_each_batch_once_on_any_rank_count(shared_dir):
     kv.close()
 
 
-def test_a_bad_argument_on_one_rank_raises_on_every_rank(comm, shared_dir):
-    kv = _store()
+def test_a_bad_argument_on_one_rank_raises_on_every_rank(make_store, comm, shared_dir):
+    kv = _accumulating(make_store)
     every = 0 if comm.rank == comm.size - 1 else 2
     said = raises_everywhere(comm, mpikv.InputError,
                              lambda: kv.run(lambda kv, i: None, 3, shared_dir, every=every))
@@ -49,8 +50,8 @@ def test_a_bad_argument_on_one_rank_raises_on_every_rank(comm, shared_dir):
     kv.close()
 
 
-def test_a_bad_redundancy_on_one_rank_raises_on_every_rank(comm, shared_dir):
-    kv = _store()
+def test_a_bad_redundancy_on_one_rank_raises_on_every_rank(make_store, comm, shared_dir):
+    kv = _accumulating(make_store)
     redundancy = "disk" if comm.rank == comm.size - 1 else "memory"
     said = raises_everywhere(comm, mpikv.InputError, lambda: kv.run(
         lambda kv, i: None, 3, shared_dir, every=2, redundancy=redundancy))

@@ -8,17 +8,15 @@ keys, with one or two devices per rank. Every rank draws the same call sequence.
 import numpy as np
 import pytest
 
-import mpikv
 
-from .conftest import TEST_TIMEOUT
 
 pytestmark = pytest.mark.mpi
 DTYPES = [np.float32, np.float64, np.float16, np.int32, np.int64]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_calls_match_a_numpy_model(comm, seed):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=40, bucket_bytes=200)
+def test_random_calls_match_a_numpy_model(make_store, comm, seed):
+    kv = make_store(bigarray_bound=40, bucket_bytes=200)
     n, r = kv.num_workers, kv.rank
     rng = np.random.default_rng(seed)  # the same on every rank
     keys = list(range(12))

@@ -9,10 +9,8 @@ number of ranks.
 import numpy as np
 import pytest
 
-import mpikv
 from mpikv import optimizer as opt
 
-from .conftest import TEST_TIMEOUT
 
 pytestmark = pytest.mark.mpi
 
@@ -79,9 +77,9 @@ def _assert_rounded(got, want32, dtype, where):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_every_step_is_the_float32_step_rounded_once(comm, name, dtype):
+def test_every_step_is_the_float32_step_rounded_once(make_store, comm, name, dtype):
     dt = _dtype(dtype)
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=16)
+    kv = make_store(bigarray_bound=16)
     kv.init(list(SHAPES), [initial(k, dt) for k in SHAPES])
     kv.set_optimizer(OPTIMIZERS[name](multi_precision=True))
     want = reference(name, dt, [range(comm.size)] * STEPS)
@@ -98,11 +96,11 @@ def test_every_step_is_the_float32_step_rounded_once(comm, name, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_without_multi_precision_small_updates_are_lost(comm, dtype):
+def test_without_multi_precision_small_updates_are_lost(make_store, comm, dtype):
     dt = _dtype(dtype)
     results = {}
     for mp in (False, True):
-        kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+        kv = make_store()
         kv.init("w", np.ones(4, dt))
         # Each step moves the weight by 1e-4: under half a 16-bit step at 1.0.
         kv.set_optimizer(opt.SGD(learning_rate=1e-4 / comm.size, multi_precision=mp))
@@ -121,10 +119,10 @@ def _pull_one(kv, dt):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ["sgd", "adam"])
-def test_masters_resume_on_another_number_of_ranks(comm, tmp_path_factory, name, dtype):
+def test_masters_resume_on_another_number_of_ranks(make_store, comm, tmp_path_factory, name, dtype):
     dt = _dtype(dtype)
     path = comm.bcast(str(tmp_path_factory.mktemp("mp")) if comm.rank == 0 else None)
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=16)
+    kv = make_store(bigarray_bound=16)
     kv.init(list(SHAPES), [initial(k, dt) for k in SHAPES])
     kv.set_optimizer(OPTIMIZERS[name](multi_precision=True))
     for step in range(2):
@@ -134,7 +132,7 @@ def test_masters_resume_on_another_number_of_ranks(comm, tmp_path_factory, name,
     m = max(1, comm.size - 1)
     sub = comm.Split(0 if comm.rank < m else 1, comm.rank)
     if comm.rank < m:
-        other = mpikv.create("dist_sync", comm=sub, timeout=TEST_TIMEOUT, bigarray_bound=16)
+        other = make_store(comm=sub, bigarray_bound=16)
         other.load_checkpoint(f"{path}/ck")
         for step in range(2, 4):
             other.push(list(SHAPES), [grad(other.rank, step, k, dt) for k in SHAPES])

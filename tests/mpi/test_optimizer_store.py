@@ -5,11 +5,10 @@ import pickle
 import numpy as np
 import pytest
 
-import mpikv
 from mpikv import errors, optimizer
 from tests.unit.test_optimizer_rules import REFS
 
-from .conftest import TEST_TIMEOUT, raises_everywhere
+from .conftest import raises_everywhere
 
 pytestmark = pytest.mark.mpi
 STEPS = 4
@@ -39,10 +38,6 @@ def _data(seed=1):
     return w0, grads
 
 
-def _store(**kw):
-    return mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=10, **kw)
-
-
 def _train(kv, grads, steps, comm):
     """Rank 0 pushes the gradient and the others zeros, so the sum is exact."""
     keys = sorted(SHAPES)
@@ -57,9 +52,9 @@ def _pull_all(kv):
 
 
 @pytest.mark.parametrize("name,kwargs", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
-def test_update_rules_match_mxnet_formulas_step_by_step(comm, name, kwargs):
+def test_update_rules_match_mxnet_formulas_step_by_step(make_store, comm, name, kwargs):
     w0, grads = _data()
-    kv = _store()
+    kv = make_store(bigarray_bound=10)
     kv.init(sorted(SHAPES), [w0[k] for k in sorted(SHAPES)])
     kv.set_optimizer(optimizer.create(name, **kwargs))
     refs = {k: REFS[name](w0[k].reshape(-1), grads[k].reshape(STEPS, -1),
@@ -72,9 +67,9 @@ def test_update_rules_match_mxnet_formulas_step_by_step(comm, name, kwargs):
                                        rtol=1e-10, atol=1e-12, err_msg=f"{key} step {step}")
 
 
-def test_float32_and_float16_weights(comm):
+def test_float32_and_float16_weights(make_store, comm):
     for dtype, tol in ((np.float32, 2e-5), (np.float16, 4e-3)):
-        kv = _store()
+        kv = make_store(bigarray_bound=10)
         w0, grads = _data(seed=2)
         kv.init(sorted(SHAPES), [w0[k].astype(dtype) for k in sorted(SHAPES)])
         kv.set_optimizer(optimizer.Adam(learning_rate=0.05))
@@ -90,8 +85,8 @@ def test_float32_and_float16_weights(comm):
         np.testing.assert_allclose(out.reshape(-1), ref, rtol=tol, atol=tol)
 
 
-def test_state_lives_only_on_owners_about_one_nth_each(comm):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=1000)
+def test_state_lives_only_on_owners_about_one_nth_each(make_store, comm):
+    kv = make_store(bigarray_bound=1000)
     keys = [f"k{i}" for i in range(40)]
     sizes = [3000, 2500] + [37 * (i % 7 + 1) for i in range(38)]  # two split, 38 small
     kv.init(keys, [np.zeros(s, np.float32) for s in sizes])
@@ -108,9 +103,9 @@ def test_state_lives_only_on_owners_about_one_nth_each(comm):
     assert {k for k, _ in kv._engine.states} <= {k for k, _ in kv.plan.owned_by(comm.rank)}
 
 
-def test_schedule_sees_the_global_step_on_every_rank(comm):
+def test_schedule_sees_the_global_step_on_every_rank(make_store, comm):
     sched = optimizer.FactorScheduler(step=2, factor=0.5, base_lr=1.0)
-    kv = _store()
+    kv = make_store(bigarray_bound=10)
     kv.init([1, 2, 3], [np.zeros(3)] * 3)
     kv.set_optimizer(optimizer.SGD(lr_scheduler=sched))
     for _ in range(5):
@@ -123,8 +118,8 @@ def test_schedule_sees_the_global_step_on_every_rank(comm):
     np.testing.assert_allclose(out, expect)
 
 
-def test_set_optimizer_must_agree(comm):
-    kv = _store()
+def test_set_optimizer_must_agree(make_store, comm):
+    kv = make_store(bigarray_bound=10)
     kv.init(1, np.zeros(3))
     if comm.size > 1:
         lr = 0.1 if comm.rank == 0 else 0.2
@@ -141,10 +136,10 @@ def test_set_optimizer_must_agree(comm):
     np.testing.assert_allclose(out, -0.5 * comm.size)
 
 
-def test_hyperparameter_changed_on_one_rank_is_caught_at_push(comm):
+def test_hyperparameter_changed_on_one_rank_is_caught_at_push(make_store, comm):
     if comm.size == 1:
         pytest.skip("needs two ranks to disagree")
-    kv = _store()
+    kv = make_store(bigarray_bound=10)
     kv.init(1, np.zeros(3))
     opt = optimizer.SGD(learning_rate=0.5)
     kv.set_optimizer(opt)
@@ -154,17 +149,17 @@ def test_hyperparameter_changed_on_one_rank_is_caught_at_push(comm):
     assert "ranks differ in optimizer" in msg
 
 
-def test_save_without_optimizer_is_an_error_everywhere(comm, mpi_tmp_path):
-    kv = _store()
+def test_save_without_optimizer_is_an_error_everywhere(make_store, comm, mpi_tmp_path):
+    kv = make_store(bigarray_bound=10)
     kv.init(1, np.zeros(3))
     raises_everywhere(comm, errors.OptimizerError,
                       lambda: kv.save_optimizer_states(str(mpi_tmp_path / "s")))
 
 
-def test_save_and_load_states_resumes_exactly(comm, mpi_tmp_path):
+def test_save_and_load_states_resumes_exactly(make_store, comm, mpi_tmp_path):
     w0, grads = _data(seed=3)
     path = str(mpi_tmp_path / "adam.states")
-    kv = _store()
+    kv = make_store(bigarray_bound=10)
     kv.init(sorted(SHAPES), [w0[k] for k in sorted(SHAPES)])
     kv.set_optimizer(optimizer.Adam(learning_rate=0.05))
     _train(kv, grads, range(2), comm)
@@ -173,7 +168,7 @@ def test_save_and_load_states_resumes_exactly(comm, mpi_tmp_path):
     _train(kv, grads, range(2, STEPS), comm)
     want = _pull_all(kv)
     # A new store: weights from the first run, optimizer and states from the file.
-    kv2 = _store()
+    kv2 = make_store(bigarray_bound=10)
     kv2.init(sorted(SHAPES), [weights[k] for k in sorted(SHAPES)])
     kv2.load_optimizer_states(path)
     assert isinstance(kv2.optimizer, optimizer.Adam)
@@ -183,17 +178,17 @@ def test_save_and_load_states_resumes_exactly(comm, mpi_tmp_path):
         np.testing.assert_array_equal(got[key], want[key])
 
 
-def test_checkpoint_restores_values_optimizer_and_states(comm, mpi_tmp_path):
+def test_checkpoint_restores_values_optimizer_and_states(make_store, comm, mpi_tmp_path):
     w0, grads = _data(seed=4)
     path = str(mpi_tmp_path / "ckpt")
-    kv = _store()
+    kv = make_store(bigarray_bound=10)
     kv.init(sorted(SHAPES), [w0[k] for k in sorted(SHAPES)])
     kv.set_optimizer(optimizer.LAMB(learning_rate=0.05))
     _train(kv, grads, range(2), comm)
     kv.save_checkpoint(path)
     _train(kv, grads, range(2, STEPS), comm)
     want = _pull_all(kv)
-    kv2 = _store()
+    kv2 = make_store(bigarray_bound=10)
     kv2.load_checkpoint(path)  # creates the keys, the optimizer and its states
     assert kv2.optimizer.get_config() == kv.optimizer.get_config()
     _train(kv2, grads, range(2, STEPS), comm)
@@ -232,10 +227,10 @@ def _hostile(kind, path, marker):
 
 @pytest.mark.parametrize("kind", ["pickle", "truncated", "flipped", "random", "missing"])
 @pytest.mark.parametrize("what", ["states", "checkpoint"])
-def test_hostile_files_give_a_clear_error_everywhere(comm, mpi_tmp_path, kind, what):
+def test_hostile_files_give_a_clear_error_everywhere(make_store, comm, mpi_tmp_path, kind, what):
     path = str(mpi_tmp_path / f"{what}-{kind}")
     marker = str(mpi_tmp_path / f"pwned-{what}-{kind}")
-    kv = _store()
+    kv = make_store(bigarray_bound=10)
     kv.init(sorted(SHAPES), [np.ones(s) for s in SHAPES.values()])
     kv.set_optimizer(optimizer.Adam())
     kv.push(sorted(SHAPES), [np.ones(s) for s in SHAPES.values()])
@@ -258,9 +253,9 @@ def test_hostile_files_give_a_clear_error_everywhere(comm, mpi_tmp_path, kind, w
     kv.push(sorted(SHAPES), [np.ones(s) for s in SHAPES.values()])
 
 
-def test_loading_states_of_another_optimizer_is_refused(comm, mpi_tmp_path):
+def test_loading_states_of_another_optimizer_is_refused(make_store, comm, mpi_tmp_path):
     path = str(mpi_tmp_path / "sgd.states")
-    kv = _store()
+    kv = make_store(bigarray_bound=10)
     kv.init(1, np.ones(4))
     kv.set_optimizer(optimizer.SGD(momentum=0.9))
     kv.push(1, np.ones(4))
@@ -270,8 +265,8 @@ def test_loading_states_of_another_optimizer_is_refused(comm, mpi_tmp_path):
     assert "SGD" in msg or "sgd" in msg
 
 
-def test_optimizer_refuses_integer_keys_on_every_rank(comm):
-    kv = _store()
+def test_optimizer_refuses_integer_keys_on_every_rank(make_store, comm):
+    kv = make_store(bigarray_bound=10)
     kv.init(["a", "w"], [np.zeros(3, np.int32), np.zeros(3)])
     kv.set_optimizer(optimizer.SGD())
     msg = raises_everywhere(comm, errors.OptimizerError,
@@ -280,16 +275,16 @@ def test_optimizer_refuses_integer_keys_on_every_rank(comm):
     kv.push("w", np.ones(3))
 
 
-def test_unusable_file_name_is_an_error_on_every_rank(comm):
-    kv = _store()
+def test_unusable_file_name_is_an_error_on_every_rank(make_store, comm):
+    kv = make_store(bigarray_bound=10)
     kv.init(1, np.ones(3))
     kv.set_optimizer(optimizer.SGD())
     raises_everywhere(comm, errors.StateFileError, lambda: kv.save_checkpoint("bad\0name"))
 
 
-def test_crafted_manifest_with_bad_fields_is_refused(comm, mpi_tmp_path):
+def test_crafted_manifest_with_bad_fields_is_refused(make_store, comm, mpi_tmp_path):
     from mpikv import statefile
-    kv = _store()
+    kv = make_store(bigarray_bound=10)
     kv.init(1, np.ones(3))
     for name, meta in [("keys", {"kind": "checkpoint", "keys": 5}),
                        ("dtype", {"kind": "checkpoint", "keys": [[1, [3], "float128x"]]}),
@@ -306,18 +301,18 @@ def test_crafted_manifest_with_bad_fields_is_refused(comm, mpi_tmp_path):
     assert (out == 1).all()
 
 
-def test_load_that_cannot_allocate_fails_everywhere(comm, mpi_tmp_path, monkeypatch):
+def test_load_that_cannot_allocate_fails_everywhere(make_store, comm, mpi_tmp_path, monkeypatch):
     # Memory for a load (new keys, states on a GPU) is allocated before the
     # ranks agree: one rank out of memory means an error on every rank, and
     # nothing applied, not ranks that disagree.
     from mpikv import checkpoint
     path = str(mpi_tmp_path / "alloc.ckpt")
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv = make_store()
     kv.init(["a", "b"], [np.ones(5), np.ones((2, 3))])
     kv.set_optimizer(optimizer.Adam(learning_rate=0.1))
     kv.push(["a", "b"], [np.ones(5), np.ones((2, 3))])
     kv.save_checkpoint(path)
-    fresh = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    fresh = make_store()
     if comm.rank == comm.size - 1:
         def out_of_memory(*args, **kwargs):
             raise MemoryError("simulated: out of memory")

@@ -21,10 +21,10 @@ from .conftest import TEST_TIMEOUT  # noqa: E402
 pytestmark = pytest.mark.mpi
 
 
-def _trainer():
+def _trainer(make_store):
     net = cases.Net()
     return net, mpikv.torch.Trainer(net, torch.optim.Adam, {"lr": 0.01},
-                                    mpikv.create("dist_sync", timeout=TEST_TIMEOUT))
+                                    make_store())
 
 
 def _train_step(net, trainer, comm, step):
@@ -44,7 +44,7 @@ def _written(pieces):
         time.sleep(0.01)
 
 
-def test_background_checkpoints_hold_their_step_and_commit_once_every_rank_wrote(
+def test_background_checkpoints_hold_their_step_and_commit_once_every_rank_wrote(make_store,
         comm, tmp_path_factory, monkeypatch):
     directory = comm.bcast(str(tmp_path_factory.mktemp("bg")) if comm.rank == 0 else None)
     gate = threading.Event()
@@ -56,7 +56,7 @@ def test_background_checkpoints_hold_their_step_and_commit_once_every_rank_wrote
             return write_part(*args)
         monkeypatch.setattr(statefile, "write_part", held)
     made = torch_pieces.record(monkeypatch)
-    net, trainer = _trainer()
+    net, trainer = _trainer(make_store)
     assert trainer.resume(directory, every=3, keep=5) == 0
     weights = {}
     for step in range(10):
@@ -73,7 +73,7 @@ def test_background_checkpoints_hold_their_step_and_commit_once_every_rank_wrote
     assert [s for s, _ in resume.newest_first(directory)] == [9, 6, 3]
     trainer.kvstore.close()
     for step in (3, 6, 9):
-        fresh_net, fresh = _trainer()
+        fresh_net, fresh = _trainer(make_store)
         fresh.load_checkpoint(f"{directory}/{resume.name_of(step)}")
         assert fresh.num_update == step
         for got, want in zip(fresh_net.parameters(), weights[step]):
@@ -82,12 +82,12 @@ def test_background_checkpoints_hold_their_step_and_commit_once_every_rank_wrote
         fresh.kvstore.close()
 
 
-def test_a_signal_while_a_checkpoint_is_written_commits_it_then_saves_its_own(
+def test_a_signal_while_a_checkpoint_is_written_commits_it_then_saves_its_own(make_store,
         comm, tmp_path_factory):
     import os
     import signal
     directory = comm.bcast(str(tmp_path_factory.mktemp("bgsig")) if comm.rank == 0 else None)
-    net, trainer = _trainer()
+    net, trainer = _trainer(make_store)
     trainer.resume(directory, every=2, keep=5)
     with pytest.raises(SystemExit) as ended:
         for step in range(10):

@@ -14,17 +14,16 @@ import mpikv.torch  # noqa: E402
 from mpikv.torch import resume  # noqa: E402
 from tests import trainer_cases as cases  # noqa: E402
 
-from .conftest import TEST_TIMEOUT  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.parametrize("who", ["every-rank-at-its-own-step"])
-def test_signals_stop_every_rank_after_one_checkpoint(comm, tmp_path_factory, who):
+def test_signals_stop_every_rank_after_one_checkpoint(make_store, comm, tmp_path_factory, who):
     directory = comm.bcast(str(tmp_path_factory.mktemp("chain")) if comm.rank == 0 else None)
     net = cases.Net()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
-                                  mpikv.create("dist_sync", timeout=TEST_TIMEOUT))
+                                  make_store())
     assert trainer.resume(directory) == 0
     # Rank r is signalled before step 2 + r (or only the last rank, before step 2).
     at = {r: 2 + r for r in range(comm.size)} if who.startswith("every") \

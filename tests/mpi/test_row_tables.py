@@ -8,7 +8,7 @@ import pytest
 import mpikv
 from mpikv import optimizer as mx_optimizer
 
-from .conftest import TEST_TIMEOUT, raises_everywhere
+from .conftest import raises_everywhere
 
 pytestmark = pytest.mark.mpi
 
@@ -80,10 +80,10 @@ def _reference_step(rule, table, state, grads, touched):
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("rule_name", RULES)
 @pytest.mark.parametrize("ids", sorted(IDS))
-def test_row_pushes_and_pulls_equal_one_dense_table(comm, ids, rule_name, dtype):
+def test_row_pushes_and_pulls_equal_one_dense_table(make_store, comm, ids, rule_name, dtype):
     if dtype == np.float16 and rule_name not in ("assign", "updater"):
         pytest.skip("float16 tables are tested with the assigning and custom updates")
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv = make_store()
     kv.init_rows("emb", (ROWS, DIM), dtype, init=_init(dtype))
     rule, ref_rule = _rule(rule_name), _rule(rule_name)
     _set(kv, rule)
@@ -114,8 +114,8 @@ def test_row_pushes_and_pulls_equal_one_dense_table(comm, ids, rule_name, dtype)
     kv.close()
 
 
-def test_a_pull_of_no_rows_and_rows_of_other_ranks(comm):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+def test_a_pull_of_no_rows_and_rows_of_other_ranks(make_store, comm):
+    kv = make_store()
     kv.init_rows(7, (ROWS, DIM), init=2.5)
     out = mpikv.RowSparse([], np.zeros((0, DIM), np.float32), (ROWS, DIM))
     ids = [] if comm.rank == 0 else [ROWS - 1, ROWS - 1, 0]
@@ -125,8 +125,8 @@ def test_a_pull_of_no_rows_and_rows_of_other_ranks(comm):
     kv.close()
 
 
-def test_each_rank_holds_only_its_block(comm):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+def test_each_rank_holds_only_its_block(make_store, comm):
+    kv = make_store()
     kv.init_rows("big", (1000, 8), np.float64, init=lambda lo, hi: np.full((hi - lo, 8), lo))
     blocks = comm.allgather(kv._rows.tables["big"].block.shape[0])
     assert sum(blocks) == 1000 and max(blocks) - min(blocks) <= 1
@@ -134,13 +134,14 @@ def test_each_rank_holds_only_its_block(comm):
 
 
 @pytest.mark.parametrize("after", [1, 2, 3, 4])
-def test_a_row_table_checkpoint_resumes_on_another_rank_count(comm, tmp_path_factory, after):
+def test_a_row_table_checkpoint_resumes_on_another_rank_count(make_store, comm, tmp_path_factory,
+                                                              after):
     """Saved by these ranks, loaded by the first ``after`` of them (a new store on a
     communicator of that size): values, Adam's moments and count, exactly."""
     if after > comm.size:
         pytest.skip(f"{after} ranks needed")
     path = comm.bcast(str(tmp_path_factory.mktemp("rows") / "ck") if comm.rank == 0 else None)
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv = make_store()
     kv.init_rows("emb", (ROWS, DIM), init=_init(np.float32))
     kv.set_optimizer(mx_optimizer.Adam(learning_rate=0.01, lazy_update=True))
     pushes = [np.random.default_rng(s).integers(0, ROWS, 8) for s in range(4)]
@@ -155,7 +156,7 @@ def test_a_row_table_checkpoint_resumes_on_another_rank_count(comm, tmp_path_fac
     kv.close()
     sub = comm.Split(0 if comm.rank < after else 1, comm.rank)
     if comm.rank < after:
-        again = mpikv.create("dist_sync", comm=sub, timeout=TEST_TIMEOUT)
+        again = make_store(comm=sub)
         again.load_checkpoint(path)   # makes the table, the optimizer from the file
         for s in range(2, 4):
             # The pushes of the ranks that are gone, from these ranks.
@@ -170,8 +171,8 @@ def test_a_row_table_checkpoint_resumes_on_another_rank_count(comm, tmp_path_fac
     sub.Free()
 
 
-def test_row_table_errors_reach_every_rank_with_nothing_applied(comm):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+def test_row_table_errors_reach_every_rank_with_nothing_applied(make_store, comm):
+    kv = make_store()
     kv.init("dense", np.zeros((4, 2), np.float32))
     kv.init_rows("emb", (ROWS, DIM), init=1.0)
     rows = mpikv.RowSparse([1], np.ones((1, DIM), np.float32), (ROWS, DIM))
@@ -195,8 +196,8 @@ def test_row_table_errors_reach_every_rank_with_nothing_applied(comm):
     kv.close()
 
 
-def test_an_initializer_that_fails_on_one_rank_fails_every_rank(comm):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+def test_an_initializer_that_fails_on_one_rank_fails_every_rank(make_store, comm):
+    kv = make_store()
 
     def init(lo, hi):
         return np.zeros((hi - lo, DIM + (comm.rank == comm.size - 1)), np.float32)
@@ -205,8 +206,8 @@ def test_an_initializer_that_fails_on_one_rank_fails_every_rank(comm):
     kv.close()
 
 
-def test_pushes_of_other_dtypes_than_the_tables_are_cast(comm):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+def test_pushes_of_other_dtypes_than_the_tables_are_cast(make_store, comm):
+    kv = make_store()
     kv.init_rows("emb", (ROWS, DIM), init=0.0)
     dtype = np.float64 if comm.rank % 2 else np.float32
     kv.push("emb", mpikv.RowSparse([ROWS - 1 - comm.rank, 0], np.ones((2, DIM), dtype),
@@ -223,7 +224,8 @@ def test_pushes_of_other_dtypes_than_the_tables_are_cast(comm):
 @pytest.mark.parametrize("sums", ["scipy", "numpy"])
 @pytest.mark.parametrize("dtype,row_shape", [(np.float32, (16,)), (np.float16, (16,)),
                                              (np.float32, ()), (np.float64, (2, 3))])
-def test_many_repeats_add_up_as_one_dense_table(comm, monkeypatch, sums, dtype, row_shape):
+def test_many_repeats_add_up_as_one_dense_table(make_store, comm, monkeypatch, sums, dtype,
+                                                row_shape):
     """Thousands of Zipf-like ids with long runs of repeats on every rank (the sums of
     :func:`mpikv.rowsparse.sum_rows`: scipy's CSR product and numpy's reduceat)."""
     from mpikv import rowsparse
@@ -233,7 +235,7 @@ def test_many_repeats_add_up_as_one_dense_table(comm, monkeypatch, sums, dtype, 
     else:
         monkeypatch.setattr(rowsparse, "_SPARSE", [None])
     rows = 1000
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv = make_store()
     kv.init_rows("emb", (rows, *row_shape), dtype, init=0.5)
     pushed = []
     for r in range(comm.size):
@@ -253,8 +255,8 @@ def test_many_repeats_add_up_as_one_dense_table(comm, monkeypatch, sums, dtype, 
     kv.close()
 
 
-def test_a_dense_init_of_a_row_table_key_is_refused_everywhere(comm):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+def test_a_dense_init_of_a_row_table_key_is_refused_everywhere(make_store, comm):
+    kv = make_store()
     kv.init_rows("emb", (ROWS, DIM))
     raises_everywhere(comm, mpikv.DuplicateInitError,
                       lambda: kv.init("emb", np.zeros((ROWS, DIM), np.float32)))

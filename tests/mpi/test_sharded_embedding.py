@@ -10,7 +10,6 @@ import mpikv  # noqa: E402
 import mpikv.torch  # noqa: E402
 from mpikv import optimizer as mx_optimizer  # noqa: E402
 
-from .conftest import TEST_TIMEOUT  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
@@ -35,8 +34,8 @@ def _batch(step):
 
 
 @pytest.mark.parametrize("mode", [None, "sum"])
-def test_sharded_embedding_trains_as_one_process_with_nn_embedding(comm, mode):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+def test_sharded_embedding_trains_as_one_process_with_nn_embedding(make_store, comm, mode):
+    kv = make_store()
     kv.set_optimizer(mx_optimizer.SGD(learning_rate=0.1, lazy_update=True))
     table = mpikv.torch.ShardedEmbedding(ROWS, DIM, kvstore=kv, seed=3, mode=mode)
     model = Model(table)
@@ -74,9 +73,9 @@ def test_sharded_embedding_trains_as_one_process_with_nn_embedding(comm, mode):
     kv.close()
 
 
-def test_the_default_table_is_the_same_on_any_number_of_ranks(comm):
+def test_the_default_table_is_the_same_on_any_number_of_ranks(make_store, comm):
     """Each block of 4096 rows is drawn from its own seed, whoever owns it."""
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv = make_store()
     table = mpikv.torch.ShardedEmbedding(10_000, 2, kvstore=kv, seed=5)
     rows = [0, 4095, 4096, 9999]
     got = table.rows(rows).numpy()
@@ -86,10 +85,10 @@ def test_the_default_table_is_the_same_on_any_number_of_ranks(comm):
     kv.close()
 
 
-def test_a_table_looked_up_twice_in_one_forward_takes_one_step(comm):
+def test_a_table_looked_up_twice_in_one_forward_takes_one_step(make_store, comm):
     """Two lookups, one backward: one push of the summed rows, one optimizer step (with
     momentum, two steps would differ), as nn.Embedding's one gradient."""
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv = make_store()
     kv.set_optimizer(mx_optimizer.SGD(learning_rate=0.1, momentum=0.9, lazy_update=True))
     table = mpikv.torch.ShardedEmbedding(ROWS, DIM, kvstore=kv, seed=1, average=False)
     ref = torch.nn.Embedding(ROWS, DIM)

@@ -9,13 +9,9 @@ import mpikv  # noqa: E402
 import mpikv.torch  # noqa: E402
 from tests import trainer_cases as cases  # noqa: E402
 
-from .conftest import TEST_TIMEOUT, raises_everywhere  # noqa: E402
+from .conftest import raises_everywhere  # noqa: E402
 
 pytestmark = pytest.mark.mpi
-
-
-def _store():
-    return mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
 
 
 TRAINER_ERRORS = {
@@ -31,13 +27,13 @@ TRAINER_ERRORS = {
 
 
 @pytest.mark.parametrize("case", sorted(TRAINER_ERRORS))
-def test_bad_trainer_arguments_fail_every_rank_alike(comm, case):
+def test_bad_trainer_arguments_fail_every_rank_alike(make_store, comm, case):
     error, kw = TRAINER_ERRORS[case]
     kw = dict(kw)
     net = cases.Net()
     params = list(net.named_parameters()) if kw.pop("params", None) == "named" else net
     optimizer = kw.pop("optimizer", torch.optim.SGD)
-    store = _store()
+    store = make_store()
     raises_everywhere(comm, error, lambda: mpikv.torch.Trainer(params, optimizer, {"lr": 0.1},
                                                                 store, **kw))
     store.close()
@@ -65,17 +61,19 @@ def test_bad_distributed_optimizer_arguments_fail_every_rank_alike(comm, make):
     ({"keep": 0}, mpikv.InputError),
     ({"state": object()}, mpikv.ValueTypeError),
 ])
-def test_bad_resume_arguments_fail_every_rank_alike(comm, tmp_path_factory, kwargs, error):
+def test_bad_resume_arguments_fail_every_rank_alike(make_store, comm, tmp_path_factory, kwargs,
+                                                    error):
     directory = comm.bcast(str(tmp_path_factory.mktemp("r")) if comm.rank == 0 else None)
-    trainer = mpikv.torch.Trainer(cases.Net(), torch.optim.SGD, {"lr": 0.1}, _store())
+    trainer = mpikv.torch.Trainer(cases.Net(), torch.optim.SGD, {"lr": 0.1}, make_store())
     raises_everywhere(comm, error, lambda: trainer.resume(directory, **kwargs))
     trainer.close()
     trainer.kvstore.close()
 
 
-def test_a_checkpoint_of_whole_parameter_state_is_refused_on_every_rank(comm, tmp_path_factory):
+def test_a_checkpoint_of_whole_parameter_state_is_refused_on_every_rank(make_store, comm,
+                                                                        tmp_path_factory):
     path = comm.bcast(str(tmp_path_factory.mktemp("c") / "ck") if comm.rank == 0 else None)
-    trainer = mpikv.torch.Trainer(cases.Net(), torch.optim.Adafactor, {"lr": 0.01}, _store())
+    trainer = mpikv.torch.Trainer(cases.Net(), torch.optim.Adafactor, {"lr": 0.01}, make_store())
     raises_everywhere(comm, mpikv.OptimizerError, lambda: trainer.save_checkpoint(path))
     raises_everywhere(comm, mpikv.OptimizerError,
                       lambda: trainer.optimizer.consolidate_state_dict(0))

@@ -58,8 +58,8 @@ def test_join_with_uneven_data_equals_the_zero_padded_steps(comm, name, extra):
             assert (other[n] == everyone[0][n]).all(), n
 
 
-def test_join_ends_even_when_no_rank_has_extra_data(comm):
-    net, trainer = _net_and_trainer(comm)
+def test_join_ends_even_when_no_rank_has_extra_data(make_store, comm):
+    net, trainer = _net_and_trainer(make_store)
     x, y = cases.data(0, 0)
     cases._loss(cases.settings("sgd"), net(x, False), y).backward()
     trainer.step()
@@ -77,7 +77,8 @@ def test_join_ends_even_when_no_rank_has_extra_data(comm):
                                     (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.01})],
                          ids=["sgd", "adamw"])
 @pytest.mark.parametrize("clip", [None, 0.05])
-def test_a_16_bit_model_with_float32_masters_equals_one_process(comm, dtype, opt, kw, clip):
+def test_a_16_bit_model_with_float32_masters_equals_one_process(make_store, comm, dtype, opt, kw,
+                                                                clip):
     if dtype == "bfloat16":
         pytest.importorskip("ml_dtypes")
     dt = getattr(torch, dtype)
@@ -91,8 +92,7 @@ def test_a_16_bit_model_with_float32_masters_equals_one_process(comm, dtype, opt
         return ((model(x) - y).float() ** 2).mean()
 
     net = make()
-    trainer = mpikv.torch.Trainer(net, opt, kw, mpikv.create("dist_sync", timeout=120,
-                                                             bigarray_bound=40))
+    trainer = mpikv.torch.Trainer(net, opt, kw, make_store(bigarray_bound=40))
     # One process: each rank's 16-bit gradient, summed in float32, averaged, applied by
     # torch's optimizer to float32 masters, rounded once into the 16-bit model.
     ref = make()
@@ -151,7 +151,8 @@ def _batches(rank):
 @pytest.mark.parametrize("opt,kw", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
                                     (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.01})],
                          ids=["sgd", "adamw"])
-def test_join_equals_a_run_whose_ranks_out_of_data_add_zero_gradients(comm, how, dtype, opt, kw):
+def test_join_equals_a_run_whose_ranks_out_of_data_add_zero_gradients(make_store, comm, how, dtype,
+                                                                      opt, kw):
     # Trainer.join is the store's join with the Trainer's part in each step: the same
     # weights, bit for bit, as ranks that go on stepping with zero gradients (which also
     # step their schedulers; a joined rank takes rank 0's rates).
@@ -162,11 +163,9 @@ def test_join_equals_a_run_whose_ranks_out_of_data_add_zero_gradients(comm, how,
     rows = slice(comm.rank * per, (comm.rank + 1) * per)
 
     def run(join):
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                  torch.nn.Linear(16, 4)).to(dt)
+        net = cases.small_net(dt)
         trainer = mpikv.torch.Trainer(
-            net, opt, kw, mpikv.create("dist_sync", timeout=120, bigarray_bound=40),
+            net, opt, kw, make_store(bigarray_bound=40),
             lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5),
             # (by default a second backward reduces again, as DDP's does)
             shard="gradients" if how == "late-gradient" else None)
@@ -188,18 +187,8 @@ def test_join_equals_a_run_whose_ranks_out_of_data_add_zero_gradients(comm, how,
                     trainer.step()
                 trainer.zero_grad()
                 backward()
-            if how == "clip":
-                trainer.allreduce_grads()
-                torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
-                trainer.update()
-            else:
-                trainer.step()
-            trainer.lr_scheduler.step()
-        last = trainer.join() if join else None
-        weights = {n: p.detach().clone() for n, p in net.named_parameters()}
-        updates = trainer.num_update
-        trainer.close()
-        return weights, updates, last
+            cases.update(trainer, net, how)
+        return cases.finish(trainer, net, join)
 
     got, updates, last = run(join=True)
     want, want_updates, _ = run(join=False)
@@ -209,11 +198,11 @@ def test_join_equals_a_run_whose_ranks_out_of_data_add_zero_gradients(comm, how,
         assert torch.equal(got[name], want[name]), name
 
 
-def _net_and_trainer(comm, **options):
+def _net_and_trainer(make_store, **options):
     net = cases.Net()
     named = [(n, p) for n, p in net.named_parameters() if not n.startswith("spare")]
     trainer = mpikv.torch.Trainer(named, torch.optim.SGD, {"lr": 0.1},
-                                  mpikv.create("dist_sync", timeout=120), **options)
+                                  make_store(), **options)
     return net, trainer
 
 
@@ -221,12 +210,12 @@ def _weights(net):
     return {n: p.detach().clone() for n, p in net.named_parameters()}
 
 
-def test_a_parameter_no_rank_used_is_skipped_as_torch_skips_it(comm):
+def test_a_parameter_no_rank_used_is_skipped_as_torch_skips_it(make_store, comm):
     # Weight decay and momentum do not move it; used later (on one rank only), its first
     # step is a first step: torch's SGD on the same gradient, momentum starting fresh.
     net = cases.Net()
     kw = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}
-    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, kw, mpikv.create("dist_sync", timeout=120))
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, kw, make_store())
     start = _weights(net)
     x, y = cases.data(0, 0)
     for _ in range(3):
@@ -252,8 +241,8 @@ def test_a_parameter_no_rank_used_is_skipped_as_torch_skips_it(comm):
     torch.testing.assert_close(net.spare.bias.detach(), ref.bias.detach(), rtol=1e-12, atol=1e-12)
 
 
-def test_unused_parameter_is_an_error_on_every_rank_when_asked(comm):
-    net, trainer = _net_and_trainer(comm, unused_parameters="error")
+def test_unused_parameter_is_an_error_on_every_rank_when_asked(make_store, comm):
+    net, trainer = _net_and_trainer(make_store, unused_parameters="error")
     before = _weights(net)
     x, y = cases.data(0, 0)
     # The head is used on rank 0 only (on a single rank: nowhere).
@@ -270,8 +259,9 @@ def test_unused_parameter_is_an_error_on_every_rank_when_asked(comm):
     assert not torch.equal(net.fc1.weight, before["fc1.weight"])
 
 
-def test_a_second_backward_without_no_sync_is_an_error_on_every_rank_with_sharded_gradients(comm):
-    net, trainer = _net_and_trainer(comm, shard="gradients")
+def test_a_second_backward_without_no_sync_is_an_error_on_every_rank_with_sharded_gradients(
+        make_store, comm):
+    net, trainer = _net_and_trainer(make_store, shard="gradients")
     before = _weights(net)
     x, y = cases.data(0, 0)
     net(x, True).sum().backward()
@@ -283,10 +273,10 @@ def test_a_second_backward_without_no_sync_is_an_error_on_every_rank_with_sharde
         assert torch.equal(w, before[n]), n
 
 
-def test_a_second_backward_accumulates_as_ddp_and_on_one_rank_only_is_an_error(comm):
+def test_a_second_backward_accumulates_as_ddp_and_on_one_rank_only_is_an_error(make_store, comm):
     # DDP reduces again after each backward: .grad holds the sum of the averages.
     x, y = cases.data(0, 0)
-    net, trainer = _net_and_trainer(comm)
+    net, trainer = _net_and_trainer(make_store)
     ref = cases.Net()
     before = _weights(net)
     net(x, True).sum().backward()
@@ -316,10 +306,10 @@ def test_a_second_backward_accumulates_as_ddp_and_on_one_rank_only_is_an_error(c
 
 @pytest.mark.parametrize("shard,everywhere", [("optimizer", True), ("gradients", False),
                                                ("gradients", True)])
-def test_a_gradient_replaced_after_backward(comm, shard, everywhere):
+def test_a_gradient_replaced_after_backward(make_store, comm, shard, everywhere):
     # shard="optimizer": .grad is the averaged gradient, to change or replace before
     # step() (alike on every rank); shard="gradients": an error on every rank.
-    net, trainer = _net_and_trainer(comm, shard=shard)
+    net, trainer = _net_and_trainer(make_store, shard=shard)
     before = _weights(net)
     x, y = cases.data(0, 0)
     net(x, True).sum().backward()  # every bucket is sent during this backward
@@ -337,8 +327,8 @@ def test_a_gradient_replaced_after_backward(comm, shard, everywhere):
         assert torch.equal(net.fc2.weight.grad, torch.ones_like(net.fc2.weight))
 
 
-def test_a_gradient_set_by_hand_before_step_is_summed(comm):
-    net, trainer = _net_and_trainer(comm, unused_parameters="error")
+def test_a_gradient_set_by_hand_before_step_is_summed(make_store, comm):
+    net, trainer = _net_and_trainer(make_store, unused_parameters="error")
     for p in net.parameters():  # no backward at all: gradients written by hand
         p.grad = torch.full_like(p, comm.rank + 1.0)
     before = net.fc1.bias.detach().clone()
@@ -347,15 +337,15 @@ def test_a_gradient_set_by_hand_before_step_is_summed(comm):
     torch.testing.assert_close(net.fc1.bias, before - 0.1 * average, rtol=0, atol=1e-15)
 
 
-def test_an_unsupported_torch_optimizer_is_refused():
+def test_an_unsupported_torch_optimizer_is_refused(make_store):
     net = cases.Net()
     with pytest.raises(mpikv.OptimizerError, match="LBFGS cannot run on the owners"):
         mpikv.torch.Trainer(net, torch.optim.LBFGS, {"lr": 0.1},
-                            mpikv.create("dist_sync", timeout=120))
+                            make_store())
 
 
-def test_whole_parameters_on_a_store_that_splits_them_is_an_error_on_every_rank(comm):
-    store = mpikv.create("dist_sync", timeout=120, bigarray_bound=10)
+def test_whole_parameters_on_a_store_that_splits_them_is_an_error_on_every_rank(make_store, comm):
+    store = make_store(bigarray_bound=10)
     if comm.size == 1:   # one rank splits nothing
         with mpikv.torch.Trainer(cases.Net(), torch.optim.Adafactor, {"lr": 0.01}, store) as t:
             assert t.split_parameters is False
@@ -369,7 +359,7 @@ def test_whole_parameters_on_a_store_that_splits_them_is_an_error_on_every_rank(
     (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3}),
     (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05}),
 ], ids=["sgd", "adamw"])
-def test_trainer_equals_ddp(comm, gloo, opt, kw):
+def test_trainer_equals_ddp(make_store, comm, gloo, opt, kw):
     from torch.nn.parallel import DistributedDataParallel
 
     def model():
@@ -378,7 +368,7 @@ def test_trainer_equals_ddp(comm, gloo, opt, kw):
         return net
 
     ours, theirs = model(), model()
-    trainer = mpikv.torch.Trainer(ours, opt, kw, mpikv.create("dist_sync", timeout=120))
+    trainer = mpikv.torch.Trainer(ours, opt, kw, make_store())
     ddp = DistributedDataParallel(theirs)
     torch_opt = opt(ddp.parameters(), **kw)
     per = cases.GLOBAL_BATCH // comm.size
@@ -427,14 +417,14 @@ def test_trainer_on_cuda_parameters_equals_one_process(comm, opt, kw):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-9, atol=1e-9, msg=n)
 
 
-def test_a_step_that_raised_counts_no_update(comm):
+def test_a_step_that_raised_counts_no_update(make_store, comm):
     """After an error nothing was applied, Adam's step counts included: the next
     steps equal those of a Trainer that never saw the error."""
     def run(with_error):
         net = cases.Net()
         named = [(n, p) for n, p in net.named_parameters() if not n.startswith("spare")]
         trainer = mpikv.torch.Trainer(named, torch.optim.Adam, {"lr": 0.01},
-                                      mpikv.create("dist_sync", timeout=120),
+                                      make_store(),
                                       unused_parameters="error")
         x, y = cases.data(0, 0)
         if with_error:
@@ -451,7 +441,7 @@ def test_a_step_that_raised_counts_no_update(comm):
         assert torch.equal(w, after_error[n]), n
 
 
-def test_16_bit_parameters_on_one_rank_only_are_an_error_on_every_rank(comm):
+def test_16_bit_parameters_on_one_rank_only_are_an_error_on_every_rank(make_store, comm):
     pytest.importorskip("ml_dtypes")
     if comm.size == 1:
         pytest.skip("needs ranks that differ")
@@ -459,15 +449,16 @@ def test_16_bit_parameters_on_one_rank_only_are_an_error_on_every_rank(comm):
     if comm.rank == comm.size - 1:
         net.fc2.to(torch.bfloat16)
     message = raises_everywhere(comm, mpikv.MismatchError, lambda: mpikv.torch.Trainer(
-        net, torch.optim.SGD, {"lr": 0.1}, mpikv.create("dist_sync", timeout=120)))
+        net, torch.optim.SGD, {"lr": 0.1}, make_store()))
     # Its masters (multi_precision, on with 16-bit parameters) set it apart first.
     assert "set_optimizer: ranks differ in optimizer" in message
 
 
-def test_a_trainer_save_rank_0_cannot_write_is_an_error_on_every_rank(comm, tmp_path_factory):
+def test_a_trainer_save_rank_0_cannot_write_is_an_error_on_every_rank(make_store, comm,
+                                                                      tmp_path_factory):
     import os
     base = comm.bcast(str(tmp_path_factory.mktemp("save")) if comm.rank == 0 else None)
-    _, trainer = _net_and_trainer(comm)
+    _, trainer = _net_and_trainer(make_store)
     trainer.save_checkpoint(os.path.join(base, "ck"))  # whole on every rank when it returns
     before = sorted(os.listdir(base))
     assert before == ["ck", "ck.parts", "ck.trainer.json"]
@@ -483,11 +474,11 @@ def test_a_trainer_save_rank_0_cannot_write_is_an_error_on_every_rank(comm, tmp_
     assert sorted(os.listdir(base)) == before  # the previous save whole, nothing new
 
 
-def test_loading_a_checkpoint_without_the_trainer_file_is_an_error_everywhere(
+def test_loading_a_checkpoint_without_the_trainer_file_is_an_error_everywhere(make_store,
         comm, tmp_path_factory):
     import os
     base = comm.bcast(str(tmp_path_factory.mktemp("bare")) if comm.rank == 0 else None)
-    net, trainer = _net_and_trainer(comm)
+    net, trainer = _net_and_trainer(make_store)
     trainer.kvstore.save_checkpoint(os.path.join(base, "ck"))  # the store's part only
     before = _weights(net)
     message = raises_everywhere(comm, mpikv.StateFileError,
@@ -497,13 +488,13 @@ def test_loading_a_checkpoint_without_the_trainer_file_is_an_error_everywhere(
         assert torch.equal(w, before[n]), n
 
 
-def test_a_trainer_file_one_rank_cannot_read_is_the_same_error_everywhere(
+def test_a_trainer_file_one_rank_cannot_read_is_the_same_error_everywhere(make_store,
         comm, tmp_path_factory, monkeypatch):
     """A failure seen on one rank reaches every rank through the store's agreement,
     with one message naming that rank; nothing is loaded."""
     import os
     base = comm.bcast(str(tmp_path_factory.mktemp("one")) if comm.rank == 0 else None)
-    net, trainer = _net_and_trainer(comm)
+    net, trainer = _net_and_trainer(make_store)
     trainer.save_checkpoint(os.path.join(base, "ck"))
     x, y = cases.data(0, 0)
     net(x, True).sum().backward()
@@ -523,8 +514,8 @@ def test_a_trainer_file_one_rank_cannot_read_is_the_same_error_everywhere(
     assert trainer.num_update == 0
 
 
-def test_the_status_sum_is_a_store_call_that_names_ranks_that_differ(comm):
-    kv = mpikv.create("dist_sync", timeout=120)
+def test_the_status_sum_is_a_store_call_that_names_ranks_that_differ(make_store, comm):
+    kv = make_store()
     a = np.full(3, comm.rank + 1.0)
     kv.allreduce_(a)
     assert a.tolist() == [comm.size * (comm.size + 1) / 2] * 3
@@ -570,19 +561,7 @@ def test_optimizer_objects_and_state_dicts_are_refused_on_every_rank(comm):
 
 
 # -- trainer.optimizer's state in torch's format (issue 27, item 3) -----------------------
-STATE_OPTIMIZERS = {
-    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True,
-                              "weight_decay": 1e-3}),
-    "adam-amsgrad": (torch.optim.Adam, {"lr": 0.01, "amsgrad": True, "weight_decay": 1e-3}),
-    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05}),
-    # torch's other elementwise optimizers: scalars (NAdam's mu_product, ASGD's eta
-    # and mu) and states torch makes in its constructor (Adagrad's sum)
-    "nadam": (torch.optim.NAdam, {"lr": 0.01, "weight_decay": 1e-3}),
-    "asgd": (torch.optim.ASGD, {"lr": 0.01, "t0": 2}),
-    "adagrad": (torch.optim.Adagrad, {"lr": 0.05, "initial_accumulator_value": 0.1}),
-    "rmsprop-centered": (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.9, "centered": True}),
-    "rprop": (torch.optim.Rprop, {"lr": 0.01}),
-}
+STATE_OPTIMIZERS = cases.STATE_OPTIMIZERS
 
 
 def _trained(net):
@@ -607,13 +586,10 @@ def _rank_step(comm, net, trainer, step):
     trainer.step()
 
 
-def _store(split):
-    return mpikv.create("dist_sync", timeout=120, **({"bigarray_bound": 10} if split else {}))
-
-
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("name", sorted(STATE_OPTIMIZERS))
-def test_consolidated_state_equals_one_torch_process_with_the_global_batch(comm, name, split,
+def test_consolidated_state_equals_one_torch_process_with_the_global_batch(make_store, comm, name,
+                                                                           split,
                                                                            monkeypatch):
     """consolidate_state_dict gathers every owner's parts (whole keys, or flat shards
     of split keys) onto rank `to`, in the format of the plain torch optimizer."""
@@ -622,7 +598,8 @@ def test_consolidated_state_equals_one_torch_process_with_the_global_batch(comm,
     opt, kw = STATE_OPTIMIZERS[name]
     ref, net = cases.Net(), cases.Net()
     plain = opt(_trained(ref), **kw)
-    trainer = mpikv.torch.Trainer(net, opt, kw, _store(split))
+    trainer = mpikv.torch.Trainer(net, opt, kw,
+                                  make_store(**({"bigarray_bound": 10} if split else {})))
     for step in range(3):
         _plain_step(ref, plain, step)
         _rank_step(comm, net, trainer, step)
@@ -639,7 +616,8 @@ def test_consolidated_state_equals_one_torch_process_with_the_global_batch(comm,
 
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("name", sorted(STATE_OPTIMIZERS))
-def test_a_torch_state_loads_on_the_owners_and_training_goes_on_as_torch(comm, name, split):
+def test_a_torch_state_loads_on_the_owners_and_training_goes_on_as_torch(make_store, comm, name,
+                                                                         split):
     """A one-process torch run's state (as a DDP run saves it, loaded on every rank):
     each owner takes its parts exactly, and the next steps equal torch's."""
     opt, kw = STATE_OPTIMIZERS[name]
@@ -649,7 +627,8 @@ def test_a_torch_state_loads_on_the_owners_and_training_goes_on_as_torch(comm, n
         _plain_step(ref, plain, step)
     saved = copy.deepcopy(plain.state_dict())
     net = copy.deepcopy(ref)
-    trainer = mpikv.torch.Trainer(net, opt, {**kw, "lr": 0.5}, _store(split))
+    trainer = mpikv.torch.Trainer(net, opt, {**kw, "lr": 0.5},
+                                  make_store(**({"bigarray_bound": 10} if split else {})))
     trainer.optimizer.load_state_dict(saved)
     assert trainer.optimizer.param_groups[0]["lr"] == kw["lr"]
     trainer.optimizer.consolidate_state_dict(to=0)
@@ -665,10 +644,10 @@ def test_a_torch_state_loads_on_the_owners_and_training_goes_on_as_torch(comm, n
     trainer.kvstore.close()
 
 
-def test_a_state_bad_on_one_rank_is_refused_on_every_rank_with_nothing_changed(comm):
+def test_a_state_bad_on_one_rank_is_refused_on_every_rank_with_nothing_changed(make_store, comm):
     opt, kw = STATE_OPTIMIZERS["sgd"]
     net = cases.Net()
-    trainer = mpikv.torch.Trainer(net, opt, kw, _store(True))
+    trainer = mpikv.torch.Trainer(net, opt, kw, make_store(bigarray_bound=10))
     _rank_step(comm, net, trainer, 0)
     trainer.optimizer.consolidate_state_dict(to=0)
     before = trainer.optimizer.state_dict() if comm.rank == 0 else None
@@ -704,11 +683,11 @@ def test_a_state_bad_on_one_rank_is_refused_on_every_rank_with_nothing_changed(c
 
 
 # -- shard="parameters" --------------------------------------------------------------------
-def test_sharded_parameters_keep_only_the_owned_parts_between_uses(comm):
+def test_sharded_parameters_keep_only_the_owned_parts_between_uses(make_store, comm):
     """Between steps each rank holds the parts it owns; the rest reads zero (its
     memory given back); gathered() gives the whole weights, equal on every rank."""
     net = cases.Net()
-    store = mpikv.create("dist_sync", timeout=120, bigarray_bound=10, shared_memory=False)
+    store = make_store(bigarray_bound=10, shared_memory=False)
     trainer = mpikv.torch.Trainer(net, torch.optim.Adam, {"lr": 0.01}, store, shard="parameters")
     for step in range(2):
         _rank_step(comm, net, trainer, step)
@@ -739,11 +718,11 @@ def test_ranks_that_run_different_modules_with_sharded_parameters_get_one_error(
         cases.train("head-on-some-ranks", "dist_sync", comm.rank, comm.size, shard="parameters")
 
 
-def test_join_with_sharded_parameters_is_one_error_on_every_rank(comm):
+def test_join_with_sharded_parameters_is_one_error_on_every_rank(make_store, comm):
     if comm.size == 1:
         pytest.skip("a join needs another rank still training")
     net = cases.Net()
-    store = mpikv.create("dist_sync", timeout=120)
+    store = make_store()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, store, shard="parameters")
     steps = 1 if comm.rank == comm.size - 1 else 2
 
@@ -794,11 +773,11 @@ def _encoder_steps(comm, net, trainer, steps=3):
     return batches
 
 
-def test_sharded_parameters_train_a_transformer_layer_as_one_process(comm):
+def test_sharded_parameters_train_a_transformer_layer_as_one_process(make_store, comm):
     """The planner keeps modules with parameters of their own whole (MultiheadAttention)."""
     net, ref = _Encoder(), _Encoder()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
-                                  mpikv.create("dist_sync", timeout=120, bigarray_bound=16),
+                                  make_store(bigarray_bound=16),
                                   shard="parameters", units=[net.layer.self_attn,
                                                              net.layer.linear1, net.head])
     _encoder_steps(comm, net, trainer)
@@ -820,10 +799,10 @@ def test_sharded_parameters_train_a_transformer_layer_as_one_process(comm):
     trainer.close()
 
 
-def test_a_weight_read_outside_its_unit_is_an_error_on_every_rank(comm):
+def test_a_weight_read_outside_its_unit_is_an_error_on_every_rank(make_store, comm):
     net = _Encoder()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
-                                  mpikv.create("dist_sync", timeout=120),
+                                  make_store(),
                                   shard="parameters", units=[net.odd.proj, net.head])
     try:
         _encoder_steps(comm, net, trainer, steps=1)

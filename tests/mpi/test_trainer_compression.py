@@ -117,6 +117,7 @@ def test_trainer_weights_follow_the_compression_rule(comm, kind, split):
         for k in SIZES:
             np.testing.assert_allclose(getattr(net, k).detach().numpy(), want[step][k],
                                        rtol=1e-6, atol=1e-7, err_msg=f"{kind} step {step} {k}")
+    trainer.close()   # (and the store it made)
 
 
 def test_two_bit_holds_small_gradients_back_until_they_cross_the_threshold(comm):
@@ -133,6 +134,7 @@ def test_two_bit_holds_small_gradients_back_until_they_cross_the_threshold(comm)
         trainer.optimizer.zero_grad()
         moved.append(float(start[0] - net.v.detach().numpy()[0]))
     np.testing.assert_allclose(moved, [0, 0, 0.5, 0.5, 1.0], atol=1e-6)
+    trainer.close()   # (and the store it made)
 
 
 def test_compression_of_non_float32_parameters_is_an_error_on_every_rank(comm):

@@ -43,9 +43,7 @@ def _train(comm, dtype, opt, how, join=False, compression=None, store="dist_sync
     cls, kw = OPTIMIZERS[opt]
     per = cases.GLOBAL_BATCH // comm.size
     rows = slice(comm.rank * per, (comm.rank + 1) * per)
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                              torch.nn.Linear(16, 4)).to(dt)
+    net = cases.small_net(dt)
     kv = mpikv.create(store, timeout=TEST_TIMEOUT, bigarray_bound=40)
     trainer = mpikv.torch.Trainer(net, cls, kw, kv, compression=compression,
                                   lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
@@ -54,20 +52,8 @@ def _train(comm, dtype, opt, how, join=False, compression=None, store="dist_sync
         x, y = (t.to(dt) for t in cases.data(step, 0))
         trainer.zero_grad()
         ((net(x[rows]) - y[rows]).float() ** 2).mean().backward()
-        if how == "clip":   # the clipping pattern of Gluon: allreduce_grads, clip, update
-            trainer.allreduce_grads()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
-            trainer.update()
-        elif how == "clip-ddp":   # DDP's: .grad is averaged when backward returns
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
-            trainer.step()
-        else:
-            trainer.step()
-        trainer.lr_scheduler.step()
-    last = trainer.join() if join else None
-    weights = {n: p.detach().clone() for n, p in net.named_parameters()}
-    updates = trainer.num_update
-    trainer.close()
+        cases.update(trainer, net, how)
+    weights, updates, last = cases.finish(trainer, net, join)
     kv.close()
     return weights, updates, last, arrays
 
@@ -138,14 +124,15 @@ def test_device_trainer_with_compression_equals_the_host_one(comm, device_run, c
     _check_device_keys(comm, arrays, fake)
 
 
-def test_the_hook_orders_pushes_with_events_not_host_synchronizations(comm, monkeypatch):
+def test_the_hook_orders_pushes_with_events_not_host_synchronizations(make_store, comm,
+                                                                      monkeypatch):
     made = torch_pieces.record(monkeypatch)
     fake = fake_cuda_torch.install(monkeypatch, device=comm.rank % 2)
     monkeypatch.setenv(cuda.ENV, "0")
     monkeypatch.setattr(cuda, "FALLBACK", cuda.Fallback())
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
-                                  mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT),
+                                  make_store("dist_sync_device"),
                                   bucket_bytes=64)
     x, y = (t.float() for t in cases.data(0, 0))
     before = fake.calls["torch_before_store"]
@@ -161,7 +148,7 @@ def test_the_hook_orders_pushes_with_events_not_host_synchronizations(comm, monk
 
 @pytest.mark.skipif(not cuda_torch(), reason="needs a GPU with CUDA torch and cupy")
 @pytest.mark.parametrize("how", ["clip", "clip-ddp"])
-def test_bfloat16_trainer_with_clipping_and_join_on_cuda_equals_the_host(comm, how):
+def test_bfloat16_trainer_with_clipping_and_join_on_cuda_equals_the_host(make_store, comm, how):
     """The Trainer in bfloat16 on real CUDA tensors (cuda:{local rank}, no set_device),
     clipping, uneven data with join: the same weights as on the host."""
     pytest.importorskip("ml_dtypes")
@@ -174,7 +161,7 @@ def test_bfloat16_trainer_with_clipping_and_join_on_cuda_equals_the_host(comm, h
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
                               torch.nn.Linear(16, 4)).to(dt).to(f"cuda:{device}")
-    kv = mpikv.create("dist_sync_device", timeout=TEST_TIMEOUT, bigarray_bound=40)
+    kv = make_store("dist_sync_device", bigarray_bound=40)
     trainer = mpikv.torch.Trainer(net, cls, kw, kv,
                                   lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
     for key, entry in kv._engine.entries.items():

@@ -13,14 +13,9 @@ from tests import sparse_cases as cases  # noqa: E402
 import mpikv  # noqa: E402
 import mpikv.torch  # noqa: E402
 
-from .conftest import TEST_TIMEOUT, raises_everywhere  # noqa: E402
+from .conftest import raises_everywhere  # noqa: E402
 
 pytestmark = pytest.mark.mpi
-
-
-def _store(comm=None):
-    return mpikv.create("dist_sync", timeout=TEST_TIMEOUT,
-                        **({"comm": comm} if comm is not None else {}))
 
 
 def _same_on_every_rank(comm, got):
@@ -31,9 +26,9 @@ def _same_on_every_rank(comm, got):
 
 
 @pytest.mark.parametrize("case", cases.CASES, ids=["-".join(map(str, c)) for c in cases.CASES])
-def test_sparse_weights_equal_one_process_with_the_global_batch(comm, case):
+def test_sparse_weights_equal_one_process_with_the_global_batch(make_store, comm, case):
     trained = []
-    got = cases.train(case, comm.rank, comm.size, _store(), trainer_out=trained)
+    got = cases.train(case, comm.rank, comm.size, make_store(), trainer_out=trained)
     want = cases.reference(case, comm.size)
     assert sorted(got) == sorted(want)
     for n in want:
@@ -50,12 +45,12 @@ def test_sparse_weights_equal_one_process_with_the_global_batch(comm, case):
     trained[0][1].close()
 
 
-def test_the_table_is_a_row_table_and_a_step_moves_rows_not_the_table(comm):
+def test_the_table_is_a_row_table_and_a_step_moves_rows_not_the_table(make_store, comm):
     rows, dim = 20000, 16
     torch.manual_seed(0)
     emb = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, dtype=torch.float64)
     model = torch.nn.ModuleDict({"emb": emb})
-    kv = _store()
+    kv = make_store()
     trainer = mpikv.torch.Trainer(model, torch.optim.SGD, {"lr": 0.5}, kv)
     # The weight is no dense key of the store: it is a row table.
     assert "emb.weight" not in kv.plan and "emb.weight" in kv._rows
@@ -77,11 +72,11 @@ def test_the_table_is_a_row_table_and_a_step_moves_rows_not_the_table(comm):
     trainer.close()
 
 
-def test_every_rank_starts_from_rank_0s_weights(comm):
+def test_every_rank_starts_from_rank_0s_weights(make_store, comm):
     torch.manual_seed(comm.rank)   # different weights on each rank, as DDP's start
     emb = torch.nn.Embedding(30, 4, sparse=True)
     trainer = mpikv.torch.Trainer(torch.nn.ModuleDict({"e": emb}), torch.optim.Adagrad,
-                                  {"lr": 0.1}, _store())
+                                  {"lr": 0.1}, make_store())
     torch.manual_seed(0)
     want = torch.nn.Embedding(30, 4).weight
     assert torch.equal(emb.weight, want)
@@ -103,10 +98,10 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
-def test_optimizers_torch_refuses_for_sparse_gradients_fail_every_rank(comm, name):
+def test_optimizers_torch_refuses_for_sparse_gradients_fail_every_rank(make_store, comm, name):
     cls, kw, match = REFUSED[name]
     net = cases.Net("bag")
-    store = _store()
+    store = make_store()
     raises_everywhere(comm, mpikv.OptimizerError,
                       lambda: mpikv.torch.Trainer(net, cls, kw, store))
     with pytest.raises(mpikv.OptimizerError, match=match):
@@ -114,9 +109,9 @@ def test_optimizers_torch_refuses_for_sparse_gradients_fail_every_rank(comm, nam
     store.close()
 
 
-def test_a_dense_gradient_on_one_rank_fails_every_rank_and_applies_nothing(comm):
+def test_a_dense_gradient_on_one_rank_fails_every_rank_and_applies_nothing(make_store, comm):
     net = cases.Net("bag")
-    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, _store())
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, make_store())
     flat, offsets, _, y = cases.batch(0, slice(0, 3), None)
     trainer.zero_grad()
     torch.nn.functional.mse_loss(net(flat, offsets, True), y).backward()
@@ -134,16 +129,16 @@ def test_a_dense_gradient_on_one_rank_fails_every_rank_and_applies_nothing(comm)
     trainer.close()
 
 
-def test_join_is_refused_on_every_rank(comm):
+def test_join_is_refused_on_every_rank(make_store, comm):
     net = cases.Net("bag")
-    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, _store())
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, make_store())
     raises_everywhere(comm, mpikv.InputError, trainer.join)
     trainer.close()
 
 
 @pytest.mark.parametrize("after", [1, 2, 3, 4])
 @pytest.mark.parametrize("opt", ["sgd-momentum", "adagrad", "sparse-adam"])
-def test_a_checkpoint_saved_on_n_ranks_loads_on_m(comm, tmp_path_factory, opt, after):
+def test_a_checkpoint_saved_on_n_ranks_loads_on_m(make_store, comm, tmp_path_factory, opt, after):
     """Two steps on these ranks, saved; two more (the run that never stopped); the
     first ``after`` ranks load the save and make the same two steps."""
     if after > comm.size:
@@ -161,7 +156,7 @@ def test_a_checkpoint_saved_on_n_ranks_loads_on_m(comm, tmp_path_factory, opt, a
             trainer.step()
 
     net = cases.Net("bag", head)
-    trainer = mpikv.torch.Trainer(net, cls, kw, _store())
+    trainer = mpikv.torch.Trainer(net, cls, kw, make_store())
     steps(net, trainer, 0, comm.rank, comm.size)
     trainer.save_checkpoint(path)
     saved = {n: p.detach().clone() for n, p in net.named_parameters()}
@@ -174,7 +169,7 @@ def test_a_checkpoint_saved_on_n_ranks_loads_on_m(comm, tmp_path_factory, opt, a
         again = cases.Net("bag", head)
         with torch.no_grad():   # another start: the load replaces it
             again.emb.weight.normal_()
-        trainer = mpikv.torch.Trainer(again, cls, kw, _store(sub))
+        trainer = mpikv.torch.Trainer(again, cls, kw, make_store(comm=sub))
         trainer.load_checkpoint(path)
         assert trainer.num_update == 2
         for n, p in again.named_parameters():   # whole on every rank, bit for bit

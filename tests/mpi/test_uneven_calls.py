@@ -11,7 +11,6 @@ torch = pytest.importorskip("torch")
 import mpikv  # noqa: E402
 import mpikv.torch  # noqa: E402
 
-from .conftest import TEST_TIMEOUT  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
@@ -24,10 +23,10 @@ def two(comm):
         pytest.skip("needs two ranks")
 
 
-def _trainer():
+def _trainer(make_store):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+    kv = make_store()
     return net, mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, kv)
 
 
@@ -68,9 +67,9 @@ def _same_weights(comm, net):
             assert np.array_equal(a, b)
 
 
-def test_save_checkpoint_on_rank_0_only_then_on_every_rank(comm, two, tmp_path):
+def test_save_checkpoint_on_rank_0_only_then_on_every_rank(make_store, comm, two, tmp_path):
     path = comm.bcast(str(tmp_path / "ckpt"))
-    net, trainer = _trainer()
+    net, trainer = _trainer(make_store)
     _step(net, trainer)
     before = [p.detach().clone() for p in net.parameters()]
     message = _each(comm, {0: lambda: trainer.save_checkpoint(path),
@@ -92,8 +91,8 @@ def test_save_checkpoint_on_rank_0_only_then_on_every_rank(comm, two, tmp_path):
     trainer.close()
 
 
-def test_close_on_one_rank_after_fewer_steps_then_on_every_rank(comm, two):
-    net, trainer = _trainer()
+def test_close_on_one_rank_after_fewer_steps_then_on_every_rank(make_store, comm, two):
+    net, trainer = _trainer(make_store)
     _step(net, trainer)
     last = comm.size - 1
     message = _each(comm, {last: trainer.close, None: lambda: _step(net, trainer, 2)})
@@ -110,9 +109,9 @@ def test_close_on_one_rank_after_fewer_steps_then_on_every_rank(comm, two):
     trainer.kvstore.close()
 
 
-def test_load_checkpoint_against_save_checkpoint(comm, two, tmp_path):
+def test_load_checkpoint_against_save_checkpoint(make_store, comm, two, tmp_path):
     path = comm.bcast(str(tmp_path / "ckpt"))
-    net, trainer = _trainer()
+    net, trainer = _trainer(make_store)
     _step(net, trainer)
     message = _each(comm, {0: lambda: trainer.load_checkpoint(path),
                            None: lambda: trainer.save_checkpoint(path)})
@@ -131,9 +130,9 @@ def test_load_checkpoint_against_save_checkpoint(comm, two, tmp_path):
     trainer.close()
 
 
-def test_a_process_that_ends_while_the_others_train(comm, two):
+def test_a_process_that_ends_while_the_others_train(make_store, comm, two):
     # What the exit hook does at the end of a process (mpikv.factory._end_of_process).
-    net, trainer = _trainer()
+    net, trainer = _trainer(make_store)
     _step(net, trainer)
     store = trainer.kvstore
     message = _each(comm, {1: store.exit_process, None: lambda: _step(net, trainer, 2)})
@@ -146,10 +145,10 @@ def test_a_process_that_ends_while_the_others_train(comm, two):
     trainer.close()
 
 
-def test_a_call_of_the_others_while_a_rank_has_joined(comm, two, tmp_path):
+def test_a_call_of_the_others_while_a_rank_has_joined(make_store, comm, two, tmp_path):
     # The joined rank waits; the others get the error, then join too.
     path = comm.bcast(str(tmp_path / "ckpt"))
-    net, trainer = _trainer()
+    net, trainer = _trainer(make_store)
     _step(net, trainer)
     last = comm.size - 1
     if comm.rank == last:
@@ -170,8 +169,8 @@ def test_a_call_of_the_others_while_a_rank_has_joined(comm, two, tmp_path):
     trainer.close()
 
 
-def test_set_context_of_a_plain_store(comm, two):
-    kv = mpikv.create("dist_sync", timeout=TEST_TIMEOUT)
+def test_set_context_of_a_plain_store(make_store, comm, two):
+    kv = make_store()
     kv.init("w", np.zeros(2))
     # Different contexts, the same call: they agree (contexts are not compared).
     kv.set_context("is evaluating" if comm.rank == 0 else "is in epoch 3")

@@ -20,8 +20,8 @@ def _grads(rank):
 
 
 @pytest.mark.parametrize("bound", [None, 10], ids=["whole", "split"])
-def test_pull_into_value_buffers_gathers_the_owners_updates_in_place(comm, bound):
-    kv = mpikv.create("dist_sync", timeout=120, bigarray_bound=bound)
+def test_pull_into_value_buffers_gathers_the_owners_updates_in_place(make_store, comm, bound):
+    kv = make_store(bigarray_bound=bound)
     kv.init(KEYS, [np.ones(SHAPES[k]) for k in KEYS])
     kv.set_optimizer(optimizer.SGD(learning_rate=0.5))
     grads = kv.gradient_buffers(KEYS)
@@ -38,8 +38,8 @@ def test_pull_into_value_buffers_gathers_the_owners_updates_in_place(comm, bound
 
 
 @pytest.mark.parametrize("bound", [None, 10], ids=["whole", "split"])
-def test_gather_gradients_gives_every_rank_the_whole_sums(comm, bound):
-    kv = mpikv.create("dist_sync", timeout=120, bigarray_bound=bound)
+def test_gather_gradients_gives_every_rank_the_whole_sums(make_store, comm, bound):
+    kv = make_store(bigarray_bound=bound)
     kv.init(KEYS, [np.zeros(SHAPES[k]) for k in KEYS])
     kv.set_updater(lambda key, grad, stored: None)  # a push then sums on the owners only
     grads = kv.gradient_buffers(KEYS)
@@ -59,9 +59,9 @@ def test_gather_gradients_without_buffers_is_an_error_everywhere(comm, kv):
     assert "gradient_buffers" in message
 
 
-def test_torch_tensors_over_the_gradient_buffers_take_the_zero_copy_path(comm):
+def test_torch_tensors_over_the_gradient_buffers_take_the_zero_copy_path(make_store, comm):
     torch = pytest.importorskip("torch")
-    kv = mpikv.create("dist_sync", timeout=120, shared_memory=False)
+    kv = make_store(shared_memory=False)
     kv.init(KEYS, [np.zeros(SHAPES[k]) for k in KEYS])
     grads = kv.gradient_buffers(KEYS)
     tensors = [torch.from_numpy(g) for g in grads]  # what a model's .grad would be

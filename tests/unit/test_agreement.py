@@ -191,7 +191,7 @@ def test_in_context_needs_a_context_and_two_activities():
     assert in_context([_in(STEP_13)]) is None
 
 
-def test_a_context_is_in_the_record_not_in_the_fingerprint():
+def test_a_context_is_in_the_record_not_in_the_fingerprint(make_store):
     reader = CallReader(lambda k: None, lambda: None)
     call = reader.read("init", ["w"], [np.zeros(2, "float32")], new_keys=True, need_values=True)
     digest, plain = describe(call)
@@ -200,8 +200,7 @@ def test_a_context_is_in_the_record_not_in_the_fingerprint():
     assert {k: v for k, v in told.items() if k not in ("doing", "hint")} == plain
     assert describe(call)[0] == digest
     # A local store takes a context and goes on as before.
-    import mpikv
-    kv = mpikv.create("local")
+    kv = make_store()
     kv.set_context("is in step 1", "a hint", exit=("ended its process after step 0", None))
     kv.init("w", np.zeros(2, "float32"))
     kv.set_context(None)

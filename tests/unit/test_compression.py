@@ -8,7 +8,6 @@ tests/nightly/test_kvstore.py's compute_expected_2bit_quantization).
 import numpy as np
 import pytest
 
-import mpikv
 from mpikv import compression as C
 from mpikv.errors import DTypeError, InputError
 
@@ -215,8 +214,8 @@ def test_sixteen_bit_round_is_one_cast(kind):
 
 
 # -- single-process stores -----------------------------------------------------
-def test_local_store_refuses_as_mxnet():
-    kv = mpikv.create("local")
+def test_local_store_refuses_as_mxnet(make_store):
+    kv = make_store()
     with pytest.raises(InputError) as info:
         kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
     assert str(info.value) == ("set_gradient_compression: Gradient compression is not "
@@ -224,10 +223,10 @@ def test_local_store_refuses_as_mxnet():
                                "or a dist_* store); nothing was applied")
 
 
-def test_device_store_compresses_each_device_with_its_own_residual():
+def test_device_store_compresses_each_device_with_its_own_residual(make_store):
     """MXNet's CommDevice::ReduceCompressed: every device value is quantised with its
     own residual (even a single one), dequantised, and the results summed."""
-    kv = mpikv.create("device")
+    kv = make_store("device")
     kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
     kv.init("w", np.ones(4, F))
     out = np.zeros(4, F)
@@ -246,8 +245,8 @@ def test_device_store_compresses_each_device_with_its_own_residual():
     np.testing.assert_array_equal(out, np.array([0.5, 0.5, -1.0, 1.0], F))
 
 
-def test_device_store_refuses_float64_pushes_with_nothing_applied():
-    kv = mpikv.create("device")
+def test_device_store_refuses_float64_pushes_with_nothing_applied(make_store):
+    kv = make_store("device")
     kv.set_gradient_compression({"type": "2bit"})
     kv.init(["f", "d"], [np.zeros(3, F), np.zeros(3)])           # init: any dtype
     with pytest.raises(DTypeError) as info:
@@ -261,8 +260,8 @@ def test_device_store_refuses_float64_pushes_with_nothing_applied():
 
 
 @pytest.mark.parametrize("kind", ["fp16", "bf16"])
-def test_device_store_sixteen_bit_is_cast_sum_cast(kind):
-    kv = mpikv.create("device")
+def test_device_store_sixteen_bit_is_cast_sum_cast(make_store, kind):
+    kv = make_store("device")
     kv.set_gradient_compression({"type": kind})
     rng = np.random.default_rng(3)
     a, b = (rng.standard_normal(64).astype(F) for _ in range(2))
@@ -276,10 +275,10 @@ def test_device_store_sixteen_bit_is_cast_sum_cast(kind):
     assert codec.kind == kind
 
 
-def test_device_store_gpu_values_with_the_cupy_stand_in(monkeypatch):
+def test_device_store_gpu_values_with_the_cupy_stand_in(make_store, monkeypatch):
     from .. import fakecupy
     cp = fakecupy.install(monkeypatch)
-    kv = mpikv.create("device")
+    kv = make_store("device")
     kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
     kv.init("w", cp.zeros(4, cp.float32))
     g = np.array([0.3, 0.3, -0.7, 1.2], F)

@@ -11,8 +11,8 @@ SHAPE = (2, 3)
 
 
 @pytest.fixture(params=["local", "device"])
-def kv(request):
-    return mpikv.create(request.param)
+def kv(request, make_store):
+    return make_store(request.param)
 
 
 def _pulled(kv, key, shape=SHAPE, dtype=np.float64):

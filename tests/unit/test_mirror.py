@@ -48,8 +48,8 @@ def test_buddy_is_the_next_rank_round_the_ring():
     assert mirror.buddy(0, 1) == 0
 
 
-def test_a_copy_holds_the_values_and_states_a_checkpoint_part_would(tmp_path):
-    kv = mpikv.create("local")
+def test_a_copy_holds_the_values_and_states_a_checkpoint_part_would(make_store, tmp_path):
+    kv = make_store()
     kv.set_optimizer(mpikv.optimizer.SGD(learning_rate=0.5, momentum=0.9))
     kv.init(["a", "b"], [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(4)])
     for step in range(1, 4):
@@ -71,8 +71,8 @@ def test_a_copy_holds_the_values_and_states_a_checkpoint_part_would(tmp_path):
     np.testing.assert_array_equal(got[("b", "opt.mom")], momentum)
 
 
-def test_keep_copy_takes_a_step_count(tmp_path):
-    kv = mpikv.create("local")
+def test_keep_copy_takes_a_step_count(make_store, tmp_path):
+    kv = make_store()
     kv.init("w", np.zeros(2))
     for bad in (-1, 1.5, True, "3"):
         with pytest.raises(mpikv.InputError, match="step must be an int >= 0"):

@@ -17,20 +17,9 @@ from tests import torch_pieces  # noqa: E402
 from tests import trainer_cases as cases  # noqa: E402
 
 #: the optimizers whose state has a torch format, with arguments that use all of it
-OPTIMIZERS = {
-    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True,
-                              "weight_decay": 1e-3}),
-    "sgd-dampening": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.8, "dampening": 0.1}),
-    "adam-amsgrad": (torch.optim.Adam, {"lr": 0.01, "amsgrad": True, "weight_decay": 1e-3}),
-    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05}),
-    # torch's other elementwise optimizers: scalars (NAdam's mu_product, ASGD's eta
-    # and mu) and states torch makes in its constructor (Adagrad's sum)
-    "nadam": (torch.optim.NAdam, {"lr": 0.01, "weight_decay": 1e-3}),
-    "asgd": (torch.optim.ASGD, {"lr": 0.01, "t0": 2}),
-    "adagrad": (torch.optim.Adagrad, {"lr": 0.05, "initial_accumulator_value": 0.1}),
-    "rmsprop-centered": (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.9, "centered": True}),
-    "rprop": (torch.optim.Rprop, {"lr": 0.01}),
-}
+OPTIMIZERS = {**cases.STATE_OPTIMIZERS,
+              "sgd-dampening": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.8,
+                                                  "dampening": 0.1})}
 
 
 def groups_of(net, grouped):

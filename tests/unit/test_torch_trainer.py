@@ -228,8 +228,8 @@ def test_a_checkpoint_without_the_trainer_file_is_refused_and_changes_nothing(tm
     assert torch.equal(net.fc1.weight, before)
 
 
-def test_gather_gradients_needs_gradient_buffers():
-    kv = mpikv.create("local")
+def test_gather_gradients_needs_gradient_buffers(make_store):
+    kv = make_store()
     kv.init("a", np.zeros(3))
     with pytest.raises(mpikv.ValueTypeError, match="gradient_buffers"):
         kv.gather_gradients(["a"])
@@ -320,9 +320,9 @@ def test_16_bit_parameters_train_on_float32_masters(dtype):
     trainer.update()
 
 
-def test_the_store_takes_torch_bfloat16_tensors():
+def test_the_store_takes_torch_bfloat16_tensors(make_store):
     pytest.importorskip("ml_dtypes")
-    kv = mpikv.create("local")
+    kv = make_store()
     kv.init("a", torch.zeros(3, dtype=torch.bfloat16))
     out = torch.zeros(3, dtype=torch.bfloat16)
     kv.pushpull("a", [torch.full((3,), 1.5, dtype=torch.bfloat16)] * 2, out=out)
@@ -437,8 +437,8 @@ def test_stage_bytes_writes_beside_and_commits_or_discards(tmp_path):
         statefile.stage_bytes(tmp_path / "missing" / "f.json", b"x")
 
 
-def test_allreduce_on_a_local_store_is_the_identity_and_checks_its_array():
-    kv = mpikv.create("local")
+def test_allreduce_on_a_local_store_is_the_identity_and_checks_its_array(make_store):
+    kv = make_store()
     a = np.arange(3.0)
     kv.allreduce_(a)
     assert a.tolist() == [0.0, 1.0, 2.0]

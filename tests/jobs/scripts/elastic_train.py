@@ -22,6 +22,11 @@ its parent, its host's launcher daemon (tests/system/test_cluster_ft.py).
 KILL_IN=backward: a dying rank dies inside its backward instead, when the first
 layer's gradient is made, the other layers' buckets (one per parameter then) being
 reduced in the background.
+BACKGROUND=0 in the environment: each periodic checkpoint is written and committed
+before the loop goes on (``resume(background=False)``), so that a rank killed two
+steps later always finds it: a test that asserts the step the survivors go on
+from makes that checkpoint exist, instead of hoping the background write ended
+in time (under load it may not have, and they go on from the one before).
 """
 
 import os
@@ -101,7 +106,8 @@ def main(directory, kills, min_workers, redundancy="checkpoint"):
             os.kill(os.getpid(), signal.SIGKILL)
             return remake(self, *args)
         mpikv.torch.Trainer._remake = dying_remake
-    trainer.resume(directory, every=EVERY)
+    trainer.resume(directory, every=EVERY,
+                   background=os.environ.get("BACKGROUND", "1") != "0")
     seen = [trainer.num_workers]
     reported = [trainer.num_workers]
 
