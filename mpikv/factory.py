@@ -171,6 +171,11 @@ def _drain_at_exit():
 _OPEN = []
 
 
+def open_stores():
+    """The distributed stores of this process not closed yet, oldest first (a copy)."""
+    return list(_OPEN)
+
+
 def _forget(store):
     """A store closed: no exit call for it."""
     if store in _OPEN:
@@ -229,4 +234,4 @@ def _agree_on_options(transport, options, failure, device):
     return any(o["device"] for o in everyone)
 
 
-__all__ = ["AGREED_OPTIONS", "STORE_TYPES", "create", "remake_store"]
+__all__ = ["AGREED_OPTIONS", "STORE_TYPES", "create", "open_stores", "remake_store"]

@@ -85,10 +85,9 @@ def end_stores(item, stores):
 
 # -- stores left open by a test: ended too, counted, reported at the session's end ----
 def open_stores():
-    """The distributed stores not closed yet on this rank (mpikv has no public call
-    for it: its exit hook's registry)."""
-    from mpikv import kvstore
-    return list(kvstore._OPEN)
+    """The distributed stores not closed yet on this rank."""
+    from mpikv import factory
+    return factory.open_stores()
 
 
 _LEFT_OPEN = collections.Counter()   # test file -> stores its tests left to the net
