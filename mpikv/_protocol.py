@@ -36,6 +36,19 @@ JOINABLE = ("push", "pull", "pushpull", "barrier", "gather_gradients", "allreduc
 _DIST_STORES = itertools.count()
 
 
+class CallHook:
+    """The handle of a call hook: ``remove()`` takes the hook off (torch's
+    ``RemovableHandle`` shape); removing it again does nothing."""
+
+    def __init__(self, hooks, ref):
+        self._hooks, self._ref = hooks, ref
+
+    def remove(self):
+        """Stops calling the hook."""
+        if self._ref in self._hooks:
+            self._hooks.remove(self._ref)
+
+
 class Protocol:
     """Runs a store's checked calls on every rank alike.
 
@@ -62,21 +75,30 @@ class Protocol:
         self._exited = False
         # Callables (weakly held) run before each call: a Trainer's launcher makes
         # store calls on a thread of its own, and must be drained before a call of
-        # the user's comes in (see add_settler).
+        # the user's comes in (see add_call_hook).
         self._settlers = []
 
     # -- what every call goes through ------------------------------------------
-    def add_settler(self, method):
-        """Runs ``method()`` (a bound method, held weakly) before every later call:
+    def add_call_hook(self, fn):
+        """Runs ``fn()`` (a bound method, held weakly) before every later call:
         whoever makes store calls on a thread of its own waits for them there, so
-        that the store never takes calls from two threads at once."""
-        self._settlers.append(weakref.WeakMethod(method))
+        that the store never takes calls from two threads at once.
 
-    def remove_settler(self, method):
-        self._settlers = [r for r in self._settlers if r() not in (None, method)]
+        Returns:
+            a :class:`CallHook` whose ``remove()`` takes the hook off.
+
+        Raises:
+            ValueTypeError: ``fn`` is not a bound method.
+        """
+        if getattr(fn, "__self__", None) is None or not hasattr(fn, "__func__"):
+            raise errors.ValueTypeError(f"add_call_hook takes a bound method, not "
+                                        f"{type(fn).__name__}")
+        ref = weakref.WeakMethod(fn)
+        self._settlers.append(ref)
+        return CallHook(self._settlers, ref)
 
     def settle(self):
-        """Runs the settlers (:meth:`add_settler`): before any call of this thread."""
+        """Runs the call hooks (:meth:`add_call_hook`): before any call of this thread."""
         for ref in list(self._settlers):
             method = ref()
             if method is not None:

@@ -27,6 +27,7 @@ from ._protocol import Protocol
 from .calls import Call, CallReader
 from .engine import Engine
 from .join import Joiner, ReplayedCall
+from .owned import OwnedStates
 from .mirror import Copies
 from .row_tables import RowTables
 from .saving import Saves
@@ -294,13 +295,6 @@ class KVStore(ClosesAfterWith):
         """
         self._protocol.set_context(activity, hint, exit)
 
-    def _agree_on(self, op):
-        """A call that moves nothing, named ``op`` (the torch Trainer's close): every
-        rank must make it (a rank that has joined takes no part). Nothing on a closed
-        store (closing is collective: the same on every rank)."""
-        if not self._protocol.closed:
-            self._protocol.collective(Call(op), lambda: None)
-
     def join(self, on_call=None, follow_optimizer=True):
         """Takes part in the other ranks' calls with zeros until every rank has joined
         (Horovod's ``join``, for uneven data); collective. See :meth:`mpikv.join.Joiner.join`.
@@ -360,14 +354,9 @@ class KVStore(ClosesAfterWith):
 
     def run(self, step_fn, steps, directory, every, *, keep=2, min_workers=1, setup=None,
             redundancy="checkpoint"):
-        """Calls ``step_fn(kv, i)`` for each step ``i``, with checkpoints in ``directory``
-        every ``every`` steps; a lost rank costs the steps since the newest one (with
-        ``redundancy="memory"``, only the step it was lost in), not the job. Collective.
-        See :func:`mpikv.elastic.run` and docs/fault-tolerance.md.
-
-        Returns:
-            The store in use at the end: this one, or the survivors' after a loss.
-        """
+        """Calls ``step_fn(kv, i)`` for each step ``i``, checkpointing every ``every``
+        steps; a lost rank costs the steps since the newest checkpoint, not the job.
+        Collective; returns the store in use at the end. See :func:`mpikv.elastic.run`."""
         from .elastic import run
         return run(self, step_fn, steps, directory, every, keep, min_workers, setup,
                    self._remake, redundancy)
@@ -435,15 +424,9 @@ class KVStore(ClosesAfterWith):
         return self._engine.optimizer_state_nbytes()
 
     def gradient_buffers(self, keys):
-        """Zero-copy gradients: arrays (one per key; an array for one key) that are views
-        into the store's buckets; collective (it allocates them).
-
-        Write gradients into them and push exactly them: nothing is copied in, the sum
-        runs in place (``pushpull(keys, bufs)`` leaves it there); on a distributed store
-        they live in node shared memory (unless ``shared_memory`` is off) and a push with
-        the default updater sums them from the peers' buffers. float16 and bfloat16
-        keys have none.
-        """
+        """Zero-copy gradients: views into the store's buckets (one per key), to write
+        gradients into and push; collective. See
+        :meth:`mpikv.zero_copy.ZeroCopy.gradient_buffers`."""
         single = not isinstance(keys, (list, tuple))
         key_list = [keys] if single else list(keys)
         call = calls.check_buffers(self._read("gradient_buffers", key_list, settings={
@@ -454,15 +437,8 @@ class KVStore(ClosesAfterWith):
         return out[0] if single else out
 
     def value_buffers(self, keys):
-        """Zero-copy values: arrays (one per key; an array for one key) that are the stored
-        values; collective (the values may move into arenas laid out as the key list's
-        buckets).
-
-        ``pull(keys, out=bufs)`` then copies nothing, and an optimizer's updates land in
-        the owners' buffers. Write into them only through the store; they stop being the
-        stored values if a later call moves the values (another key list's
-        ``gradient_buffers`` or ``value_buffers``).
-        """
+        """Zero-copy values: the stored values themselves (one per key), written only
+        through the store; collective. See :meth:`mpikv.zero_copy.ZeroCopy.value_views`."""
         single = not isinstance(keys, (list, tuple))
         call = self._read("value_buffers", [keys] if single else list(keys))
         views = self._protocol.collective(call, lambda: self._engine.value_views(call.keys))
@@ -470,13 +446,9 @@ class KVStore(ClosesAfterWith):
         return out[0] if single else out
 
     def gather_gradients(self, keys):
-        """After a push of :meth:`gradient_buffers` to their owners (an updater or
-        optimizer set), copies every owner's sums into every rank's buffers (one
-        ``Allgatherv`` per bucket); collective.
-
-        Raises:
-            ValueTypeError: the key list has no gradient buffers.
-        """
+        """Copies the owners' sums of a push of :meth:`gradient_buffers` into every
+        rank's buffers (one ``Allgatherv`` per bucket); collective. A key list with
+        no gradient buffers is a :class:`~mpikv.errors.ValueTypeError`."""
         call = self._gather_call(keys)
         self._protocol.collective(call, lambda: self._engine.gather_grads(call.op, call.keys))
 
@@ -523,89 +495,17 @@ class KVStore(ClosesAfterWith):
                 f"num_workers={self.num_workers} keys={len(self._engine.entries)}>")
 
     # -- operations for the layers above (the torch Trainer) ----------------------
-    @dataclasses.dataclass(frozen=True)
-    class OwnedPart:
-        """One part of a key that this rank owns (see :meth:`KVStore.owned_states`).
-
-        Attributes:
-            start: its first element in the key's flat value.
-            stop: one past its last element.
-            whole: whether the part is the whole key (the key is not split).
-            weight: the stored value of the part: the key's array if whole, else
-                a flat view of elements ``start:stop``.
-            state: its optimizer state (name -> array), or None before its first
-                update.
-        """
-
-        start: int
-        stop: int
-        whole: bool
-        weight: object
-        state: object
-
-    @dataclasses.dataclass(frozen=True)
-    class OwnedKey:
-        """What this rank holds of one key's optimizer side (:meth:`KVStore.owned_states`).
-
-        Attributes:
-            dtype: the key's stored dtype (the same on every rank).
-            parts: the :class:`KVStore.OwnedPart` of each part this rank owns,
-                in order; empty where it owns none.
-        """
-
-        dtype: object
-        parts: tuple
-
-    class CallHook:
-        """The handle of :meth:`KVStore.add_call_hook`: ``remove()`` takes the hook off."""
-
-        def __init__(self, protocol, fn):
-            import weakref   # (the hook is held weakly here too: it keeps nothing alive)
-            self._protocol, self._fn = protocol, weakref.WeakMethod(fn)
-
-        def remove(self):
-            """Stops calling the hook; removing it again does nothing."""
-            self._protocol.remove_settler(self._fn())
-
     def add_call_hook(self, fn):
-        """Runs ``fn()`` on this rank before each later call on the store; not collective.
-
-        For a layer that makes store calls on a thread of its own (the torch
-        Trainer's launcher): the hook waits for them, so that the store never
-        takes calls from two threads at once. ``fn`` is held weakly, so it must
-        be a bound method; it is dropped once its object is collected.
-
-        Args:
-            fn: a bound method taking no arguments.
-
-        Returns:
-            a handle whose ``remove()`` takes the hook off (torch's
-            ``RemovableHandle`` shape).
-
-        Raises:
-            ValueTypeError: ``fn`` is not a bound method.
-        """
-        if getattr(fn, "__self__", None) is None or not hasattr(fn, "__func__"):
-            raise errors.ValueTypeError(f"add_call_hook takes a bound method, not "
-                                        f"{type(fn).__name__}")
-        self._protocol.add_settler(fn)
-        return KVStore.CallHook(self._protocol, fn)
+        """Runs the bound method ``fn()`` on this rank before each later call; not
+        collective. Returns a handle whose ``remove()`` takes it off. See
+        :meth:`mpikv._protocol.Protocol.add_call_hook`."""
+        return self._protocol.add_call_hook(fn)
 
     def agree(self, op):
-        """A collective call that moves nothing, named ``op``: every rank must make it.
-
-        The ranks agree on it as on any call: a rank making another call (or
-        another ``op``) gets, as the others do, a :class:`~mpikv.errors.MismatchError`
-        that says what each rank was doing (:meth:`set_context`); a failure set by
-        :meth:`fail_next_call` is raised on every rank. A rank that has joined
-        takes no part. Nothing happens on a closed store (closing is collective:
-        the same on every rank).
-
-        Args:
-            op: the call's name, as the ranks' errors give it ("Trainer.close").
-        """
+        """A collective call named ``op`` that moves nothing, agreed as any call is
+        (docs/store.md); a joined rank takes no part; nothing on a closed store."""
         if not self._protocol.closed:
-            self._agree_on(op)
+            self._protocol.collective(Call(op), lambda: None)
 
     @property
     def threaded(self):
@@ -614,67 +514,16 @@ class KVStore(ClosesAfterWith):
         return bool(self._transport.threaded)
 
     def owned_states(self, keys):
-        """What this rank owns of ``keys``: each owned part's stored value and
-        optimizer state; not collective.
-
-        The arrays are the store's own (no copies): read them between calls, and
-        change them only through :meth:`load_owned_states`.
-
-        Args:
-            keys: stored keys.
-
-        Returns:
-            dict: key -> :class:`KVStore.OwnedKey`.
-
-        Raises:
-            UnknownKeyError: for a key the store does not hold.
-        """
-        engine, rank = self._engine, self.rank
-        owned = {}
-        for key in keys:
-            entry = engine.entries.get(key)
-            if entry is None:
-                raise errors.UnknownKeyError(f"owned_states: key {key!r} is not in the store")
-            placement = engine.plan[key]
-            whole = not placement.split
-            owned[key] = KVStore.OwnedKey(entry.array.dtype, tuple(
-                KVStore.OwnedPart(s.start, s.stop, whole,
-                                  entry.array if whole else entry.flat[s.start:s.stop],
-                                  engine.states.get((key, s.start)))
-                for s in placement.shards if s.owner == rank))
-        return owned
+        """``{key: OwnedKey}``: each part of ``keys`` this rank owns, with its stored
+        value and optimizer state (the store's own arrays: change them only through
+        :meth:`load_owned_states`); not collective. See :class:`mpikv.owned.OwnedKey`;
+        an :class:`~mpikv.errors.UnknownKeyError` for a key the store does not hold."""
+        return OwnedStates(self._engine, self.rank).read(keys)
 
     def load_owned_states(self, states):
-        """Replaces the optimizer states of parts this rank owns; collective.
-
-        Every rank calls it, each with the states of its own parts (the others'
-        states and every key's update count stay). The ranks agree first: a
-        part this rank does not own, or a failure set by :meth:`fail_next_call`
-        on any rank (a check of the caller's), raises the same
-        :class:`~mpikv.errors.MPIKVError` on every rank, and nothing is loaded
-        on any.
-
-        Args:
-            states: ``{(key, part start): state}``, each state as
-                :meth:`owned_states` gives them (name -> array).
-
-        Raises:
-            InputError: on every rank, for a part some rank does not own.
-        """
-        call = Call("load_owned_states")
-        engine, rank = self._engine, self.rank
-        for key, start in states:
-            placement = engine.plan[key] if key in engine.plan else None
-            if placement is None or not any(s.start == start and s.owner == rank
-                                            for s in placement.shards):
-                call.fail(errors.InputError, None, f"rank {rank} does not own the part of "
-                                                   f"key {key!r} that starts at {start}")
-                break
-
-        def load():
-            engine.load_optimizer(engine.optimizer, {**engine.states, **states},
-                                  dict(engine.counts))
-        self._protocol.collective(call, load)
-
+        """Replaces the optimizer states ``{(key, part start): state}`` of parts this
+        rank owns; collective and agreed (an error on one rank is raised on every
+        rank, nothing loaded). See :meth:`mpikv.owned.OwnedStates.load_call`."""
+        self._protocol.collective(*OwnedStates(self._engine, self.rank).load_call(states))
 
 __all__ = ["KVStore", "Handle", "ReplayedCall"]

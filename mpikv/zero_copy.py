@@ -33,6 +33,9 @@ class ZeroCopy:
         updater the buffers then *are* the stored values of the keys (no copy),
         until an updater or optimizer is set; otherwise the stored values move
         into arenas laid out like the buckets, so storing a sum is one copy.
+        In node shared memory (``shared``), a push with the default updater sums
+        them straight from the peers' buffers. float16 and bfloat16 keys (summed
+        in float32) have none: a :class:`~mpikv.errors.DTypeError`.
 
         Args:
             keys: initialised keys, in canonical order.
@@ -69,7 +72,9 @@ class ZeroCopy:
 
         Values that are not moved into arenas laid out like the buckets first,
         so a later pull of the same keys gathers the owners' parts in place,
-        straight into these arrays. Valid while :attr:`mpikv.layouts.Layouts.epoch` stays.
+        straight into these arrays. Valid while :attr:`mpikv.layouts.Layouts.epoch` stays:
+        a later call that moves the values (another key list's gradient or value
+        buffers) ends them. An optimizer's updates land in the owners' views.
         """
         layout = self.layouts.get(keys)
         if any(s is None for s in layout.stored):

@@ -91,7 +91,7 @@ class ShardedTorchState:
         return np.dtype(np.float32) if rule.keeps_master(dtype) else np.dtype(dtype)
 
     def _owned_key(self, key):
-        """The store's :class:`~mpikv.KVStore.OwnedKey` of ``key``."""
+        """The store's :class:`~mpikv.owned.OwnedKey` of ``key``."""
         return self._context.settled().owned_states([key])[key]
 
     def _owned(self, key):
