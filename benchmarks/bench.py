@@ -76,7 +76,7 @@ if __package__ in (None, ""):  # run as a script: the clone's benchmarks and mpi
 from benchmarks.common import (  # noqa: E402
     WORKLOADS, Timer, library, peak_mib, refill, settings, shapes)
 from benchmarks.bench_link import bench_link, show_link  # noqa: E402
-from mpikv.fusion import DEFAULT_BUCKET_BYTES  # noqa: E402
+from mpikv.core.fusion import DEFAULT_BUCKET_BYTES  # noqa: E402
 
 MODES = ("pushpull", "sgd", "adam")
 #: The raw "in pieces" way sums pieces of mpikv's default bucket size (4 MiB).
@@ -422,7 +422,7 @@ def bench_gpu(workload, iterations, comm):
     from mpi4py import MPI
 
     import mpikv
-    from mpikv import config
+    from mpikv.store import config
     from mpikv.transport import cuda, pipeline
     from mpikv.transport.staging import Staging
 

@@ -14,7 +14,7 @@ hot rows), then:
 - pull: ``kv.row_sparse_pull(key, row_ids=ids)`` against raw mpi4py: each rank
   sorts and dedups its ids (``np.sort`` and a compare: faster than ``np.unique``),
   ``Alltoall`` of the counts, ``Alltoallv`` of the ids to their owners (the
-  table's row blocks, ``mpikv.plan.split_bounds``), the owners gather the rows,
+  table's row blocks, ``mpikv.core.plan.split_bounds``), the owners gather the rows,
   ``Alltoallv`` of the rows back;
 - push: ``kv.push(key, RowSparse(ids, grads, shape))`` (no optimizer: the
   touched rows take the sum of every rank's rows) against raw mpi4py: each
@@ -139,7 +139,7 @@ class Raw:
     """Raw mpi4py moving rows of a table cut as mpikv's row tables are."""
 
     def __init__(self, comm, rows, dim, block):
-        from mpikv.plan import split_bounds
+        from mpikv.core.plan import split_bounds
         self.comm, self.size, self.dim = comm, comm.size, dim
         self.bounds = np.array([a for a, _ in split_bounds(rows, comm.size)] + [rows], np.int64)
         self.lo = int(self.bounds[comm.rank])
@@ -240,7 +240,7 @@ def bench_rows(rows, dim, k, zipf, iterations, comm, seed=0):
     grads = rng.standard_normal((k, dim)).astype(np.float32)
     kv = mpikv.create("dist_sync")
     kv.init_rows(KEY, shape, np.float32, init=lambda lo, hi: _row_values(lo, hi, dim))
-    from mpikv.plan import split_bounds
+    from mpikv.core.plan import split_bounds
     lo, hi = split_bounds(rows, comm.size)[comm.rank]
     raw = Raw(comm, rows, dim, np.array(_row_values(lo, hi, dim)))
     verified = _verify(kv, raw, comm, ids, grads, shape)

@@ -1,10 +1,10 @@
 """mpikv: MXNet's KVStore API on MPI, with no parameter servers."""
 
-from ._executor import Handle
+from .store.executor import Handle
 from ._version import __version__
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
-from .rowsparse import RowSparse
+from .rows.rowsparse import RowSparse
 
 __all__ = ["create", "Handle", "RowSparse", "__version__", *_errors_all]
 
@@ -22,12 +22,12 @@ _heartbeat_if_mpi_runs()
 
 
 def create(name="local", comm=None, timeout=None, **options):  # noqa: D401
-    """Creates a key-value store (see :func:`mpikv.factory.create`).
+    """Creates a key-value store (see :func:`mpikv.store.factory.create`).
 
     ``fault_tolerant=True`` (or ``MPIKV_FAULT_TOLERANT=1``): a rank lost during a
     call of a distributed store is one :class:`mpikv.RankLostError` on every
     survivor; refused with :class:`mpikv.FaultToleranceUnavailableError` on every
     rank without a ULFM launch (docs/fault-tolerance.md).
     """
-    from .factory import create as _create
+    from .store.factory import create as _create
     return _create(name, comm=comm, timeout=timeout, **options)

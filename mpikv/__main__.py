@@ -30,10 +30,10 @@ def main(argv=None):
         print(USAGE)
         return 0
     if command == "info":
-        from .info import main as info_main
+        from .tools.info import main as info_main
         return info_main(rest)
     if command == "tune":
-        from .tune import main as tune_main
+        from .tools.tune import main as tune_main
         return tune_main(rest)
     if command == "trace":
         from .flight import main as trace_main

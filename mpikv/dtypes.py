@@ -1,7 +1,7 @@
 """The dtypes mpikv takes, by name: a store's values, and what a state file may hold.
 
 The one list of them: a new dtype is one entry in :data:`VALUE_DTYPES`,
-which the store, :mod:`mpikv.statefile` and :mod:`mpikv.checkpoint` all
+which the store, :mod:`mpikv.statefile` and :mod:`mpikv.state.checkpoint` all
 read.
 """
 

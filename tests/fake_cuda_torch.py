@@ -32,7 +32,7 @@ import contextlib
 import numpy as np
 import torch
 
-from mpikv import backends, halfbits
+from mpikv.arrays import backends, halfbits
 from mpikv.torch import tensors
 
 from . import fakecupy

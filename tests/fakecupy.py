@@ -15,7 +15,7 @@ bookkeeping.
   current device, and ``copy()`` copies to the current device;
 * bfloat16 arrays (ml_dtypes' dtype, as cupy 14 holds them) are raw 16-bit
   memory: they may be made, viewed, copied and moved, but no kernel computes
-  on them, so mpikv's own integer casts (:mod:`mpikv.halfbits`) are what the
+  on them, so mpikv's own integer casts (:mod:`mpikv.arrays.halfbits`) are what the
   tests exercise;
 * **device memory the host cannot read**: the pointer that
   ``__cuda_array_interface__`` and ``__dlpack__`` give (to mpi4py, say) is a

@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import errors
 from .. import optimizer as mpikv_optimizer
-from ..optimizer import _checks
+from ..optimizer import checks as _checks
 from ..optimizer import schedulers as mpikv_schedulers
 from ..optimizer.base import COUNT, PendingUpdate
 

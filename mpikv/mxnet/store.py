@@ -11,7 +11,7 @@ is raised on every rank, through the mpikv call's agreement.
 Row-sparse keys: a key whose initial value is a ``RowSparseNDArray`` (a Gluon
 ``Parameter(stype="row_sparse")``), or a dense value whose attached gradient
 is row_sparse (``gluon.nn.Embedding(..., sparse_grad=True)``), becomes an
-mpikv row table (:meth:`mpikv.kvstore.KVStore.init_rows`): its rows live on
+mpikv row table (:meth:`mpikv.store.kvstore.KVStore.init_rows`): its rows live on
 their owners only, pushes carry rows (:class:`mpikv.RowSparse`) and
 ``row_sparse_pull`` fetches only the rows asked for.
 """
@@ -23,12 +23,12 @@ import numpy as np
 
 import mpikv
 
-from .._closing import ClosesAfterWith
+from ..closing import ClosesAfterWith
 from .. import errors
 from .. import optimizer as mpikv_optimizer
-from ..factory import STORE_TYPES
-from ..rowsparse import RowSparse
-from ..checkpoint import saved_optimizer
+from ..store.factory import STORE_TYPES
+from ..rows.rowsparse import RowSparse
+from ..state.checkpoint import saved_optimizer
 from . import ndarrays, optimizers
 
 #: registered names are this prefix and an mpikv store type
@@ -145,7 +145,7 @@ class KVStore(ClosesAfterWith, mx.kv.KVStore):
 
     @property
     def kvstore(self):
-        """The mpikv store underneath (:class:`mpikv.kvstore.KVStore`)."""
+        """The mpikv store underneath (:class:`mpikv.store.kvstore.KVStore`)."""
         return self._kv
 
     @property
@@ -604,7 +604,7 @@ class KVStore(ClosesAfterWith, mx.kv.KVStore):
     _barrier = barrier
 
     def save_checkpoint(self, fname):
-        """mpikv's checkpoint: values, optimizer and states (see :class:`mpikv.kvstore.KVStore`)."""
+        """mpikv's checkpoint: values, optimizer and states (see :class:`mpikv.store.kvstore.KVStore`)."""
         failure = self._follow([])
         if failure is not None:
             self._kv.fail_next_call(*failure)
@@ -615,7 +615,7 @@ class KVStore(ClosesAfterWith, mx.kv.KVStore):
         self._kv.load_checkpoint(fname)
 
     def close(self):
-        """Ends the store on every rank (collective; see :meth:`mpikv.kvstore.KVStore.close`):
+        """Ends the store on every rank (collective; see :meth:`mpikv.store.kvstore.KVStore.close`):
         its threads and communicators are freed; later calls raise on every rank."""
         self._kv.close()
         self._updater = self._follower = None

@@ -2,8 +2,8 @@
 
 import math
 
-from .. import backends
-from . import _checks
+from ..arrays import backends
+from . import checks as _checks
 from .base import Optimizer, register
 
 

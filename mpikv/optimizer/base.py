@@ -15,10 +15,10 @@ import warnings
 
 import numpy as np
 
-from .. import backends, halfbits
+from ..arrays import backends, halfbits
 from ..dtypes import HALF_DTYPES, is_floating
 from ..errors import OptimizerError
-from . import _checks
+from . import checks as _checks
 from .schedulers import LRScheduler, lr_scheduler_from_config
 
 #: Name of the per-key update count in a state dict (int64, one element).

@@ -4,8 +4,8 @@ import math
 
 import numpy as np
 
-from .. import backends
-from . import _checks
+from ..arrays import backends
+from . import checks as _checks
 from .adam import _Moments
 from .base import register, sum_of_squares
 

@@ -1,7 +1,7 @@
 """RMSProp, MXNet 1.9 ``rmsprop_update`` and ``rmspropalex_update``."""
 
-from .. import backends
-from . import _checks
+from ..arrays import backends
+from . import checks as _checks
 from .base import Optimizer, register
 
 

@@ -14,7 +14,7 @@ calling with a smaller ``num_update`` goes back in the schedule, and past
 import bisect
 import math
 
-from . import _checks
+from . import checks as _checks
 
 _SCHEDULERS = {}
 

@@ -1,6 +1,6 @@
 """SGD and Nesterov momentum (MXNet 1.9 ``sgd_update``, ``sgd_mom_update``, ``nag_mom_update``)."""
 
-from . import _checks
+from . import checks as _checks
 from .base import Optimizer, register
 
 

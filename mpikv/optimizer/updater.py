@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from .. import backends
+from ..arrays import backends
 from ..errors import OptimizerError
 from .base import Optimizer
 

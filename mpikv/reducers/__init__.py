@@ -18,7 +18,7 @@ in node shared memory, :class:`.shared.WindowReducer`).
 Wrappers: ``copy+NAME`` copies an out-of-place input into the destination and
 runs ``NAME`` in place; ``staged:NAME`` carries GPU buffers through pinned
 host memory when MPI is not CUDA-aware. Which strategy moves which bucket is
-decided by the tuning table (:mod:`mpikv.tuning`), once per bucket layout:
+decided by the tuning table (:mod:`mpikv.tuning.table`), once per bucket layout:
 its column is in place or out of place when every rank gets the sum, and
 ``to_owners`` when only the owners do, on host or (where measured) GPU buffers.
 """
@@ -82,7 +82,7 @@ class Chooser:
 
     Args:
         transport: the store's transport.
-        table: a :class:`mpikv.tuning.Table`.
+        table: a :class:`mpikv.tuning.table.Table`.
         piece_bytes: the largest message of one collective.
     """
 
@@ -99,7 +99,7 @@ class Chooser:
         """Compresses every bucket chosen from now on; residuals stay across changes.
 
         Args:
-            config: a :func:`mpikv.compression.parse_params` result.
+            config: a :func:`mpikv.arrays.compression.parse_params` result.
             per_device: each device value is a sender (the ``device`` store):
                 the engine then compresses while it fills a bucket, and the
                 ranks' sum is the table's.
@@ -119,7 +119,7 @@ class Chooser:
         """The reducer of one bucket.
 
         Args:
-            bucket: the :class:`mpikv.fusion.Bucket` (compressed sums keep
+            bucket: the :class:`mpikv.core.fusion.Bucket` (compressed sums keep
                 residuals per key).
             nbytes: its size in bytes (the table's row).
             in_place: the table's column; the same on every rank.

@@ -2,7 +2,7 @@
 
 After ``kv.set_gradient_compression(params)`` the :class:`~mpikv.reducers.Chooser`
 hands every bucket of a push a :class:`CompressedReducer` (the codecs are
-:mod:`mpikv.compression`'s; :class:`Compression` holds the settings and the
+:mod:`mpikv.arrays.compression`'s; :class:`Compression` holds the settings and the
 residuals all buckets share). Who sends:
 
 - a distributed store: each rank, its values summed over its devices exactly
@@ -32,8 +32,8 @@ What moves, per bucket of ``n`` float32 values on ``P`` ranks:
 
 import numpy as np
 
-from .. import backends
-from ..compression import Workspace, describe, make_codec
+from ..arrays import backends
+from ..arrays.compression import Workspace, describe, make_codec
 from .base import Blocks, Reducer, even_blocks
 
 
@@ -41,7 +41,7 @@ class Compression:
     """A store's compression settings and the residuals every bucket shares.
 
     Args:
-        config: a :func:`mpikv.compression.parse_params` result.
+        config: a :func:`mpikv.arrays.compression.parse_params` result.
         per_device: each device value is a sender (the ``device`` store), not
             each rank.
     """
@@ -90,7 +90,7 @@ class Compression:
 
         A key keeps one residual whichever key lists push it: it moves into the
         arena of the bucket that uses it (copied), as stored values move into
-        the arenas of :meth:`mpikv.engine.Engine.gradient_buffers`.
+        the arenas of :meth:`mpikv.core.engine.Engine.gradient_buffers`.
         """
         found = self._arenas.get(id(bucket))
         if found is not None and all(self._home.get(k) is found[1] for k in bucket.keys):
@@ -115,7 +115,7 @@ class Compression:
         values, each compressed with its own residual, in device order.
 
         Args:
-            bucket: the :class:`mpikv.fusion.Bucket`.
+            bucket: the :class:`mpikv.core.fusion.Bucket`.
             values_of: key -> its list of device values.
             dst: the bucket's flat float32 buffer (host or GPU).
         """
@@ -159,7 +159,7 @@ class CompressedReducer(Reducer):
     Args:
         compression: the store's :class:`Compression`.
         transport: the store's transport.
-        bucket: the :class:`mpikv.fusion.Bucket` it sums.
+        bucket: the :class:`mpikv.core.fusion.Bucket` it sums.
     """
 
     host_only = True

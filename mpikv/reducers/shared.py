@@ -7,7 +7,7 @@ Two strategies: ``shared`` copies a bucket into a scratch window of its own;
 
 import numpy as np
 
-from .. import backends
+from ..arrays import backends
 
 from .base import Reducer
 

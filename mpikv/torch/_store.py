@@ -1,6 +1,7 @@
 """The Trainer's store and launcher: made, or taken as given."""
 
-from .. import errors, factory
+from .. import errors
+from ..store import factory
 from . import tensors
 from .launcher import Launcher
 

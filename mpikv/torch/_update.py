@@ -1,6 +1,6 @@
 """The owners' update of a step, and the weights gathered back into the parameters."""
 
-from .. import _xp
+from ..arrays import xp as _xp
 from .optimizers import MXNetRule
 
 

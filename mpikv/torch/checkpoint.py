@@ -26,7 +26,7 @@ def save(kv, path, meta, background=False):
     Rank 0 writes the file (fsynced) before the store's save and renames it
     into place after it, so a failure anywhere leaves the previous checkpoint
     whole. Returns on every rank once both are in place; in the background,
-    at once, with the store's :class:`~mpikv.saving.SaveHandle`, whose
+    at once, with the store's :class:`~mpikv.state.saves.SaveHandle`, whose
     ``wait()`` (or the store's next save, load or close, or the end of the
     process) puts both in place.
 

@@ -21,14 +21,14 @@ A step function that takes its slice of a global batch from ``trainer.rank``
 and ``trainer.num_workers`` therefore ends with the weights of an
 uninterrupted run, at the cost of the steps since the checkpoint.
 
-The loop is ``kv.run``'s (:func:`mpikv.elastic.run_loop`); this module hands
+The loop is ``kv.run``'s (:func:`mpikv.elastic.loop.run_loop`); this module hands
 it the Trainer's work and recovery, as torchft and Horovod's frameworks hand
 theirs to one loop.
 """
 
 import dataclasses
 
-from ..elastic import refuse_too_few, refuse_unless_positive, run_loop, todo
+from ..elastic.loop import refuse_too_few, refuse_unless_positive, run_loop, todo
 from ..errors import MPIKVError
 
 

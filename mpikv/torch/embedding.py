@@ -15,7 +15,7 @@ import torch
 from torch.autograd import Variable
 
 from .. import errors
-from ..rowsparse import RowSparse
+from ..rows.rowsparse import RowSparse
 from . import tensors
 
 

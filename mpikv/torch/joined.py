@@ -7,7 +7,8 @@ and an owners' update between the last sum and the pulls.
 :class:`JoinedSteps` gives them, in the order the training ranks make them.
 """
 
-from .. import _xp, errors
+from ..arrays import xp as _xp
+from .. import errors
 from . import buffers, syncbn, tensors
 
 

@@ -1,7 +1,7 @@
 """The Trainer's launcher: the store calls that backward starts, made off autograd's thread.
 
 Each bucket's ``push_async`` (and ``gather_gradients_async``) first agrees
-with the other ranks (:meth:`mpikv._protocol.Protocol.submit`): one small
+with the other ranks (:meth:`mpikv.store.protocol.Protocol.submit`): one small
 blocking collective. Made in autograd's hook, it would hold backward until
 every rank had reached that bucket. The :class:`Launcher` makes those calls
 on a thread of its own, in the order they were queued (buckets leave in

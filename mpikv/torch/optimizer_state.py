@@ -20,7 +20,7 @@ fails on every rank if a check failed on any (``kv.fail_next_call``).
 import numpy as np
 import torch
 
-from .. import halfbits
+from ..arrays import halfbits
 from ..errors import OptimizerError
 from ..optimizer.base import COUNT, MASTER
 from . import tensors
@@ -91,7 +91,7 @@ class ShardedTorchState:
         return np.dtype(np.float32) if rule.keeps_master(dtype) else np.dtype(dtype)
 
     def _owned_key(self, key):
-        """The store's :class:`~mpikv.owned.OwnedKey` of ``key``."""
+        """The store's :class:`~mpikv.state.owned.OwnedKey` of ``key``."""
         return self._context.settled().owned_states([key])[key]
 
     def _owned(self, key):

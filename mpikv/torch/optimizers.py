@@ -16,7 +16,7 @@ import torch
 from torch.optim import adam as _adam
 from torch.optim import sgd as _sgd
 
-from .. import _xp, halfbits
+from ..arrays import xp as _xp, halfbits
 from ..dtypes import HALF_DTYPES
 from ..errors import OptimizerError
 from ..optimizer.base import (COUNT, MASTER, Optimizer, PendingUpdate, register,

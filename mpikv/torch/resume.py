@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..checkpoints import CheckpointDir, manifest_reads, name_of
+from ..elastic.checkpoints import CheckpointDir, manifest_reads, name_of
 from ..errors import InputError, MPIKVError, ValueTypeError
 from . import checkpoint
 
@@ -45,7 +45,7 @@ SIGNALS = ("SIGUSR1", "SIGTERM")
 
 
 def _checkpoint_dir(directory, with_state=False):
-    """The :class:`~mpikv.checkpoints.CheckpointDir` of the Trainer's checkpoints in
+    """The :class:`~mpikv.elastic.checkpoints.CheckpointDir` of the Trainer's checkpoints in
     ``directory`` (complete: :func:`is_complete`, ``with_state`` as there)."""
     return CheckpointDir(directory, functools.partial(is_complete, with_state=with_state))
 

@@ -33,8 +33,8 @@ import torch
 
 from ..errors import GradientError, InputError, OptimizerError
 from ..optimizer.base import COUNT, register
-from ..plan import split_bounds
-from ..rowsparse import RowSparse
+from ..core.plan import split_bounds
+from ..rows.rowsparse import RowSparse
 from . import tensors
 from .optimizers import _TorchRule, as_tensor
 from .torch_rules import build

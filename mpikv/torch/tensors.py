@@ -29,7 +29,7 @@ import contextlib
 import numpy as np
 import torch
 
-from .. import backends, halfbits
+from ..arrays import backends, halfbits
 
 
 # -- what a tensor is ---------------------------------------------------------

@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from .._closing import ClosesAfterWith
+from ..closing import ClosesAfterWith
 from .. import errors
 from . import checkpoint
 from ._options import TrainerOptions
@@ -362,7 +362,7 @@ class Trainer(ClosesAfterWith):
 
     def _save(self, path, background=False):
         """The checkpoint, the current step's reductions (if any) kept going on;
-        in the background: returns the store's :class:`~mpikv.saving.SaveHandle`."""
+        in the background: returns the store's :class:`~mpikv.state.saves.SaveHandle`."""
         kv = self.kvstore
         self._context.tell("save_checkpoint")
         try:

@@ -11,7 +11,7 @@ def make_transport(kind, comm=None, options=None):
     Args:
         kind: "local" (no peers) or "mpi".
         comm: an mpi4py intra-communicator (MPI only; default COMM_WORLD).
-        options: resolved :class:`mpikv.config.Options` (MPI only).
+        options: resolved :class:`mpikv.store.config.Options` (MPI only).
     """
     if kind == "local":
         from .local import LocalTransport

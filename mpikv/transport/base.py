@@ -143,5 +143,5 @@ class Transport(ABC):
 
 
 def _copy(dst, src):
-    from ..backends import copyto
+    from ..arrays.backends import copyto
     copyto(dst, src)

@@ -122,7 +122,7 @@ def nothing_counted():
 def counting(kv):
     """Counts the bytes ``kv``'s collectives bring to this rank inside the block.
 
-    The same as ``kv.count_bytes()`` (:meth:`mpikv.kvstore.KVStore.count_bytes`),
+    The same as ``kv.count_bytes()`` (:meth:`mpikv.store.kvstore.KVStore.count_bytes`),
     kept for the tests and benchmarks that use it. Yields the counter
     (``.bytes``, ``.calls``); a local store moves nothing, and its counter
     stays at 0.

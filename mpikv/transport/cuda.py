@@ -73,7 +73,7 @@ import time
 
 import numpy as np
 
-from .._logging import get_logger
+from ..logs import get_logger
 
 ENV = "MPIKV_CUDA_AWARE"
 #: ``MPIKV_CUDA_AWARE=pull``: pulls and broadcasts direct, reductions staged.

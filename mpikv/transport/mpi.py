@@ -38,7 +38,7 @@ class MPITransport(Transport):
 
     Args:
         comm: an mpi4py intra-communicator.
-        options: resolved :class:`mpikv.config.Options`.
+        options: resolved :class:`mpikv.store.config.Options`.
         node_of: ``rank -> node number`` to group the ranks into nodes by, in
             place of the machine's shared-memory domains (tests let the ranks
             of one machine act as several nodes); None: the real nodes.
@@ -372,7 +372,7 @@ class MPITransport(Transport):
         """Rank r's block ``dst[displs[r]:+counts[r]]`` becomes the sum of that block of ``src``."""
         r = self.rank
         if type(src) is not np.ndarray or type(dst) is not np.ndarray:
-            from ..backends import copyto
+            from ..arrays.backends import copyto
             copyto(dst, src)
             return self.reduce_scatter_(dst, counts, displs, what)
         with self._watchdog.watch(what):
@@ -395,7 +395,7 @@ class MPITransport(Transport):
         # input; a separate receive buffer keeps the block where it belongs.
         block = np.empty(mine.size, mine.dtype)
         if type(buf) is not np.ndarray:
-            from ..backends import copyto
+            from ..arrays.backends import copyto
             self._device(lambda b: self.comm.Reduce_scatter(b, block, recvcounts=list(counts),
                                                             op=MPI.SUM), buf, what, copy_back=False)
             copyto(mine, block)

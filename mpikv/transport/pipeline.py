@@ -24,7 +24,7 @@ Only elementwise operations may go in pieces (``Allreduce``, ``Reduce`` and
 depends on that piece alone. Every rank makes the same MPI calls, since the
 pieces depend only on the buffer's size and dtype and on ``piece_bytes``, an
 option every rank of a store agrees on when it is made
-(:data:`mpikv.factory.AGREED_OPTIONS`).
+(:data:`mpikv.store.factory.AGREED_OPTIONS`).
 
 Anchor: CUDA-aware MPI libraries move large GPU messages through host buffers
 the same way, in blocks whose copies overlap the transfer (MVAPICH2's
@@ -34,7 +34,7 @@ device memory to host memory").
 
 import threading
 
-from .._xp import module_of, on
+from ..arrays.xp import module_of, on
 
 #: The default piece (``MPIKV_STAGING_PIECE``), in bytes. 4 MiB is the reducers'
 #: Allreduce piece (``bucket_bytes``), so pieces add no MPI call there; a PCIe

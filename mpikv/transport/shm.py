@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
-from .. import backends
+from ..arrays import backends
 from .spans import copy_runs
 
 # In creation order: freeing a window is collective, so every rank must free its

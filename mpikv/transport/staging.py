@@ -28,9 +28,9 @@ import numpy as np
 
 from . import cuda
 from .pipeline import DEFAULT_STAGING_PIECE, piece_ranges, pipelined, wants_pieces
-from .._logging import get_logger
-from .._xp import module_of, on
-from ..backends import is_device, synchronize
+from ..logs import get_logger
+from ..arrays.xp import module_of, on
+from ..arrays.backends import is_device, synchronize
 
 #: Device buffers may only go to blocking MPI calls (open-mpi/ompi#9845).
 NONBLOCKING_ON_DEVICE = False

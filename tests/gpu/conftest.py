@@ -10,7 +10,7 @@ Without cupy or a GPU every test here is skipped ("no GPU"); with
 
 import pytest
 
-from mpikv import backends
+from mpikv.arrays import backends
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""mpikv's bfloat16 casts (``mpikv.halfbits``: integer kernels) run on the GPU equal
+"""mpikv's bfloat16 casts (``mpikv.arrays.halfbits``: integer kernels) run on the GPU equal
 ml_dtypes' casts bit for bit: every one of the 65,536 bfloat16 patterns widened,
 and a million random float32 patterns (NaNs, infinities, subnormals, ties) rounded.
 
@@ -9,7 +9,7 @@ GPU only (``tests/gpu/conftest.py``); the host and the stand-in are covered by
 import numpy as np
 import pytest
 
-from mpikv import backends, halfbits
+from mpikv.arrays import backends, halfbits
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 from mpikv import __main__ as cli
-from mpikv import tuning
-from mpikv.info import cuda_aware
+from mpikv.tuning import table as tuning
+from mpikv.tools.info import cuda_aware
 
 from .conftest import ROOT, run_job
 

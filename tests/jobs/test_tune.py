@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from mpikv import tuning, tuning_compression
+from mpikv.tuning import table as tuning, compression as tuning_compression
 
 from .conftest import ROOT, run_job
 

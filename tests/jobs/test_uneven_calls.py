@@ -7,7 +7,7 @@ Before, each of these jobs waited for the timeout, then named internal calls.
 
 import pytest
 
-from mpikv.agreement import format_ranks
+from mpikv.calls.agreement import format_ranks
 
 from .conftest import run_with_defaults
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import mpikv
-from mpikv import backends
+from mpikv.arrays import backends
 from mpikv.transport import cuda
 
 from .. import fakecupy
@@ -86,7 +86,7 @@ def end_stores(item, stores):
 # -- stores left open by a test: ended too, counted, reported at the session's end ----
 def open_stores():
     """The distributed stores not closed yet on this rank."""
-    from mpikv import factory
+    from mpikv.store import factory
     return factory.open_stores()
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mpikv
-from mpikv import mirror
+from mpikv.elastic import mirror
 
 from .conftest import raises_everywhere
 

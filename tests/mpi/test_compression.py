@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import mpikv
-from mpikv import compression as C
-from mpikv.agreement import format_ranks
+from mpikv.arrays import compression as C
+from mpikv.calls.agreement import format_ranks
 from mpikv.errors import DTypeError, InputError, MismatchError
 from mpikv.transport.counting import counting
 

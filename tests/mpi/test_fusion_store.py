@@ -141,7 +141,7 @@ def test_bad_reducer_name_is_an_error():
     with pytest.raises(ValueError, match="allreduce"):
         mpikv.create("dist_sync", reducer="spiral")
     with pytest.raises(ValueError, match="MPIKV_REDUCER"):
-        from mpikv import config
+        from mpikv.store import config
         config.resolve(environ={"MPIKV_REDUCER": "spiral"})
     assert config.resolve(environ={"MPIKV_ALGORITHM": "reduce_scatter"}).reducer == "reduce_scatter"
 
@@ -184,8 +184,9 @@ def test_zero_copy_buffers_use_node_shared_memory(make_store, comm):
 def test_shared_memory_off_and_hierarchical_nodes(comm):
     if comm.size < 4:
         pytest.skip("needs 4 ranks to act as 2 nodes of 2")
-    from mpikv import config, tuning
-    from mpikv.kvstore import KVStore
+    from mpikv.store import config
+    from mpikv.tuning import table as tuning
+    from mpikv.store.kvstore import KVStore
     from mpikv.transport.mpi import MPITransport
     # Pairs of ranks act as nodes: node-local sums, then an Allreduce across "nodes".
     options = config.resolve(timeout=TEST_TIMEOUT, bigarray_bound=100, bucket_bytes=200,
@@ -352,7 +353,8 @@ def test_columns_naming_different_strategies_still_match(make_store, comm, tmp_p
     """A cached table whose in-place and out-of-place columns name different
     strategies: ranks whose one-key inputs take different routes must still
     run the same one."""
-    from mpikv import config, tuning
+    from mpikv.store import config
+    from mpikv.tuning import table as tuning
     from mpikv.transport.mpi import MPITransport
     cache = comm.bcast(str(tmp_path_factory.mktemp("cache")) if comm.rank == 0 else None)
     monkeypatch.setenv("MPIKV_CACHE_DIR", cache)
@@ -385,7 +387,7 @@ def test_stores_on_sub_communicators_whose_layout_only_some_ranks_have_met(comm,
     """Rank 0 has resolved the tuning table of a 2-rank layout (with rank 2), rank 1
     has not: a store on ranks 0 and 1 must still be made (rank 0 once skipped the
     table's broadcast, and rank 1 waited in it forever)."""
-    from mpikv import tuning
+    from mpikv.tuning import table as tuning
     if comm.size < 3:
         pytest.skip("needs three ranks")
     tuning.forget()

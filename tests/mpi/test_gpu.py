@@ -18,7 +18,8 @@ Run: ``scripts/mpirun.sh -n 2 python -m pytest tests/mpi/test_gpu.py --with-mpi`
 import numpy as np
 import pytest
 
-from mpikv import backends, optimizer
+from mpikv.arrays import backends
+from mpikv import optimizer
 from mpikv.transport import cuda
 
 from .. import fakecupy
@@ -235,8 +236,9 @@ def test_refused_device_buffers_fall_back_to_staging(cp, comm, caplog):
     # on every rank alike) costs one warning, not the job: calls are staged.
     if not getattr(cp, "STAND_IN", False) or cuda.detect().aware is not True:
         pytest.skip("needs the stand-in with MPIKV_CUDA_AWARE=1")
-    from mpikv import config, tuning
-    from mpikv.kvstore import KVStore
+    from mpikv.store import config
+    from mpikv.tuning import table as tuning
+    from mpikv.store.kvstore import KVStore
     from mpikv.transport.mpi import MPITransport
 
     class RefusingTransport(MPITransport):

@@ -2,7 +2,7 @@
 
 The stand-in holds bfloat16 arrays as cupy 14 does but runs no kernel on
 them, so these tests pass only if mpikv moves bfloat16 as raw 16 bits and
-does every cast itself (:mod:`mpikv.halfbits`). Results must equal the host
+does every cast itself (:mod:`mpikv.arrays.halfbits`). Results must equal the host
 path's, bit for bit: float32 sums rounded once, float32 master arithmetic.
 """
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import mpikv
-from mpikv.join import ReplayedCall, contribution as _contribution
+from mpikv.store.join import ReplayedCall, contribution as _contribution
 
 from .conftest import raises_everywhere
 

@@ -305,7 +305,7 @@ def test_load_that_cannot_allocate_fails_everywhere(make_store, comm, mpi_tmp_pa
     # Memory for a load (new keys, states on a GPU) is allocated before the
     # ranks agree: one rank out of memory means an error on every rank, and
     # nothing applied, not ranks that disagree.
-    from mpikv import checkpoint
+    from mpikv.state import checkpoint
     path = str(mpi_tmp_path / "alloc.ckpt")
     kv = make_store()
     kv.init(["a", "b"], [np.ones(5), np.ones((2, 3))])

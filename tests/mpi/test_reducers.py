@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpikv import compression, config, reducers
-from mpikv.fusion import plan_buckets
-from mpikv.plan import OwnershipPlan
+from mpikv.arrays import compression
+from mpikv.store import config
+from mpikv import reducers
+from mpikv.core.fusion import plan_buckets
+from mpikv.core.plan import OwnershipPlan
 from mpikv.reducers.shared import WindowReducer
 from mpikv.reducers import Blocks, even_blocks
 from mpikv.transport.mpi import MPITransport

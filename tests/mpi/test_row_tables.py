@@ -227,8 +227,8 @@ def test_pushes_of_other_dtypes_than_the_tables_are_cast(make_store, comm):
 def test_many_repeats_add_up_as_one_dense_table(make_store, comm, monkeypatch, sums, dtype,
                                                 row_shape):
     """Thousands of Zipf-like ids with long runs of repeats on every rank (the sums of
-    :func:`mpikv.rowsparse.sum_rows`: scipy's CSR product and numpy's reduceat)."""
-    from mpikv import rowsparse
+    :func:`mpikv.rows.rowsparse.sum_rows`: scipy's CSR product and numpy's reduceat)."""
+    from mpikv.rows import rowsparse
     if sums == "scipy":
         pytest.importorskip("scipy.sparse")
         monkeypatch.setattr(rowsparse, "_SPARSE", [])

@@ -11,7 +11,9 @@ import math
 import numpy as np
 import pytest
 
-from mpikv import config, reducers, tuning
+from mpikv.store import config
+from mpikv import reducers
+from mpikv.tuning import table as tuning
 from mpikv.transport.mpi import MPITransport
 
 from .conftest import TEST_TIMEOUT
@@ -101,7 +103,7 @@ def test_hierarchical_to_the_owners_on_device_buffers(cp, comm, name, node_of):
 
 
 def test_mpikv_tune_finds_the_gpus_and_times_the_device_columns(cp, transport):
-    from mpikv import tune
+    from mpikv.tools import tune
     assert tune._every_rank_has_a_gpu(transport)
     times = tune._measure_device(transport, (4096,), 1, lambda size: None)
     assert {m for m, _ in times} == set(tuning.DEVICE_MODES)

@@ -52,7 +52,7 @@ def _each(comm, calls):
 
 def _but(comm, rank):
     """``"rank 0"``, ``"ranks 1-3"``: every rank but ``rank``."""
-    return mpikv.agreement.format_ranks([r for r in range(comm.size) if r != rank])
+    return mpikv.calls.agreement.format_ranks([r for r in range(comm.size) if r != rank])
 
 
 def _others(comm, rank):
@@ -131,7 +131,7 @@ def test_load_checkpoint_against_save_checkpoint(make_store, comm, two, tmp_path
 
 
 def test_a_process_that_ends_while_the_others_train(make_store, comm, two):
-    # What the exit hook does at the end of a process (mpikv.factory._end_of_process).
+    # What the exit hook does at the end of a process (mpikv.store.factory._end_of_process).
     net, trainer = _trainer(make_store)
     _step(net, trainer)
     store = trainer.kvstore

@@ -3,9 +3,8 @@
 import numpy as np
 
 from mpikv import errors
-from mpikv.agreement import (describe, explain, format_ranks, in_context, is_joined,
-                             joined_record, record)
-from mpikv.calls import Call, CallReader
+from mpikv.calls.agreement import (describe, explain, format_ranks, in_context, is_joined, joined_record, record)
+from mpikv.calls.reader import Call, CallReader
 
 
 def _record(op, keys, shape=(2, 3), dtype="float32", settings=None, lookup=None):

@@ -10,7 +10,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from mpikv import _xp, backends
+from mpikv.arrays import xp as _xp, backends
 from mpikv.errors import DTypeError, ValueTypeError
 
 from .. import fakecupy

@@ -1,4 +1,4 @@
-"""Gradient compression's pure parts (mpikv.compression) and the single-process stores.
+"""Gradient compression's pure parts (mpikv.arrays.compression) and the single-process stores.
 
 Expected values are written out by hand: MXNet's 2-bit rule
 (src/kvstore/gradient_compression-inl.h) and its bit layout (the packing of
@@ -8,7 +8,7 @@ tests/nightly/test_kvstore.py's compute_expected_2bit_quantization).
 import numpy as np
 import pytest
 
-from mpikv import compression as C
+from mpikv.arrays import compression as C
 from mpikv.errors import DTypeError, InputError
 
 F = np.float32

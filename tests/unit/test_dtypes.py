@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from mpikv import checkpoint, dtypes, statefile
-from mpikv._arrays import check_dtype
+from mpikv.state import checkpoint
+from mpikv import dtypes, statefile
+from mpikv.arrays.values import check_dtype
 from mpikv.errors import DTypeError, StateFileError
 
 VALUES = ["float16", "float32", "float64", "int32", "int64"]

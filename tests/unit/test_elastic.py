@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 
 import mpikv  # noqa: E402
 import mpikv.torch  # noqa: E402
-from mpikv import elastic  # noqa: E402
+from mpikv.elastic import loop as elastic  # noqa: E402
 
 HYPER = {"lr": 0.05, "momentum": 0.9}
 

@@ -5,12 +5,12 @@ and the few collectives a pull or gather calls."""
 import numpy as np
 import pytest
 
-from mpikv.calls import Item
+from mpikv.calls.reader import Item
 from mpikv.errors import DTypeError
-from mpikv.keytable import Entry, KeyTable
-from mpikv.layouts import Layouts, agreed_in_place
-from mpikv.route import BucketRoute, distinct_memory
-from mpikv.zero_copy import ZeroCopy
+from mpikv.core.keytable import Entry, KeyTable
+from mpikv.core.layouts import Layouts, agreed_in_place
+from mpikv.core.bucket_route import BucketRoute, distinct_memory
+from mpikv.core.zero_copy import ZeroCopy
 
 F = np.float32
 
@@ -47,7 +47,7 @@ class Chooser:
 
 
 class Owners:
-    """Stands in for :class:`mpikv.owners.Owners`: records what it is asked to update."""
+    """Stands in for :class:`mpikv.core.owners.Owners`: records what it is asked to update."""
 
     def __init__(self, kind=None):
         self.kind, self.updates = kind, []

@@ -4,8 +4,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpikv.fusion import DEVICE_BUCKET_BYTES, plan_buckets, sizes
-from mpikv.plan import OwnershipPlan
+from mpikv.core.fusion import DEVICE_BUCKET_BYTES, plan_buckets, sizes
+from mpikv.core.plan import OwnershipPlan
 
 
 def _items(sizes, dtypes, ranks, bound):

@@ -1,4 +1,4 @@
-"""mpikv.halfbits: bfloat16 casts by integer kernels, bit for bit as ml_dtypes casts,
+"""mpikv.arrays.halfbits: bfloat16 casts by integer kernels, bit for bit as ml_dtypes casts,
 on the host and on the cupy stand-in (which runs no bfloat16 kernel)."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpikv import backends, halfbits
+from mpikv.arrays import backends, halfbits
 from mpikv.errors import DTypeError
 
 from .. import fakecupy

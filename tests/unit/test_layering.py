@@ -4,6 +4,13 @@
    part 5): everything above them reaches MPI through a transport.
 2. ``mpikv/`` has no import circle. Every ``import`` counts, also one inside a
    function: a lazy import hides a circle from Python, not from a reader.
+3. The folders have an order (docs/development.md): each imports only folders
+   above it in ``LAYERS`` (issue 37).
+4. No framework module (``mpikv/torch``, ``mpikv/mxnet``) reads an underscore
+   name of another object or package: what a layer needs of another is a public
+   call. The one exception is the frameworks' own private names that their APIs
+   require of us (``FRAMEWORK_NAMES``). The core packages may do so only where
+   ``CORE_REACHES`` lists it, with the reason.
 """
 
 import ast
@@ -129,7 +136,7 @@ def test_the_graph_is_read():
     # a reader that found no arrows would pass the circle checks below
     edges = graph()
     assert "mpikv.transport.watchdog" in edges["mpikv.transport.mpi"]
-    assert "mpikv.transport.world" in edges["mpikv._logging"]
+    assert "mpikv.transport.world" in edges["mpikv.logs"]
     assert "mpikv.flight" in edges["mpikv.transport.watchdog"]     # from .. import flight
     assert "mpikv.reducers.base" in edges["mpikv.reducers.hierarchical"]
     assert circles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [
@@ -140,3 +147,195 @@ def test_no_import_circles():
     edges = graph()
     found = [describe(p, edges) for p in circles(edges)]
     assert not found, "import circles in mpikv/:\n" + "\n".join(found)
+
+
+# -- 3. the layer order, folder by folder ------------------------------------------------
+#: Top to bottom: a folder imports only itself and the folders before it. The leaves
+#: (modules at the top of mpikv/) come first; ``mpikv/__init__.py`` (the public names)
+#: sits above the store it re-exports, and ``__main__`` above the tools it runs.
+LAYERS = [
+    ("leaves", {"errors", "keys", "dtypes", "flight", "logs", "closing", "_version"}),
+    ("arrays", {"arrays"}),
+    ("optimizer", {"optimizer"}),
+    ("transport", {"transport"}),
+    ("reducers", {"reducers"}),
+    ("core", {"core"}),
+    ("tuning", {"tuning"}),
+    ("calls", {"calls"}),
+    ("rows", {"rows"}),
+    ("state", {"statefile", "state"}),
+    ("elastic", {"elastic"}),
+    ("store", {"store"}),
+    ("public names", {"__init__"}),
+    ("frameworks", {"torch", "mxnet"}),
+    ("tools", {"tools", "__main__"}),
+]
+#: (importer, imported) module pairs allowed against the order, with the reason.
+LAYER_EXCEPTIONS = {
+    # the log lines name the rank: world.py reads MPI's environment and imports no
+    # mpikv module, so this arrow closes no circle
+    ("mpikv.logs", "mpikv.transport.world"),
+}
+
+
+def folder(module):
+    """The entry of ``LAYERS`` names a module by: its folder, or its own name at the top."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "__init__"
+    return parts[1]
+
+
+def layer_of(module):
+    name = folder(module)
+    for index, (_, members) in enumerate(LAYERS):
+        if name in members:
+            return index
+    raise AssertionError(f"{module}: its folder {name!r} has no place in LAYERS")
+
+
+def test_every_folder_has_a_layer():
+    for module in MODULES:
+        layer_of(module)
+
+
+def test_each_folder_imports_only_the_layers_above_it():
+    edges = graph()
+    wrong = []
+    for importer, targets in sorted(edges.items()):
+        for imported, line in sorted(targets.items()):
+            if (importer, imported) in LAYER_EXCEPTIONS:
+                continue
+            if layer_of(imported) > layer_of(importer):
+                wrong.append(f"{importer} ({LAYERS[layer_of(importer)][0]}) imports {imported} "
+                             f"({LAYERS[layer_of(imported)][0]}) at line {line}")
+    assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
+
+
+def test_the_layer_check_sees_a_wrong_arrow():
+    assert layer_of("mpikv.store.kvstore") > layer_of("mpikv.core.engine")
+    assert layer_of("mpikv.torch.trainer") > layer_of("mpikv.store.kvstore")
+    assert layer_of("mpikv") < layer_of("mpikv.torch")
+
+
+# -- 4. no reach into another object's private names -------------------------------------
+FRAMEWORKS = ("mpikv.torch", "mpikv.mxnet")
+#: The frameworks' own underscore names that their APIs require of us, read or set
+#: on their objects (nothing of mpikv's):
+FRAMEWORK_NAMES = {
+    "_opt_called",            # torch LR schedulers: set on optimizer.step by the scheduler's patch
+    "_wrapped_by_lr_sched",   # torch LR schedulers: marks a step wrapped by the scheduler
+    "_execution_engine",      # torch.autograd.Variable's engine: queue_callback at backward's end
+    "_version",               # a torch tensor's version counter: was .grad written in place
+    "_index_update_count",    # an MXNet optimizer's per-index update counts
+}
+
+
+#: Underscore names that are public by convention: the version module, Python's own exit.
+PUBLIC_PRIVATE = {"_version", "_exit"}
+
+
+def reaches(name):
+    """``[(line, text)]``: attributes ``x._name`` of module ``name`` with ``x`` not
+    ``self``/``cls``/``super()``, and imports of underscore names or modules from
+    another folder."""
+    path, tree = MODULES[name]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            attr = node.attr
+            if not attr.startswith("_") or attr.startswith("__"):
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super":
+                continue
+            if attr in PUBLIC_PRIVATE:
+                continue
+            found.append((node.lineno, ast.unparse(node)))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for imported, line in _imported_names(name, node):
+                if folder(imported) == folder(name) and imported.startswith("mpikv"):
+                    continue
+                last = imported.rpartition(".")[2]
+                if (last.startswith("_") and not last.startswith("__") and last not in PUBLIC_PRIVATE
+                        and imported.startswith("mpikv")):
+                    found.append((line, f"import {imported}"))
+    return found
+
+
+def _imported_names(name, node):
+    """``[(dotted name, line)]`` that ``node`` imports: modules, and ``module.name``."""
+    path, _ = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    if isinstance(node, ast.Import):
+        return [(alias.name, node.lineno) for alias in node.names]
+    if node.level:
+        base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+        target = f"{base}.{node.module}" if node.module else base
+    else:
+        target = node.module or ""
+    out = []
+    for alias in node.names:
+        out.append((f"{target}.{alias.name}", node.lineno))
+        # a private module on the way counts too: ``from .._xp import x``
+        for part in target.split(".")[1:]:
+            if part.startswith("_") and not part.startswith("__"):
+                out.append((target, node.lineno))
+                break
+    return out
+
+
+def _framework_reaches():
+    found = {}
+    for name in MODULES:
+        if any(name == f or name.startswith(f + ".") for f in FRAMEWORKS):
+            hits = [(line, text) for line, text in reaches(name)
+                    if text.rpartition(".")[2] not in FRAMEWORK_NAMES]
+            if hits:
+                found[name] = hits
+    return found
+
+
+def test_the_frameworks_reach_no_private_name():
+    found = _framework_reaches()
+    assert not found, "private reaches from mpikv/torch, mpikv/mxnet (module: [(line, text)]):\n" + \
+        "\n".join(f"{m}: {h}" for m, h in sorted(found.items()))
+
+
+#: Underscore reaches the core keeps: (module, text) -> the reason.
+CORE_REACHES = {
+    # the same module's own classes: private to the module, as FSDP2's are to its package
+    ("mpikv.optimizer.base", "pending._finish"): "PendingUpdate, handed back to its Optimizer",
+    ("mpikv.optimizer.base", "pending._optimizer"): "PendingUpdate, handed back to its Optimizer",
+    ("mpikv.store.executor", "handle._error"): "the Executor completes its own Handle",
+    ("mpikv.store.executor", "handle._event"): "the Executor completes its own Handle",
+    ("mpikv.transport.watchdog", "dog._check"): "the checker thread ticks its Watchdogs",
+    ("mpikv.transport.watchdog", "dog._armed"): "_Watch arms its Watchdog",
+    ("mpikv.transport.watchdog", "self.dog._armed"): "_Watch disarms its Watchdog",
+    # a store reading another store of its own class: the lost store's buddy copies
+    ("mpikv.store.kvstore", "lost_store._copies"): "restore_copies reads the lost store's copies",
+    ("mpikv.store.kvstore", "older[0]._copies"): "restore_copies reads an older store's copies",
+}
+
+
+def test_the_core_reaches_only_listed_private_names():
+    found = set()
+    for name in MODULES:
+        if any(name == f or name.startswith(f + ".") for f in FRAMEWORKS):
+            continue
+        found |= {(name, text) for _, text in reaches(name)}
+    assert found <= set(CORE_REACHES), "private reaches in the core not listed in CORE_REACHES:\n" + \
+        "\n".join(f"{m}: {t}" for m, t in sorted(found - set(CORE_REACHES)))
+
+
+def test_the_reach_check_sees_a_reach(tmp_path):
+    tree = ast.parse("import x\nfrom .._xp import y\ndef f(t):\n    return t._kv, self._a\n")
+    MODULES["mpikv.torch._probe"] = (tmp_path / "probe.py", tree)
+    try:
+        assert sorted(text for _, text in reaches("mpikv.torch._probe")) == [
+            "import mpikv._xp", "t._kv"]
+    finally:
+        del MODULES["mpikv.torch._probe"]

@@ -1,4 +1,4 @@
-"""mpikv._logging: the rank in every line, the level from MPIKV_LOG_LEVEL, MPI left alone.
+"""mpikv.logs: the rank in every line, the level from MPIKV_LOG_LEVEL, MPI left alone.
 
 ``get_logger`` configures process-wide state once, so it is exercised in fresh
 interpreters; the pure helpers run here.
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from mpikv import _logging
+from mpikv import logs as _logging
 
 LAUNCHER_ENV = ("PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "OMPI_COMM_WORLD_SIZE",
                 "PMI_SIZE", "MPIKV_LOG_LEVEL")
@@ -23,7 +23,7 @@ def _log(code, **env):
     """Runs ``code`` in a fresh interpreter; returns its parsed stderr lines and stdout."""
     full = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     full.update(env)
-    proc = subprocess.run([sys.executable, "-c", "from mpikv._logging import get_logger\n" + code],
+    proc = subprocess.run([sys.executable, "-c", "from mpikv.logs import get_logger\n" + code],
                           capture_output=True, text=True, timeout=60, env=full)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.splitlines()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import mpikv
-from mpikv import mirror
+from mpikv.elastic import mirror
 
 
 @pytest.mark.parametrize("size, lost, held, step", [

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpikv.plan import OwnershipPlan, split_bounds
+from mpikv.core.plan import OwnershipPlan, split_bounds
 
 entries_st = st.lists(
     st.tuples(st.integers(0, 400), st.sampled_from([2, 4, 8])),

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from mpikv import optimizer
-from mpikv.row_tables import RowTable, _apply, _lazy
-from mpikv.rowsparse import RowSparse
+from mpikv.rows.tables import RowTable, _apply, _lazy
+from mpikv.rows.rowsparse import RowSparse
 
 
 class _Rule:

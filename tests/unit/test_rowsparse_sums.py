@@ -1,11 +1,12 @@
-"""``mpikv.rowsparse``'s sums of repeated rows (issue 23's speed work): the same rows as
+"""``mpikv.rows.rowsparse``'s sums of repeated rows (issue 23's speed work): the same rows as
 ``np.add.at`` (bit for bit in float32 and float64, where scipy adds them in the same
 order), with and without scipy, in every row shape; the sort and dedup helpers."""
 import numpy as np
 import pytest
 
-from mpikv import RowSparse, rowsparse
-from mpikv.rowsparse import sort_ids, sum_rows, unique_ids
+from mpikv import RowSparse
+from mpikv.rows import rowsparse
+from mpikv.rows.rowsparse import sort_ids, sum_rows, unique_ids
 
 
 @pytest.fixture(params=["scipy", "numpy"])

@@ -14,7 +14,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mpikv import _xp, config, reducers, tuning
+from mpikv.arrays import xp as _xp
+from mpikv.store import config
+from mpikv import reducers
+from mpikv.tuning import table as tuning
 from mpikv.transport import cuda
 from mpikv.transport import staging as _staging
 from mpikv.transport.staging import Stager, Staging

@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 
 import mpikv
-from mpikv import config, elastic, errors
-from mpikv.checkpoints import CheckpointDir, manifest_reads, name_of
-from mpikv.join import Joiner
-from mpikv.row_tables import RowTables
-from mpikv.rowsparse import RowSparse
-from mpikv.saving import Saves
+from mpikv.store import config
+from mpikv.elastic import loop as elastic
+from mpikv import errors
+from mpikv.elastic.checkpoints import CheckpointDir, manifest_reads, name_of
+from mpikv.store.join import Joiner
+from mpikv.rows.tables import RowTables
+from mpikv.rows.rowsparse import RowSparse
+from mpikv.state.saves import Saves
 from mpikv.transport import make_transport
 
 
@@ -296,7 +298,7 @@ def test_a_replayed_barrier_takes_part_and_on_call_gives_no_array_there():
 
 
 def test_a_store_on_the_survivors_is_made_only_from_their_error():
-    from mpikv import factory, recovery
+    from mpikv.store import factory, recovery
     with pytest.raises(mpikv.ValueTypeError, match="takes the RankLostError they got, not "
                                                    "ValueError"):
         factory.remake_store("dist_sync", ValueError("no"))

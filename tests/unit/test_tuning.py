@@ -6,8 +6,9 @@ import os
 
 import pytest
 
-from mpikv import reducers, tuning
-from mpikv.tuning import DEVICE, IN_PLACE, OUT_OF_PLACE, SIZES, TO_OWNERS, Table
+from mpikv import reducers
+from mpikv.tuning import table as tuning
+from mpikv.tuning.table import DEVICE, IN_PLACE, OUT_OF_PLACE, SIZES, TO_OWNERS, Table
 
 MiB = 1 << 20
 
@@ -228,7 +229,7 @@ def test_cache_dir_reads_home_from_the_given_environment():
 
 
 def test_tune_rows_print_the_tables_winner_and_the_runner_up():
-    from mpikv import tune
+    from mpikv.tools import tune
     times = {(IN_PLACE, 4096): {"shared": 1e-3, "allreduce": 1e-3, "reduce_bcast": 1.5e-3},
              (OUT_OF_PLACE, 4096): {"allreduce": 2e-3, "copy+allreduce": math.nan},
              (OUT_OF_PLACE, MiB): {"allreduce": math.inf}}
@@ -242,7 +243,7 @@ def test_tune_rows_print_the_tables_winner_and_the_runner_up():
 
 
 def test_tune_parse_sizes():
-    from mpikv import tune
+    from mpikv.tools import tune
     assert tune.parse_sizes("4K, 1m,16777216,4KiB") == [4096, MiB, 16 * MiB]
     for bad in ("3K", "1G", "", "x", "4K,,1M"):
         with pytest.raises(ValueError):

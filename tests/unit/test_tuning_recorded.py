@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from mpikv import reducers, tuning, tuning_compression
-from mpikv.tuning import IN_PLACE, TO_OWNERS, Table
+from mpikv import reducers
+from mpikv.tuning import table as tuning, compression as tuning_compression
+from mpikv.tuning.table import IN_PLACE, TO_OWNERS, Table
 
 MiB = 1 << 20
 DATA = json.loads((Path(__file__).parent / "data" / "tuning_recorded.json").read_text())

@@ -7,7 +7,7 @@ the decisions on their inputs, with no launcher (mpi4py's singleton).
 import pytest
 
 import mpikv
-from mpikv import config
+from mpikv.store import config
 from mpikv.transport import ulfm
 
 LAUNCH = ["prterun", "--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "-n", "3",
@@ -96,7 +96,7 @@ def test_option_from_keyword_environment_and_create():
                           fault_tolerant=False).fault_tolerant is False
     # A plain keyword of the store's create (no thread-local hand-over left).
     import inspect
-    from mpikv import factory
+    from mpikv.store import factory
     assert "fault_tolerant" in inspect.signature(factory.create).parameters
     assert not hasattr(config, "requested")
     with pytest.raises(ValueError, match="fault_tolerant"):

@@ -9,8 +9,9 @@ import time
 import numpy as np
 
 import mpikv
-from mpikv import config, tuning
-from mpikv.kvstore import KVStore
+from mpikv.store import config
+from mpikv.tuning import table as tuning
+from mpikv.store.kvstore import KVStore
 from mpikv.transport.mpi import MPITransport
 
 

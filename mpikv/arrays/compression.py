@@ -1,0 +1,325 @@
+"""Gradient compression: parameters, MXNet's 2-bit quantisation, 16-bit casts. Pure.
+
+``kv.set_gradient_compression(params)`` takes MXNet 1.9's parameters
+(``{'type': '2bit', 'threshold': 0.5}``) and two 16-bit types of Horovod's
+kind (``{'type': 'fp16'}``, ``{'type': 'bf16'}``). This module checks them and
+does the arithmetic on numpy arrays; :mod:`mpikv.reducers.compressed` moves the
+encoded bytes between ranks.
+
+**2-bit** (MXNet's ``src/kvstore/gradient_compression-inl.h``): the sender adds
+its gradient to its residual; where the residual is ``>= threshold`` it sends
+``+threshold`` and subtracts it, where ``<= -threshold`` it sends
+``-threshold`` and adds it back, elsewhere it sends 0 and keeps it. Every
+value takes 2 bits, 16 per 32-bit word: byte ``b`` of the stream holds values
+``4b .. 4b+3``, the first in its two highest bits; ``11`` is ``+threshold``,
+``10`` is ``-threshold``, ``00`` is 0 (and ``01`` reads as 0, as in MXNet).
+
+**16-bit**: float32 gradients travel as float16 (numpy's cast) or bfloat16
+(round to nearest even, here with integer operations: no dependency), are
+summed in float32 and the sum is rounded once.
+"""
+
+import numbers
+
+import numpy as np
+
+from ..errors import InputError
+from .halfbits import from_bfloat16_bits, to_bfloat16_bits
+
+#: the types :func:`parse_params` takes: MXNet's 2bit, and two 16-bit casts
+TYPES = ("2bit", "fp16", "bf16")
+#: MXNet's default threshold (GradientCompressionParam)
+DEFAULT_THRESHOLD = 0.5
+#: MXNet's message for a non-float32 key (kvstore_dist.h), used for every store type
+FLOAT32_ONLY = "gradient compression is only supported for float32 type of parameters"
+#: MXNet's message for a store type that does not compress (kvstore.py)
+NOT_SUPPORTED = "Gradient compression is not supported for this type of kvstore"
+
+
+def supports(store_type):
+    """Whether a store type compresses: MXNet's rule, ``'device'`` or ``'dist'`` in its name.
+
+    So ``local`` does not (MXNet raises), ``device`` does (each device's values
+    are compressed), and every ``dist_*`` type does (each rank's values).
+    """
+    return "device" in store_type or "dist" in store_type
+
+
+def parse_params(params):
+    """Checks ``set_gradient_compression``'s argument as MXNet 1.9 does.
+
+    MXNet turns every value into text and parses it (dmlc's
+    ``InitAllowUnknown``: other keys are ignored), then checks the threshold
+    before the type.
+
+    Args:
+        params: a dict with ``'type'`` and, optionally, ``'threshold'``.
+
+    Returns:
+        dict: ``{'type': '2bit', 'threshold': t}`` (``t`` the float32 value, as
+        a Python float) or ``{'type': 'fp16'}`` / ``{'type': 'bf16'}``.
+
+    Raises:
+        InputError: not a dict, no type, a threshold that is not a number or
+            not greater than 0, or an unknown type.
+    """
+    if not isinstance(params, dict):
+        raise InputError(f"compression_params must be a dict, not {type(params).__name__}")
+    if "type" not in params:
+        raise InputError("compression_params needs a 'type' (one of "
+                         f"{', '.join(map(repr, TYPES))})")
+    threshold = params.get("threshold", DEFAULT_THRESHOLD)
+    if isinstance(threshold, (bool, np.bool_)) or not isinstance(
+            threshold, (numbers.Real, str)):
+        raise InputError(f"threshold must be a number, not {threshold!r}")
+    try:
+        # MXNet keeps a C float: a threshold too small for float32 is 0, and refused.
+        with np.errstate(over="ignore"):
+            t32 = np.float32(float(threshold))
+    except (ValueError, OverflowError):
+        raise InputError(f"threshold must be a number, not {threshold!r}") from None
+    if not t32 > 0:   # NaN too, as MXNet's CHECK_GT
+        raise InputError(f"threshold must be greater than 0 (got {threshold!r})")
+    kind = str(params["type"])
+    if kind not in TYPES:
+        raise InputError(f"Unknown type for gradient compression {kind} "
+                         f"(use one of {', '.join(map(repr, TYPES))})")
+    if kind == "2bit":
+        return {"type": kind, "threshold": float(t32)}
+    return {"type": kind}
+
+
+# -- 2-bit -----------------------------------------------------------------
+def packed_nbytes(n):
+    """Bytes of ``n`` values packed at 2 bits: whole 32-bit words of 16 values."""
+    return -(-n // 16) * 4
+
+
+def quantize_2bit(grad, residual, threshold, out=None, ws=None):
+    """MXNet's ``quantize_2bit``: adds ``grad`` to ``residual`` and takes out what is sent.
+
+    Where the residual is ``>= threshold`` the code is ``3`` (binary 11, +t) and
+    ``t`` is subtracted; where ``<= -threshold`` it is ``2`` (10, -t) and ``t``
+    is added back (MXNet: ``residual -= -threshold``); elsewhere ``0``.
+
+    Args:
+        grad: flat float32 values (read only).
+        residual: flat float32, the sender's residual of the same values;
+            updated in place.
+        threshold: the positive threshold (used as float32).
+        out: optional uint8 buffer of at least ``grad.size`` codes.
+        ws: optional :class:`Workspace` for the temporaries.
+
+    Returns:
+        uint8 codes, one per value: 0, 2 or 3.
+    """
+    n = grad.size
+    ws = Workspace() if ws is None else ws
+    t = np.float32(threshold)
+    codes = np.empty(n, np.uint8) if out is None else out[:n]
+    up, down = ws.get("up", n, np.bool_), ws.get("down", n, np.bool_)
+    sign, delta = ws.get("sign", n, np.int8), ws.get("delta", n, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):   # inf and NaN go on as in MXNet
+        np.add(residual, grad, out=residual)
+        np.greater_equal(residual, t, out=up)
+        np.less_equal(residual, -t, out=down)
+        # residual - (+t, -t or +0): exactly MXNet's two updates, and -0.0 stays -0.0.
+        np.subtract(up.view(np.int8), down.view(np.int8), out=sign)
+        np.multiply(sign, t, out=delta)
+        np.subtract(residual, delta, out=residual)
+    np.multiply(up.view(np.uint8), np.uint8(3), out=codes)
+    np.add(codes, down.view(np.uint8) << np.uint8(1), out=codes)
+    return codes
+
+
+#: (1 << 30) | (1 << 20) | (1 << 10) | 1: multiplying four codes read as one
+#: little-endian word by it puts code i at bits 30-2i, and nothing else in bits 24-31
+_PACK = np.uint64(0x40100401)
+
+
+def pack_2bit(codes, out=None, ws=None):
+    """2-bit codes in MXNet's layout, as bytes, padded to whole 32-bit words.
+
+    Byte ``b`` holds values ``4b .. 4b+3``, the first in bits 7-6 (MXNet's
+    ``posbits`` 0xc0, 0x30, 0x0c, 0x03), so a word holds 16 values.
+
+    Args:
+        codes: uint8 codes (0-3), one per value.
+        out: optional uint8 buffer of :func:`packed_nbytes` ``(n)`` bytes.
+        ws: optional :class:`Workspace`.
+    """
+    n = codes.size
+    size = packed_nbytes(n)
+    ws = Workspace() if ws is None else ws
+    out = np.empty(size, np.uint8) if out is None else out[:size]
+    padded = ws.get("padded", 4 * size, np.uint8)
+    padded[:n] = codes
+    padded[n:] = 0
+    wide = ws.get("wide64", size, np.uint64)
+    np.copyto(wide, padded.view("<u4"))
+    np.multiply(wide, _PACK, out=wide)
+    np.right_shift(wide, np.uint64(24), out=wide)
+    np.copyto(out, wide, casting="unsafe")   # keeps bits 24-31: the byte
+    return out
+
+
+_LUTS = {}
+
+
+def _signs():
+    """byte -> the signs (-1, 0, +1) of its four values, as one little-endian word."""
+    found = _LUTS.get("signs")
+    if found is None:
+        codes = np.arange(256, dtype=np.uint8)[:, None] >> np.array([6, 4, 2, 0], np.uint8) & 3
+        signs = np.where(codes == 3, 1, np.where(codes == 2, -1, 0)).astype(np.int8)
+        found = _LUTS["signs"] = signs.reshape(-1).view("<u4")
+    return found
+
+
+def dequantize_2bit(packed, n, threshold, out=None):
+    """MXNet's ``dequantize_2bit``: the ``n`` float32 values ``packed`` stands for.
+
+    ``11`` is ``+threshold``, ``10`` is ``-threshold``, ``00`` and ``01`` are 0.
+
+    Args:
+        out: optional float32 buffer of at least ``n`` values.
+    """
+    signs = _signs()[packed].view(np.int8)[:n]
+    out = np.empty(n, np.float32) if out is None else out[:n]
+    np.multiply(signs, np.float32(threshold), out=out)
+    return out
+
+
+def unpack_2bit(packed, n):
+    """The ``n`` 2-bit codes (0-3, uint8) of ``packed``: for tests and tools."""
+    bits = np.unpackbits(packed).reshape(-1, 2)[:n]
+    return (bits[:, 0] << np.uint8(1)) | bits[:, 1]
+
+
+# -- 16-bit casts ------------------------------------------------------------
+def to_float16_bits(x, out=None):
+    """float32 -> IEEE half, round to nearest even (numpy's cast), as uint16 bits."""
+    x = np.asarray(x, np.float32)
+    out = np.empty(x.shape, np.uint16) if out is None else out
+    with np.errstate(over="ignore"):   # past 65504: inf, as the cast
+        np.copyto(out.view(np.float16), x, casting="same_kind")
+    return out
+
+
+def from_float16_bits(bits, out=None):
+    """uint16 half bits -> float32 (exact)."""
+    out = np.empty(bits.shape, np.float32) if out is None else out
+    np.copyto(out, bits.view(np.float16))
+    return out
+
+
+# -- codecs ------------------------------------------------------------------
+class Workspace:
+    """Buffers reused from call to call: fresh large arrays cost a page fault per page."""
+
+    def __init__(self):
+        self._bufs = {}
+
+    def get(self, name, n, dtype):
+        """A buffer of at least ``n`` elements of ``dtype`` under ``name``; its first ``n``."""
+        buf = self._bufs.get(name)
+        if buf is None or buf.dtype != dtype or buf.size < n:
+            buf = self._bufs[name] = np.empty(n, dtype)
+        return buf[:n]
+
+
+class TwoBit:
+    """MXNet's 2-bit compression: a residual per sender, 16 values per word.
+
+    Args:
+        threshold: the positive threshold (used as float32).
+    """
+
+    has_residual = True
+    #: what the encoded values are moved as
+    wire_dtype = np.dtype(np.uint8)
+
+    def __init__(self, threshold):
+        self.threshold = np.float32(threshold)
+
+    def wire_size(self, n):
+        """Wire elements (bytes) of ``n`` values."""
+        return packed_nbytes(n)
+
+    def encode(self, grad, residual, out, ws):
+        """Quantises ``grad`` with ``residual`` (updated) and packs it into ``out``."""
+        codes = quantize_2bit(grad, residual, self.threshold, ws.get("codes", grad.size,
+                                                                      np.uint8), ws)
+        return pack_2bit(codes, out, ws)
+
+    def decode(self, wire, n, ws, out=None):
+        """The float32 values ``wire`` stands for: in ``out``, or a workspace buffer."""
+        return dequantize_2bit(wire, n, self.threshold,
+                               ws.get("dec", n, np.float32) if out is None else out)
+
+    def round(self, total, ws):
+        """The final sum, in place: 2-bit sums are plain float32 sums (MXNet's servers)."""
+        return total
+
+
+class SixteenBit:
+    """float32 gradients moved as 16 bits and summed in float32 (Horovod's fp16 kind).
+
+    Args:
+        kind: "fp16" (IEEE half) or "bf16" (bfloat16).
+    """
+
+    has_residual = False
+    wire_dtype = np.dtype(np.uint16)
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    def wire_size(self, n):
+        return n
+
+    def encode(self, grad, residual, out, ws):
+        """``grad`` cast to 16 bits into ``out`` (uint16); ``residual`` is unused."""
+        if self.kind == "fp16":
+            return to_float16_bits(grad, out)
+        return to_bfloat16_bits(grad, out, ws.get("wide", grad.size, np.uint32))
+
+    def decode(self, wire, n, ws, out=None):
+        """The float32 values ``wire`` stands for: in ``out``, or a workspace buffer."""
+        out = ws.get("dec", wire.size, np.float32) if out is None else out
+        if self.kind == "fp16":
+            return from_float16_bits(wire, out)
+        return from_bfloat16_bits(wire, out)
+
+    def round(self, total, ws):
+        """The float32 sum rounded once to 16 bits, in place."""
+        half = self.encode(total, None, ws.get("round", total.size, np.uint16), ws)
+        if self.kind == "fp16":
+            return from_float16_bits(half, total)
+        return from_bfloat16_bits(half, total)
+
+
+def make_codec(config):
+    """The codec of a :func:`parse_params` result."""
+    if config["type"] == "2bit":
+        return TwoBit(config["threshold"])
+    return SixteenBit(config["type"])
+
+
+def describe(config):
+    """A config as short text, for the agreement and messages: ``2bit (threshold 0.5)``.
+
+    The threshold is printed as the shortest text of its float32 value, so
+    two thresholds print alike only if they are equal.
+    """
+    if config is None:
+        return "none"
+    if config["type"] == "2bit":
+        return f"2bit (threshold {str(np.float32(config['threshold']))})"
+    return config["type"]
+
+
+__all__ = ["TYPES", "DEFAULT_THRESHOLD", "FLOAT32_ONLY", "NOT_SUPPORTED", "supports",
+           "parse_params", "packed_nbytes", "quantize_2bit", "pack_2bit", "dequantize_2bit",
+           "unpack_2bit", "to_float16_bits", "from_float16_bits", "to_bfloat16_bits",
+           "from_bfloat16_bits", "Workspace", "TwoBit", "SixteenBit", "make_codec", "describe"]

@@ -1,0 +1,1 @@
+"""Going on after a lost rank: the loop, checkpoint directories, buddy copies."""

@@ -1,0 +1,1 @@
+"""Row tables: row-sparse values and the tables the owners keep."""

@@ -1,0 +1,1 @@
+"""Checkpoints of a store (the files' contents) and background saves."""

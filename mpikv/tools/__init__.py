@@ -1,0 +1,1 @@
+"""The command line's tools: info and tune."""

@@ -1,0 +1,1 @@
+"""The table that picks each bucket's reduction strategy, and the timings it is made from."""
