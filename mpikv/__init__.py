@@ -6,7 +6,7 @@ from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .rows.rowsparse import RowSparse
 
-__all__ = ["create", "Handle", "RowSparse", "__version__", *_errors_all]
+__all__ = ["create", "KVStore", "Handle", "RowSparse", "__version__", *_errors_all]
 
 
 def _heartbeat_if_mpi_runs():
@@ -31,3 +31,12 @@ def create(name="local", comm=None, timeout=None, **options):  # noqa: D401
     """
     from .store.factory import create as _create
     return _create(name, comm=comm, timeout=timeout, **options)
+
+
+def __getattr__(name):
+    # The store class on first use: importing it loads the transports and numpy's
+    # array code, which ``import mpikv`` alone (a launcher's check) does not need.
+    if name == "KVStore":
+        from .store.kvstore import KVStore
+        return KVStore
+    raise AttributeError(f"module 'mpikv' has no attribute {name!r}")

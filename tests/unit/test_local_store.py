@@ -167,3 +167,11 @@ def test_failed_multi_key_call_applies_nothing(kv):
 def test_updater_must_be_callable(kv):
     with pytest.raises(TypeError):
         kv.set_updater(3)
+
+
+def test_the_store_class_is_a_public_name(make_store):
+    import mpikv
+    kv = make_store()
+    assert isinstance(kv, mpikv.KVStore) and "KVStore" in mpikv.__all__
+    with pytest.raises(AttributeError, match="no attribute 'KVStor'"):
+        mpikv.KVStor
