@@ -390,7 +390,9 @@ def allreduce_call(array, tag=None):
             ranks summing different things get a MismatchError naming
             them; a joined rank's ``on_call`` sees it in ``settings["tag"]``.
 
-    Returns the call and the native array (None where it is not one).
+    Returns:
+        tuple: the call (failed where ``array`` cannot be summed) and the native
+        array (None where it is not one).
     """
     call = Call("allreduce_")
     if tag is not None:
@@ -434,15 +436,15 @@ def compression_call(params, store_type):
     keys can then be pushed. Every rank must pass the same parameters.
 
     Args:
-        compression_params: a dict with ``'type'`` and, for 2bit, optionally
-            ``'threshold'`` (> 0); other keys are ignored, as in MXNet.
+        params: a dict with ``'type'`` and, for 2bit, optionally ``'threshold'``
+            (> 0); other keys are ignored, as in MXNet.
+        store_type: the store's type (``local`` refuses).
 
-    Raises:
-        InputError: a bad parameter or a store type that does not compress,
-            on every rank, with nothing set.
-        MismatchError: the ranks gave different parameters.
-
-    Returns the call and the parsed config (None where bad).
+    Returns:
+        tuple: the call and the parsed config (None where bad). The call fails
+        with an InputError for a bad parameter or a store type that does not
+        compress; ranks that give different parameters get a MismatchError when
+        it is agreed. Either is raised on every rank, with nothing set.
     """
     call = Call("set_gradient_compression")
     config = None

@@ -45,8 +45,9 @@ class CallHook:
 
     def remove(self):
         """Stops calling the hook."""
-        if self._ref in self._hooks:
-            self._hooks.remove(self._ref)
+        # In place and in one step: close on one thread and a collection on another
+        # may remove hooks at once; hooks whose objects are gone leave too.
+        self._hooks[:] = [r for r in self._hooks if r is not self._ref and r() is not None]
 
 
 class Protocol:

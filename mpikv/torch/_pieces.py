@@ -45,11 +45,11 @@ class Pieces:
         whole in the model's own memory, the launcher ended; the store closed if
         ``close_store``."""
         self.context.close()
+        self.hooks.remove()
         if self.shards is not None:   # every weight whole again, for the plain model
             self.shards.gather_all()
             self.shards.remove()
         self.context.launcher.close()
-        self.hooks.remove()
         self.wiring.unwire()
         if close_store:
             self.context.settled().close()

@@ -199,7 +199,7 @@ class GradientReduction:
         scale = 1.0 / kv.num_workers
         for b, keys in enumerate(w.bucket_keys):
             if not w.is_half(b) and not s.gathered[b]:
-                self._context.settled().gather_gradients(keys)
+                kv.gather_gradients(keys)
         w.store_done()
         with torch.no_grad():
             for i, grad in enumerate(w.grads):

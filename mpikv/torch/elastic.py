@@ -12,7 +12,7 @@ loop catches it and goes on from the latest complete checkpoint of
 2. each lets the lost store go on its own (no collective call can be made on
    it): the Trainer's hooks and threads end, the parameters get their own
    memory, a checkpoint being written is never committed;
-3. a new store over the survivors, the Trainer made again on it with the
+3. a new store over the survivors, the Trainer's pieces made again on it with the
    arguments it was first made with, and ``resume`` again: it loads the newest
    complete checkpoint (on any number of ranks) and removes partial ones;
 4. ``step_fn`` is called again from the step after that checkpoint.
@@ -77,7 +77,7 @@ def run(trainer, step_fn, steps, min_workers, recovery):
 
 
 def _recover(recovery, lost, min_workers, older=None):
-    """Every survivor alike: the Trainer made again over the survivors, from the
+    """Every survivor alike: the Trainer's pieces made again over the survivors, from the
     latest complete checkpoint (or buddy copies: ``older`` as
     :meth:`mpikv.KVStore.restore_copies` takes it); or one MPIKVError where it
     cannot go on."""

@@ -184,7 +184,7 @@ class Trainer(ClosesAfterWith):
         ``step_fn(i)`` makes the ``i + 1``-th update (one :meth:`step`). With
         ``fault_tolerant=True`` and :meth:`resume` (``every=K``), a rank lost in
         any step (a ``kill -9``, a node gone) is, on every survivor alike: a new
-        store over the survivors, the Trainer made again on it (``trainer.optimizer``
+        store over the survivors, the Trainer's pieces made again on it (``trainer.optimizer``
         and ``trainer.lr_scheduler`` are new objects then), the latest complete
         checkpoint loaded, and ``step_fn`` called again from the step after it,
         with :attr:`rank` and :attr:`num_workers` the survivors'. A step function
@@ -231,7 +231,11 @@ class Trainer(ClosesAfterWith):
         directory, every, resume_options = self._resume_args
         lost_store = self._context.kv
         store = store_for(self._options, survivors=lost)
-        self._build(store, owns_store=True)
+        try:
+            self._build(store, owns_store=True)
+        except BaseException:   # lost again while building: nothing else holds this store
+            store.abandon()
+            raise
         self._resumer = None
         if self._options.copies:   # the last step every survivor completed, as a checkpoint
             from .resume import checkpoint_path, write_copy_extra

@@ -517,7 +517,7 @@ def agree(detect_fn, min_over_ranks, log=None):
 class Fallback:
     """What happened at run time: whether device collectives fell back to staging.
 
-    One per process (:data:`FALLBACK`); :class:`mpikv._staging.Staging`
+    One per process (:data:`FALLBACK`); :class:`mpikv.transport.staging.Staging`
     records into it, ``info`` and logs read :meth:`describe`.
     """
 
