@@ -388,6 +388,11 @@ class KVStore(ClosesAfterWith):
         """
         self._copies.keep(step, extra)
 
+    @property
+    def copies(self):
+        """The :class:`mpikv.elastic.mirror.Copies` kept here: ``steps()``, ``own(step)``."""
+        return self._copies
+
     def restore_copies(self, lost_store, lost, path_of, write_extra=None, older=None):
         """Writes the copies ``lost_store`` kept (:meth:`keep_copy`) as a checkpoint of the
         newest step held whole, and returns that step (or None); collective over this

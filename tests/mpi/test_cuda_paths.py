@@ -9,11 +9,13 @@ import logging
 import numpy as np
 import pytest
 
+from mpikv.store import config
 from mpikv.transport import cuda
+from mpikv.transport.mpi import MPITransport
 
 from .. import fakecupy
 from ..conftest import gpu_required
-from .conftest import raises_everywhere
+from .conftest import TEST_TIMEOUT, raises_everywhere
 
 pytestmark = pytest.mark.mpi
 
@@ -28,15 +30,26 @@ def fake_cp(monkeypatch):
     assert fakecupy.races() == []
 
 
-def _transport(kv):
-    return kv._transport
+@pytest.fixture
+def make_transport(comm):
+    """``make_transport()``: the transport a store over ``comm`` makes (white-box: the
+    paths are the transport's), closed with the test."""
+    made = []
+
+    def make():
+        made.append(MPITransport(comm, config.resolve(timeout=TEST_TIMEOUT)))
+        return made[-1]
+    yield make
+    for t in made:
+        t.close()
 
 
-def test_pull_only_stages_reductions_and_not_pulls(make_store, fake_cp, comm, monkeypatch):
+def test_pull_only_stages_reductions_and_not_pulls(make_store, make_transport, fake_cp, comm,
+                                                   monkeypatch):
     monkeypatch.setenv(cuda.ENV, "pull")
     cp = fake_cp
     kv = make_store("dist_sync_device")
-    t = _transport(kv)
+    t = make_transport()
     assert t.cuda.paths == {"reduce": "staged", "pull": "direct"}
     assert t.staging.direct is False and t.pull_staging.direct is True
     assert t.staging.stager is t.pull_staging.stager   # one pool of host buffers
@@ -56,31 +69,27 @@ def test_pull_only_stages_reductions_and_not_pulls(make_store, fake_cp, comm, mo
 
 @pytest.mark.parametrize("value,paths", [("1", ("direct", "direct")),
                                          ("0", ("staged", "staged"))])
-def test_same_setting_everywhere_is_kept(make_store, comm, monkeypatch, value, paths):
+def test_same_setting_everywhere_is_kept(make_transport, comm, monkeypatch, value, paths):
     monkeypatch.setenv(cuda.ENV, value)
-    kv = make_store()
-    assert _transport(kv).cuda.paths == dict(zip(("reduce", "pull"), paths))
-    assert _transport(kv).cuda.source == f"MPIKV_CUDA_AWARE={value}"
-    kv.close()
+    t = make_transport()
+    assert t.cuda.paths == dict(zip(("reduce", "pull"), paths))
+    assert t.cuda.source == f"MPIKV_CUDA_AWARE={value}"
 
 
-def test_ranks_that_differ_all_stage(make_store, comm, monkeypatch, caplog):
+def test_ranks_that_differ_all_stage(make_transport, comm, monkeypatch, caplog):
     if comm.size < 2:
         pytest.skip("needs 2 ranks")
     monkeypatch.setenv(cuda.ENV, "1" if comm.rank == 0 else "pull")
     monkeypatch.setattr(cuda, "_disagreement_logged", [])
     with caplog.at_level(logging.WARNING, logger="mpikv.gpu"):
-        kv = make_store()
-        kv2 = make_store()
-    for store in (kv, kv2):
-        d = _transport(store).cuda
+        made = [make_transport(), make_transport()]
+    for t in made:
+        d = t.cuda
         # pulls: direct everywhere; reductions: staged on rank 1, so staged everywhere
         assert d.paths == {"reduce": "staged", "pull": "direct"}
         assert d.source.startswith("agreed: staged where any rank stages")
     warnings = [r for r in caplog.records if "differ" in r.getMessage()]
     assert len(warnings) == 1   # once per process, not per store
-    kv.close()
-    kv2.close()
 
 
 def test_bad_override_on_one_rank_fails_every_rank(make_store, comm, monkeypatch):

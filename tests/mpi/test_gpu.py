@@ -320,8 +320,9 @@ def test_store_on_one_gpu_values_on_another(make_store, cp, comm):
         kv.pull(["w", "big"], out=outs)
     # The store's work buffers and optimizer states are on its GPU, not the caller's.
     assert {buf.device.id for buf in kv._engine.layouts.scratch_buffers()} == {1}
-    assert {a.device.id for st in kv._engine.states.values() for name, a in st.items()
-            if name != "t"} <= {1}
+    assert {a.device.id for owned in kv.owned_states(["w", "big"]).values()
+            for part in owned.parts if part.state is not None
+            for name, a in part.state.items() if name != "t"} <= {1}
     # Adam's first step moves each weight by -lr (the gradient's sign).
     np.testing.assert_allclose(outs[0].get(), np.full(4, _tri(n) - 0.1, np.float32), rtol=1e-5)
     np.testing.assert_allclose(outs[1].get(), np.full(30, n - 0.1, np.float32), rtol=1e-5)

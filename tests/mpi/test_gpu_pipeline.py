@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from mpikv import errors, optimizer
+from mpikv.store import config
+from mpikv.transport.mpi import MPITransport
 from mpikv.transport.pipeline import piece_ranges
 
 from .. import fakecupy
@@ -40,7 +42,12 @@ def test_pushpull_of_a_multi_piece_key_is_exact(make_store, cp, comm, dtype, red
     n, r = comm.size, comm.rank
     size = 1001   # not a multiple of any piece
     kv = make_store("dist_sync_device", staging_piece=PIECE, reducer=reducer)
-    assert kv._transport.staging.piece_bytes == PIECE
+    # White-box: the transport a store makes from these options stages in PIECE bytes.
+    transport = MPITransport(comm, config.resolve(**kv.options))
+    try:
+        assert transport.staging.piece_bytes == PIECE
+    finally:
+        transport.close()
     kv.init("big", cp.zeros(size, dtype))
     # Integers small enough for float16's sums to be exact: rank-dependent, per element.
     base = np.arange(size) % 7

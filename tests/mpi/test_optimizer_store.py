@@ -100,7 +100,9 @@ def test_state_lives_only_on_owners_about_one_nth_each(make_store, comm):
     # Balanced within one small key's state (the largest small key: 259 floats x 2 arrays).
     assert max(everyone) - min(everyone) <= 2 * 4 * 259 + 8 * len(keys)
     # And every rank holds state only for shards it owns.
-    assert {k for k, _ in kv._engine.states} <= {k for k, _ in kv.plan.owned_by(comm.rank)}
+    # (owned_states lists only the parts this rank owns: their states are all it holds)
+    assert mine == sum(a.nbytes for owned in kv.owned_states(keys).values()
+                       for p in owned.parts if p.state is not None for a in p.state.values())
 
 
 def test_schedule_sees_the_global_step_on_every_rank(make_store, comm):

@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests import torch_pieces  # noqa: E402
 from tests import trainer_cases as cases  # noqa: E402
 
 import mpikv  # noqa: E402
@@ -773,7 +774,8 @@ def _encoder_steps(comm, net, trainer, steps=3):
     return batches
 
 
-def test_sharded_parameters_train_a_transformer_layer_as_one_process(make_store, comm):
+def test_sharded_parameters_train_a_transformer_layer_as_one_process(make_store, comm,
+                                                                      monkeypatch):
     """The planner keeps modules with parameters of their own whole (MultiheadAttention)."""
     net, ref = _Encoder(), _Encoder()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1},
@@ -793,8 +795,9 @@ def test_sharded_parameters_train_a_transformer_layer_as_one_process(make_store,
         for (n, a), b in zip(net.named_parameters(), ref.parameters()):
             np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-10,
                                        atol=1e-12, err_msg=n)
+    made = torch_pieces.record(monkeypatch)
     auto = mpikv.torch.Trainer(_Encoder(), torch.optim.SGD, {"lr": 0.1}, shard="parameters")
-    assert any(type(u.module).__name__ == "MultiheadAttention" for u in auto._shards.units)
+    assert any(type(u.module).__name__ == "MultiheadAttention" for u in made[-1].shards.units)
     auto.close()
     trainer.close()
 

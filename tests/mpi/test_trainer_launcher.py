@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 import mpikv  # noqa: E402
 import mpikv.torch  # noqa: E402
 from mpikv.transport import cuda  # noqa: E402
+from mpikv.transport.mpi import MPITransport  # noqa: E402
 
 from .. import fake_cuda_torch, fakecupy  # noqa: E402
 from .. import torch_pieces  # noqa: E402
@@ -65,13 +66,13 @@ def _recorded(trainer, pieces, monkeypatch):
             seen["calls"].append((_op, threading.get_ident()))
             return _call(*args, **kw)
         monkeypatch.setattr(kv, name, traced)
-    transport = kv._protocol.transport
-    agree = transport.agree
+    agree = MPITransport.agree
 
-    def traced_agree(digest, has_error, what):
-        seen["agreements"].append((what[0], threading.get_ident(), has_error))
-        return agree(digest, has_error, what)
-    monkeypatch.setattr(transport, "agree", traced_agree)
+    def traced_agree(transport, digest, has_error, what):
+        if transport.comm is kv.comm:   # this store's agreements, no other's
+            seen["agreements"].append((what[0], threading.get_ident(), has_error))
+        return agree(transport, digest, has_error, what)
+    monkeypatch.setattr(MPITransport, "agree", traced_agree)
     return seen
 
 
@@ -136,7 +137,7 @@ def test_a_failed_agreement_on_the_launcher_is_raised_on_every_rank(comm, where,
     trainer.zero_grad()
     if comm.rank == comm.size - 1:
         # This rank's next call fails, on every rank: the first bucket's push.
-        kv._protocol.fail_next_call(mpikv.GradientError, "a failure here")
+        kv.fail_next_call(mpikv.GradientError, "a failure here")
     if shard == "optimizer":   # backward ends by averaging .grad: the error comes there
         message = raises_everywhere(comm, mpikv.GradientError, lambda: _backward(net, 1, comm))
     else:                      # the next store call after backward is the step's

@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tests import sparse_cases as cases  # noqa: E402
+from tests import torch_pieces  # noqa: E402
 
 import mpikv  # noqa: E402
 import mpikv.torch  # noqa: E402
@@ -45,20 +46,22 @@ def test_sparse_weights_equal_one_process_with_the_global_batch(make_store, comm
     trained[0][1].close()
 
 
-def test_the_table_is_a_row_table_and_a_step_moves_rows_not_the_table(make_store, comm):
+def test_the_table_is_a_row_table_and_a_step_moves_rows_not_the_table(make_store, comm,
+                                                                     monkeypatch):
     rows, dim = 20000, 16
     torch.manual_seed(0)
     emb = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, dtype=torch.float64)
     model = torch.nn.ModuleDict({"emb": emb})
     kv = make_store()
+    made = torch_pieces.record(monkeypatch)
     trainer = mpikv.torch.Trainer(model, torch.optim.SGD, {"lr": 0.5}, kv)
-    # The weight is no dense key of the store: it is a row table.
-    assert "emb.weight" not in kv.plan and "emb.weight" in kv._rows
+    # The weight is no dense key of the store: it is a row table (the Trainer's sparse weight).
+    assert "emb.weight" not in kv.plan and made[-1].sparse.names == ["emb.weight"]
     ids = torch.tensor([5 + comm.rank, 17, 5 + comm.rank, rows - 1])
     before = emb.weight.detach().clone()
     trainer.zero_grad()
     emb(ids, torch.tensor([0, 2])).sum().backward()
-    with kv._transport.count_bytes() as counted:
+    with kv.count_bytes() as counted:
         trainer.step()
     table = rows * dim * 8
     # A few rows and ids each way, some small sums: far less than the table (the

@@ -169,7 +169,7 @@ def test_buddy_copies_on_one_rank_hold_each_step_and_change_nothing(tmp_path):
     trainer.run(_stepper(trainer, net, calls), 4)
     for got, want in zip(net.parameters(), _plain(4)):
         torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-15)
-    copies = trainer.kvstore._copies
+    copies = trainer.kvstore.copies
     assert copies.steps() == ([3, 4], [3, 4])
     kept = copies.own(4).extra
     assert kept["trainer"]["num_update"] == 4 and kept["user"] is None

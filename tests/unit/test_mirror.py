@@ -55,9 +55,9 @@ def test_a_copy_holds_the_values_and_states_a_checkpoint_part_would(make_store, 
     for step in range(1, 4):
         kv.push(["a", "b"], [np.full((2, 3), step, np.float32), np.full(4, -step, np.float64)])
         kv.keep_copy(step, {"note": step})
-    own, prev = kv._copies.steps()
+    own, prev = kv.copies.steps()
     assert own == prev == [2, 3]            # the two newest; one rank: its own back
-    copy = kv._copies.own(3)
+    copy = kv.copies.own(3)
     assert (copy.step, copy.rank, copy.extra) == (3, 0, {"note": 3})
     got = {(k, n): a for k, n, _, _, _, a in copy.entries()}
     values = {"a": np.zeros((2, 3), np.float32), "b": np.zeros(4)}
@@ -77,7 +77,7 @@ def test_keep_copy_takes_a_step_count(make_store, tmp_path):
     for bad in (-1, 1.5, True, "3"):
         with pytest.raises(mpikv.InputError, match="step must be an int >= 0"):
             kv.keep_copy(bad)
-    assert kv._copies.steps() == ([], [])
+    assert kv.copies.steps() == ([], [])
 
 
 def test_a_loss_among_the_survivors_combines_with_the_first():

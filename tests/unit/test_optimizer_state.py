@@ -199,16 +199,24 @@ def test_a_16_bit_model_with_masters_gives_and_takes_float32_state(monkeypatch):
     trainer.zero_grad()
     torch.nn.functional.mse_loss(net(x.bfloat16(), False), y.bfloat16()).backward()
     trainer.step()
-    states = trainer.kvstore._engine.states
+    states = _held_states(trainer.kvstore, [n for n, _ in net.named_parameters()])
     masters = {k: s[MASTER].copy() for k, s in states.items()}
     trainer.optimizer.load_state_dict(plain.state_dict())
     got = consolidated(trainer)
     cases.assert_same_state(got, plain.state_dict())
     assert all(t.dtype == torch.float32 for e in got["state"].values()
                for n, t in e.items() if n != "step")
-    assert sorted(states) == sorted(masters)
-    for k, s in trainer.kvstore._engine.states.items():
+    assert sorted(states) == sorted(masters) and masters
+    for k, s in _held_states(trainer.kvstore, [n for n, _ in net.named_parameters()]).items():
         assert np.array_equal(s[MASTER], masters[k]), k
+
+
+def _held_states(kv, keys):
+    """``{(key, part start): state}`` of the parts of the store's ``keys`` (others, as
+    frozen parameters, are no keys) with an optimizer state."""
+    return {(k, p.start): p.state
+            for k, owned in kv.owned_states([k for k in keys if k in kv.plan]).items()
+            for p in owned.parts if p.state is not None}
 
 
 def _adam_state():

@@ -306,7 +306,7 @@ def test_16_bit_parameters_train_on_float32_masters(dtype):
         trainer.zero_grad()
         net(torch.ones(2, 4, dtype=dtype)).float().sum().backward()
         trainer.step()
-    state = trainer.kvstore._engine.states[("weight", 0)]
+    state = {p.start: p.state for p in trainer.kvstore.owned_states(["weight"])["weight"].parts}[0]
     assert sorted(state) == ["t", "weight32"]
     master = torch.from_numpy(state["weight32"])
     torch.testing.assert_close(master, start - 30 * 1e-4 * 2, rtol=0, atol=1e-6)

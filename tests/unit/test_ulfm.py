@@ -111,7 +111,7 @@ def test_create_refuses_a_singleton_and_a_local_store_ignores_it(monkeypatch):
     with mpikv.create("local", fault_tolerant=True) as kv:
         assert kv.num_workers == 1
     with mpikv.create("dist_sync", fault_tolerant=False, autotune=False) as kv:
-        assert kv._transport.fault_tolerant is False
+        assert kv.fault_tolerant is False
 
 
 class _Group:

@@ -39,6 +39,7 @@ import torch
 import mpikv
 import mpikv.torch
 from mpikv.torch import resume
+from mpikv.torch import trainer as trainer_module
 
 STEPS, BATCH, EVERY = 14, 12, 3
 #: MODEL=embedding in the environment: a sparse embedding (row tables) and plain SGD
@@ -99,13 +100,15 @@ def main(directory, kills, min_workers, redundancy="checkpoint"):
                                   bucket_bytes=8 if in_backward else 8 << 20)
     me = trainer.rank   # the rank at the start (this process's name in the output)
     if os.environ.get("DIE_IN_RECOVERY") == str(me):
-        remake = mpikv.torch.Trainer._remake
+        # The recovery's first step makes the store over the survivors: die there.
+        store_for = trainer_module.store_for
 
-        def dying_remake(self, *args):
-            print(f"rank {me}: dying in the recovery at {time.time():.6f}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-            return remake(self, *args)
-        mpikv.torch.Trainer._remake = dying_remake
+        def dying_store_for(options, survivors=None):
+            if survivors is not None:
+                print(f"rank {me}: dying in the recovery at {time.time():.6f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return store_for(options, survivors)
+        trainer_module.store_for = dying_store_for
     trainer.resume(directory, every=EVERY,
                    background=os.environ.get("BACKGROUND", "1") != "0")
     seen = [trainer.num_workers]
