@@ -398,8 +398,8 @@ class KVStore(ClosesAfterWith):
         newest step held whole, and returns that step (or None); collective over this
         store, the survivors'. See :meth:`mpikv.elastic.mirror.Copies.restore`.
         """
-        return self._copies.restore(lost_store._copies, lost, path_of, write_extra,
-                                    None if older is None else (older[0]._copies, older[1]))
+        return self._copies.restore(lost_store.copies, lost, path_of, write_extra,
+                                    None if older is None else (older[0].copies, older[1]))
 
     def save_checkpoint(self, fname):
         """Saves the stored values, the optimizer and its states in one file set; collective.

@@ -315,9 +315,6 @@ CORE_REACHES = {
     ("mpikv.transport.watchdog", "dog._check"): "the checker thread ticks its Watchdogs",
     ("mpikv.transport.watchdog", "dog._armed"): "_Watch arms its Watchdog",
     ("mpikv.transport.watchdog", "self.dog._armed"): "_Watch disarms its Watchdog",
-    # a store reading another store of its own class: the lost store's buddy copies
-    ("mpikv.store.kvstore", "lost_store._copies"): "restore_copies reads the lost store's copies",
-    ("mpikv.store.kvstore", "older[0]._copies"): "restore_copies reads an older store's copies",
 }
 
 
