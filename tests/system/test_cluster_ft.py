@@ -13,6 +13,7 @@ import uuid
 
 import pytest
 
+from ..jobs.conftest import KILL_DETECTOR
 from ..jobs.test_rank_lost import leftovers
 from .conftest import CLUSTER, job_env, run
 from .test_cluster import cluster  # noqa: F401 (the fixture: down before and after)
@@ -22,7 +23,13 @@ TRAIN = "tests/jobs/scripts/elastic_train.py"
 
 
 def job(script, directory, kills, redundancy, **env):
-    """One 4-rank job over h1, h2: its output, once it ended (not hung) and left nothing."""
+    """One 4-rank job over h1, h2: its output, once it ended (not hung) and left nothing.
+
+    The ranks die by SIGKILL, which their daemon reports at once: the failure
+    detector's timeout is the jobs' long one, so that a live rank of a loaded
+    machine is not taken for dead (at 2 s one was, during ``set_optimizer``).
+    """
+    env = {"MPIKV_FT_DETECTOR_TIMEOUT": str(KILL_DETECTOR), **env}
     token = f"mpikv-ft-{uuid.uuid4().hex[:12]}"
     rc, out, seconds = run([CLUSTER, "run", "--ranks-per-host", "2", "--timeout", "90", "--ft",
                             "--", "python", script, directory, kills, "1", token, redundancy],
