@@ -231,8 +231,8 @@ FRAMEWORK_NAMES = {
 }
 
 
-#: Underscore names that are public by convention: the version module, Python's own exit.
-PUBLIC_PRIVATE = {"_version", "_exit"}
+#: Underscore modules that are public by convention: the version module.
+PUBLIC_MODULES = {"_version"}
 
 
 def reaches(name):
@@ -251,8 +251,8 @@ def reaches(name):
                 continue
             if isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super":
                 continue
-            if attr in PUBLIC_PRIVATE:
-                continue
+            if attr == "_exit" and isinstance(owner, ast.Name) and owner.id == "os":
+                continue   # Python's own exit without cleanup
             found.append((node.lineno, ast.unparse(node)))
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -260,7 +260,7 @@ def reaches(name):
                 if folder(imported) == folder(name) and imported.startswith("mpikv"):
                     continue
                 last = imported.rpartition(".")[2]
-                if (last.startswith("_") and not last.startswith("__") and last not in PUBLIC_PRIVATE
+                if (last.startswith("_") and not last.startswith("__") and last not in PUBLIC_MODULES
                         and imported.startswith("mpikv")):
                     found.append((line, f"import {imported}"))
     return found
