@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 
 from .. import reducers
 from ..logs import get_logger
-from .measure import (ALL_MODES, DEVICE, DEVICE_MODES, IN_PLACE, MODES, OUT_OF_PLACE, SIZES, TO_OWNERS, candidates, measure, transport_piece)
+from .measure import (  # noqa: F401 (the table's names, here as before)
+    ALL_MODES, DEVICE, DEVICE_MODES, IN_PLACE, MODES, OUT_OF_PLACE, SIZES, TO_OWNERS, candidates,
+    measure, transport_piece)
 
 #: what the probe measures at a store's creation when no cache exists.
 PROBE_SIZES = (64 << 10, 1 << 20, 16 << 20)
