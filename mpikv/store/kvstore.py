@@ -475,7 +475,7 @@ class KVStore(ClosesAfterWith):
         return self._reader.read(op, key, values, outs, **kw)
 
     def _push_call(self, op, key, value, priority, out=None):
-        settings = self._push_settings(priority)
+        settings = calls.push_settings(self._engine, priority)
         routes = self._protocol.routes
         call = (routes.zero_copy_call(op, key, value, settings)
                 if out is None and type(priority) is int else None)
@@ -492,9 +492,6 @@ class KVStore(ClosesAfterWith):
     def _pull_call(self, key, out, priority):
         return self._read("pull", key, outs=out, need_outs=True,
                           settings={"priority": priority})
-
-    def _push_settings(self, priority):
-        return calls.push_settings(self._engine, priority)
 
     def __repr__(self):
         return (f"<mpikv.KVStore type={self._type!r} rank={self.rank} "
