@@ -34,6 +34,19 @@ from ..transport.base import AGREED, JOINED
 JOINABLE = ("push", "pull", "pushpull", "barrier", "gather_gradients", "allreduce_")
 #: numbers the distributed stores of this process for the flight recorder
 _DIST_STORES = itertools.count()
+#: the number the next distributed store gets (its creation is recorded under it)
+_next_store = [0]
+
+
+def next_store_number():
+    """The flight-recorder number the next distributed store of this process gets."""
+    return _next_store[0]
+
+
+def _take_store_number():
+    number = next(_DIST_STORES)
+    _next_store[0] = number + 1
+    return number
 
 
 class CallHook:
@@ -66,7 +79,7 @@ class Protocol:
                                   lambda exc: isinstance(exc, errors.RankLostError))
         # The flight recorder numbers distributed stores in creation order (the same
         # on every rank: creation is collective) and their calls in call order.
-        self._trace_id = next(_DIST_STORES) if transport.size > 1 else None
+        self._trace_id = _take_store_number() if transport.size > 1 else None
         self._calls = 0
         self._failure = None   # (error class, message) of fail_next_call, or None
         self.closed = False
