@@ -24,7 +24,8 @@ def ended(case, env=ENV):
     ("raise_before", "RuntimeError: boom before any store"),
     ("bad_comm", "TypeError: comm must be an mpi4py intra-communicator, not str")])
 def test_an_uncaught_exception_before_any_store_ends_the_job(case, error):
-    _, out = ended(case)
+    rc, out = ended(case)
+    assert rc == 1, out   # the exception hook's MPI_Abort code
     exc = error.split(":", 1)[0]
     assert f"mpikv: uncaught {exc} on rank 1 of 2; aborting the job so no rank waits " \
            "forever" in out, out
@@ -32,7 +33,8 @@ def test_an_uncaught_exception_before_any_store_ends_the_job(case, error):
 
 
 def test_a_rank_that_never_comes_ends_the_creation_at_the_timeout():
-    _, out = ended("stuck_before")
+    rc, out = ended("stuck_before")
+    assert rc == 3, out   # the watchdog's MPI_Abort code
     assert f"mpikv: rank 0: create did not complete within {TIMEOUT} s (a rank is stuck " \
            "or gone); ending the job. create(timeout=) or MPIKV_TIMEOUT sets the limit." in out
     # The flight recorder names the creation as the call rank 0 is in.
@@ -41,7 +43,8 @@ def test_a_rank_that_never_comes_ends_the_creation_at_the_timeout():
 
 
 def test_without_abort_on_exception_the_timeout_ends_the_creation():
-    _, out = ended("raise_before", env={**ENV, "MPIKV_ABORT_ON_EXCEPTION": "0"})
+    rc, out = ended("raise_before", env={**ENV, "MPIKV_ABORT_ON_EXCEPTION": "0"})
+    assert rc == 3, out
     assert "RuntimeError: boom before any store" in out, out
     assert "uncaught RuntimeError" not in out, out
     assert f"mpikv: rank 0: create did not complete within {TIMEOUT} s" in out, out

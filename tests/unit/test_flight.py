@@ -102,3 +102,19 @@ def test_mpikv_trace_command(tmp_path, capsys):
     assert "not an mpikv trace file" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["trace"])
+
+
+@pytest.mark.parametrize("start_mpi", [False, True])
+def test_outside_an_mpi_job_an_uncaught_exception_is_pythons_own(start_mpi):
+    # import mpikv installs the hook that ends an MPI job (issue 38, class 3); with
+    # MPI not running, or one rank, Python's own hook runs: no abort, status 1.
+    import subprocess
+    import sys
+    code = ("from mpi4py import MPI; " if start_mpi else "") + (
+        "import sys, mpikv; assert sys.excepthook is not sys.__excepthook__; "
+        "raise ValueError('plain')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.rstrip().endswith("ValueError: plain"), proc.stderr
+    assert "mpikv: uncaught" not in proc.stderr and "MPI_ABORT" not in proc.stderr
