@@ -223,7 +223,11 @@ def start_listener(comm, ranks):
         talk = comm.Dup()
         talk.Set_errhandler(MPI.ERRORS_RETURN)
         with _talk_lock:
+            first = not _talk
             _talk[ranks] = [talk, True]
+        if first:
+            # Registered after mpi4py's finalizer (MPI is up): runs before it.
+            atexit.register(_end_listener)
     if _listener is not None or MPI.Query_thread() != MPI.THREAD_MULTIPLE:
         return
     rank = MPI.COMM_WORLD.Get_rank()
@@ -236,8 +240,6 @@ def start_listener(comm, ranks):
 
     _listener = Ticker(listen, 0.25, "mpikv-flight-recorder")
     _listener.start()
-    # Registered after mpi4py's finalizer (MPI is up): runs before it.
-    atexit.register(_end_listener)
 
 
 def _end_listener():
@@ -253,7 +255,7 @@ def _end_listener():
     for talk in comms:
         try:
             talk.Free()
-        except MPI.Exception:  # noqa: PERF203 - a group that lost a rank (ULFM)
+        except MPI.Exception:  # noqa: PERF203 - a group that lost a rank (ULFM): nothing to free
             pass
 
 
