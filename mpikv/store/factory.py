@@ -44,7 +44,8 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
         comm: mpi4py intra-communicator of a distributed store (default
             ``MPI.COMM_WORLD``); every rank of it is a worker and an owner.
         timeout: seconds a collective may wait for the other ranks before the
-            job is ended (default ``MPIKV_TIMEOUT`` or 600; 0 means never).
+            job is ended, this creation's own collectives included (default
+            ``MPIKV_TIMEOUT`` or 600; 0 means never).
         bigarray_bound: arrays of at least this many elements are split over
             all owners (default ``MPIKV_BIGARRAY_BOUND`` or 1,000,000).
         abort_on_exception: end the whole job when an exception escapes on

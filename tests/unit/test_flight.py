@@ -33,6 +33,15 @@ def test_capacity_zero_records_nothing():
     assert rec.entries() == []
 
 
+def test_a_withdrawn_entry_leaves_the_ring_and_the_others_stay():
+    # A store's creation is recorded while it runs, and withdrawn once it is made.
+    rec = flight.Recorder(4)
+    made = rec.begin(0, 0, "create", [], 0, 0)
+    rec.begin(0, 1, "init", ["w"], 8, 0)
+    rec.withdraw(made)
+    assert [(c["op"], c["seq"]) for c in rec.entries()] == [("init", 1)]
+
+
 def test_environment_sets_the_capacity():
     assert flight._capacity({"MPIKV_TRACE_CALLS": "5"}) == 5
     assert flight._capacity({}) == flight.DEFAULT_CALLS
