@@ -44,7 +44,8 @@ signalled=" "   # the ranks given the SIGTERM already
 term_at=        # $SECONDS at the first SIGTERM
 ranks_signal() {   # SIG: to each rank of this host (mpiexec's children, by process group)
   local pid comm
-  for pid in $(pgrep -P "$launcher" 2>/dev/null); do
+  for pid in $(cat /proc/"$launcher"/task/*/children 2>/dev/null ||
+               pgrep -P "$launcher" 2>/dev/null); do
     comm=$(cat "/proc/$pid/comm" 2>/dev/null) || continue
     case $comm in srun|ssh|rsh|prted) continue ;; esac   # the other hosts' daemons
     if [ "$1" = TERM ]; then
