@@ -26,18 +26,25 @@ top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 . "$top/scripts/env.sh"
 venv=${MPIKV_VENV:-$top/.venv}
 [ -d "$venv/bin" ] && export PATH="$venv/bin:$PATH"
+# A program run with SIGTERM blocked: a blocked signal stays pending (prterun and
+# prted never unblock it), and they unblock every signal in the ranks they start.
+python=$(command -v python3 || command -v python)
+deaf=("$python" -c 'import os, signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+os.execvp(sys.argv[1], sys.argv[1:])')
+if [ "${1:-}" = --prted ]; then
+  # (internal) the daemon of another host (prte_launch_agent, below): a
+  # preemption signals it too, and it would kill its ranks as mpiexec does.
+  shift
+  exec "${deaf[@]}" prted "$@"
+fi
 if [ "${1:-}" = --ft ]; then
   shift
   set -- "${ft_args[@]}" "$@"
 fi
 grace=${MPIKV_TERM_GRACE:-300}
 
-# mpiexec with SIGTERM blocked: a blocked signal stays pending (prterun never
-# unblocks it), and prterun unblocks all signals in the ranks it starts.
-python=$(command -v python3 || command -v python)
-"$python" -c 'import os, signal, sys
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-os.execvp(sys.argv[1], sys.argv[1:])' mpiexec "$@" &
+"${deaf[@]}" mpiexec --prtemca prte_launch_agent "$top/scripts/mpirun.sh --prted" "$@" &
 launcher=$!
 
 signalled=" "   # the ranks given the SIGTERM already
