@@ -16,10 +16,13 @@
 # (prterun) would kill its ranks about 0.5 s after a SIGTERM of its own, so it
 # runs with SIGTERM blocked (its ranks start with every signal unblocked), and
 # this script passes a SIGTERM (its own, or one sent to mpiexec) on to the
-# ranks of this host. Ranks still running
-# MPIKV_TERM_GRACE seconds (default 300) after it are killed. SIGINT, SIGHUP,
-# SIGUSR1 and SIGUSR2 go to mpiexec, which passes the USR signals on to every
-# rank, as before. The status is mpiexec's (docs/slurm.md).
+# ranks of this host. The other hosts' daemons (prted) start the same way
+# (prte_launch_agent: this script with --prted), so their ranks get a SIGTERM
+# sent to them (SLURM signals every process of a step) and save too. Ranks
+# still running MPIKV_TERM_GRACE seconds (default 300) after the first SIGTERM
+# are killed. SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 go to mpiexec, which passes
+# the USR signals on to every rank, as before. The status is mpiexec's
+# (docs/slurm.md, "Signals").
 set -euo pipefail
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=env.sh

@@ -7,15 +7,20 @@ checkpoint of its step; the job ends with status 75 and the checkpoint loads.
   cancelled or preempted gets it), or to the batch script alone (``--batch``).
   Before, mpiexec killed its ranks about 0.5 s after its own SIGTERM: no
   checkpoint, status 1.
+- across two nodes (network-namespace hosts): SIGTERM to the steps' processes, the
+  other node's daemon among them.
 - srun: SIGTERM to the step's tasks (``scancel --signal=TERM JOB``, as a
   preemption's GraceTime signal). srun itself must not get it: it then kills its
   tasks at once (docs/slurm.md).
 """
 
 import re
+import shutil
 import subprocess
 import sys
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -89,3 +94,66 @@ def test_a_preempted_job_saves_its_step_and_ends_with_75(slurm_cluster, tmp_path
     assert rc == 0, more
     assert f"from step {step} of {step + 1}" in more and f"done at step {step + 1}," in more, \
         more
+
+
+@pytest.fixture
+def two_nodes(slurm_cluster):
+    """A two-node SLURM cluster on network-namespace hosts (scripts/cluster.sh), torn
+    down after the test."""
+    from .conftest import CLUSTER, need_root
+    need_root()
+    for tool in ("ip", "unshare", "nsenter"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed")
+    rc, out, _ = run([CLUSTER, "down"], timeout=60)
+    assert rc == 0, out
+    try:
+        rc, out, _ = run([CLUSTER, "up", "--hosts", "2"], timeout=60)
+        assert rc == 0, out
+        rc, out, _ = run([CLUSTER, "slurm-up"], timeout=120)
+        assert rc == 0, out
+        yield CLUSTER
+    finally:
+        rc, out, _ = run([CLUSTER, "down"], timeout=60)
+        assert rc == 0, out
+
+
+def test_across_two_nodes_the_other_nodes_ranks_save_too(two_nodes):
+    """mpiexec starts h2's daemon through srun; a SIGTERM to the steps' processes
+    (h2's daemon and rank) reaches the rank, whose daemon scripts/mpirun.sh starts
+    with SIGTERM blocked (before: the daemon killed its rank, and the job ended
+    without a checkpoint)."""
+    base = Path("/run/mpikv_slurm") / f"preempt-{uuid.uuid4().hex[:8]}"   # not /tmp: per host
+    base.mkdir(parents=True)
+    try:
+        log, chain = base / "job.out", base / "chain"
+        env = job_env(MPIKV_CHAIN_DIR=str(chain), MPIKV_CHAIN_ARGS=ARGS, MPIKV_AUTOTUNE="0",
+                      MPIKV_CHAIN_REQUEUE="0")
+        sub = subprocess.run([str(two_nodes), "slurm", "sbatch", "--parsable", "-N", "2",
+                              "--ntasks-per-node=1", f"--output={log}", str(JOB)], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=60)
+        assert sub.returncode == 0, sub.stdout + sub.stderr
+        job = sub.stdout.strip().split(";")[0]
+
+        def text():
+            return log.read_text().replace("\x00", "") if log.exists() else "(no output)"
+
+        def show():
+            return subprocess.run([str(two_nodes), "slurm", "scontrol", "show", "job", job],
+                                  capture_output=True, text=True, timeout=30).stdout
+
+        assert _wait_for(lambda: (chain / "step-000000005.trainer.json").exists(), BOUND), \
+            text()
+        subprocess.run([str(two_nodes), "slurm", "scancel", "--signal=TERM", job], check=True,
+                       timeout=30)
+        assert _wait_for(lambda: re.search(r"JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT)",
+                                           show()), BOUND), (show(), text())
+        out, state = text(), show()
+        assert "ExitCode=75:0" in state, (state, out)
+        stopped = re.findall(r"mpikv: rank (\d): stopped after step (\d+) \(a signal\)", out)
+        assert sorted(r for r, _ in stopped) == ["0", "1"] and len({s for _, s in stopped}) == 1, \
+            out
+        from mpikv.torch import resume
+        assert resume.newest_first(str(chain))[0][0] == int(stopped[0][1]), out
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
