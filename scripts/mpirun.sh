@@ -19,7 +19,7 @@
 # ranks of this host. The other hosts' daemons (prted) start the same way
 # (prte_launch_agent: this script with --prted), so their ranks get a SIGTERM
 # sent to them (SLURM signals every process of a step) and save too. Ranks
-# still running MPIKV_TERM_GRACE seconds (default 300) after the first SIGTERM
+# still running MPIKV_TERM_GRACE seconds (default 120) after the first SIGTERM
 # are killed. SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 go to mpiexec, which passes
 # the USR signals on to every rank, as before. The status is mpiexec's
 # (docs/slurm.md, "Signals").
@@ -45,7 +45,7 @@ if [ "${1:-}" = --ft ]; then
   shift
   set -- "${ft_args[@]}" "$@"
 fi
-grace=${MPIKV_TERM_GRACE:-300}
+grace=${MPIKV_TERM_GRACE:-120}
 
 "${deaf[@]}" mpiexec --prtemca prte_launch_agent "$top/scripts/mpirun.sh --prted" "$@" &
 launcher=$!
