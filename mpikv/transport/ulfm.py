@@ -16,10 +16,16 @@ After a loss ``MPI_Finalize`` would wait for the dead rank forever, and a
 survivor whose process ends makes the launcher end the others: the survivors
 end together (:func:`end_survivor`: a barrier on the survivors' communicator,
 then ``os._exit``), at the interpreter's exit or from the exception hook.
+
+A rank declared lost may still have a process: one stopped (SIGSTOP) or hung
+stops its heartbeats without dying, and the launcher would wait for it forever
+after the survivors ended. The survivors kill the lost ranks' processes on their
+host (:func:`fence`): a stopped one at the recovery, any one left at their end.
 """
 
 import atexit
 import os
+import signal
 import sys
 import threading
 import time
@@ -286,6 +292,8 @@ class Recovery:
                    f"This store is unusable now; a store made on the survivors' "
                    f"communicator (this error's .comm) goes on")
         _SURVIVORS.update(comm=shrunk, timeout=self._timeout)
+        _LOST_WORLD.update(w for w in lost_world if w is not None)
+        fence(lost_world, stopped_only=True)
         _register_end()
         return dict(message=message, lost=lost, lost_world=lost_world, survivors=survivors,
                     comm=shrunk, call=first, completed_on=ahead, completed_here=me in ahead)
@@ -306,9 +314,61 @@ def lost_while_making(comm, exc, timeout, made=()):
     raise exc   # (not a failure: check returned)
 
 
+# -- the lost ranks' processes ------------------------------------------------------------
+def processes_of(world_ranks, proc="/proc"):
+    """The processes on this host of this job's ``COMM_WORLD`` ranks ``world_ranks``
+    (the ranks' own and those they started, wrappers such as ``sh -c`` included):
+    those whose environment has this process's ``PMIX_NAMESPACE`` (the job: the
+    launcher's name and pid) and one of those ``PMIX_RANK``. Empty without PMIx
+    (a singleton, another launcher). Never this process."""
+    space = os.environ.get("PMIX_NAMESPACE")
+    wanted = {str(r).encode() for r in world_ranks if r is not None}
+    if not space or not wanted:
+        return []
+    space, found = space.encode(), []
+    for entry in os.listdir(proc):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"{proc}/{entry}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except OSError:   # gone, or another user's
+            continue
+        if env.get(b"PMIX_NAMESPACE") == space and env.get(b"PMIX_RANK") in wanted:
+            found.append(int(entry))
+    return found
+
+
+def _stopped(pid, proc="/proc"):
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
+def fence(world_ranks, stopped_only=False):
+    """Kills (SIGKILL) the processes of the lost ``COMM_WORLD`` ranks ``world_ranks``
+    that run on this host (:func:`processes_of`); ``stopped_only``: only those
+    stopped (SIGSTOP, a debugger). A lost rank's process that never dies keeps
+    the launcher waiting after the survivors ended (``prterun`` waits for every
+    process it started); a stopped one could otherwise also wake up later in a
+    job that went on without it. A lost rank on another host is left to that
+    host's survivors (docs/fault-tolerance.md)."""
+    for pid in processes_of(world_ranks):
+        if stopped_only and not _stopped(pid):
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 # -- the survivors' end -----------------------------------------------------------------
 #: the latest survivors' communicator of this process, once a rank was lost
 _SURVIVORS = {}
+#: the ``COMM_WORLD`` ranks this process's stores lost
+_LOST_WORLD = set()
 _registered = False
 _ending = threading.Lock()
 #: survivor exit status at the interpreter's normal end
@@ -334,7 +394,9 @@ def end_survivor(code):
 
     MPI_Finalize would wait for the dead rank forever; and the launcher ends every
     rank still running as soon as one survivor's process ends, so no survivor
-    leaves before all have reached their end.
+    leaves before all have reached their end. A lost rank's process still on this
+    host (stopped, hung) is killed after the barrier: the launcher would wait
+    for it.
     """
     if not _ending.acquire(blocking=False):   # another thread is ending this process
         time.sleep(3600)
@@ -352,8 +414,10 @@ def end_survivor(code):
                 time.sleep(0.005)
         except MPI.Exception:
             pass   # another loss: end anyway
+        fence(_LOST_WORLD)
     os._exit(code)
 
 
-__all__ = ["FAILURE_CLASSES", "Recovery", "agree_on_support", "end_survivor", "is_failure",
-           "launch_support", "library_support", "lost_a_rank", "set_errors_return"]
+__all__ = ["FAILURE_CLASSES", "Recovery", "agree_on_support", "end_survivor", "fence",
+           "is_failure", "launch_support", "library_support", "lost_a_rank", "processes_of",
+           "set_errors_return"]
