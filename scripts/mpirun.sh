@@ -47,7 +47,8 @@ if [ "${1:-}" = --ft ]; then
 fi
 grace=${MPIKV_TERM_GRACE:-120}
 
-"${deaf[@]}" mpiexec --prtemca prte_launch_agent "$top/scripts/mpirun.sh --prted" "$@" &
+# 0<&0: a background command would read /dev/null, and mpiexec passes its stdin to rank 0.
+"${deaf[@]}" mpiexec --prtemca prte_launch_agent "$top/scripts/mpirun.sh --prted" "$@" 0<&0 &
 launcher=$!
 
 signalled=" "   # the ranks given the SIGTERM already
