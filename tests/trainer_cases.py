@@ -376,26 +376,34 @@ def _replace(net, kind):
             REPLACEMENTS[kind](p)
 
 
-def train_replacing(kind, when, rank, size, shard):
+def train_replacing(kind, when, rank, size, shard, face="trainer"):
     """The "sgd" case through a Trainer, ``.grad`` of the parameters backward
     reaches replaced by ``kind`` ``when`` ("after-backward": between backward and
-    step; "before-backward": after zero_grad) in every step; the weights, whole."""
+    step; "before-backward": after zero_grad) in every step; the weights, whole.
+    ``face="optimizer"``: the script's own SGD wrapped in ``DistributedOptimizer``."""
     s = settings("sgd")
     net = Net()
     store = mpikv.create("dist_sync", timeout=120)
-    trainer = mpikv.torch.Trainer(net, s["opt"], s["kw"], store, shard=shard)
+    if face == "optimizer":
+        own = s["opt"]([p for p in net.parameters() if p.requires_grad], **s["kw"])
+        own = mpikv.torch.DistributedOptimizer(
+            own, named_parameters=net.named_parameters(), kvstore=store, shard=shard,
+            **({"module": net} if shard == "parameters" else {}))
+        trainer = own.mpikv_trainer
+    else:
+        trainer = own = mpikv.torch.Trainer(net, s["opt"], s["kw"], store, shard=shard)
     per = GLOBAL_BATCH // size
     rows = slice(rank * per, (rank + 1) * per)
     try:
         for step in range(STEPS):
-            trainer.zero_grad()
+            own.zero_grad()
             if when == "before-backward":
                 _replace(net, kind)
             x, y = data(step, 0)
             _loss(s, net(x[rows], False), y[rows]).backward()
             if when == "after-backward":
                 _replace(net, kind)
-            trainer.step()
+            own.step()
         with trainer.gathered():
             return {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
     finally:

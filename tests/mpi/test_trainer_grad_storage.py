@@ -33,9 +33,20 @@ TABLE = [(kind, when, shard) for kind in sorted(cases.REPLACEMENTS)
 
 @pytest.mark.parametrize("kind,when,shard", TABLE)
 def test_a_replaced_grad_is_applied_or_refused_everywhere(comm, kind, when, shard):
+    _applied_or_refused_everywhere(comm, kind, when, shard, "trainer")
+
+
+@pytest.mark.parametrize("shard", SHARDS)
+@pytest.mark.parametrize("kind", sorted(cases.REPLACEMENTS))
+def test_through_distributed_optimizer_too(comm, kind, shard):
+    """The drop-in (a script's own optimizer wrapped) is the same Trainer."""
+    _applied_or_refused_everywhere(comm, kind, "after-backward", shard, "optimizer")
+
+
+def _applied_or_refused_everywhere(comm, kind, when, shard, face):
     words = _expected_error(kind, when, shard)
     if words is None:
-        got = cases.train_replacing(kind, when, comm.rank, comm.size, shard)
+        got = cases.train_replacing(kind, when, comm.rank, comm.size, shard, face)
         cases.assert_close(got, cases.reference_replacing(kind, when, comm.size, shard))
         everyone = comm.allgather(got)
         for other in everyone[1:]:
@@ -44,7 +55,7 @@ def test_a_replaced_grad_is_applied_or_refused_everywhere(comm, kind, when, shar
         return
     message = raises_everywhere(
         comm, mpikv.GradientError,
-        lambda: cases.train_replacing(kind, when, comm.rank, comm.size, shard))
+        lambda: cases.train_replacing(kind, when, comm.rank, comm.size, shard, face))
     assert words in message and "nothing was applied" in message, message
 
 
