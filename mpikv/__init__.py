@@ -21,6 +21,16 @@ def _heartbeat_if_mpi_runs():
 _heartbeat_if_mpi_runs()
 
 
+def _end_the_job_on_an_uncaught_exception():
+    # From import on, not at the first store: a rank that fails before any store
+    # exists must not leave the others waiting in the store's creation forever.
+    from .transport.watchdog import install_exception_hook
+    install_exception_hook()
+
+
+_end_the_job_on_an_uncaught_exception()
+
+
 def create(name="local", comm=None, timeout=None, **options):  # noqa: D401
     """Creates a key-value store (see :func:`mpikv.store.factory.create`).
 

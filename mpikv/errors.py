@@ -63,6 +63,11 @@ class GradientError(MPIKVError):
     """A Trainer's gradients cannot be summed as they are (missing, or written late)."""
 
 
+class ConcurrentCallError(MPIKVError):
+    """A store was called from one thread while another thread of the same rank was
+    in one of its calls: a store takes calls from one thread at a time."""
+
+
 class FaultToleranceUnavailableError(MPIKVError):
     """``fault_tolerant=True`` was asked for where the MPI library or the launch has
     no ULFM (``scripts/mpirun.sh --ft``; see docs/fault-tolerance.md)."""
@@ -104,5 +109,5 @@ __all__ = [
     "MPIKVError", "InputError", "UnknownKeyError", "DuplicateInitError",
     "KeyTypeError", "ValueTypeError", "ShapeError", "DTypeError",
     "MismatchError", "StateFileError", "OptimizerError", "GradientError",
-    "FaultToleranceUnavailableError", "RankLostError",
+    "ConcurrentCallError", "FaultToleranceUnavailableError", "RankLostError",
 ]

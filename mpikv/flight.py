@@ -57,6 +57,13 @@ class Recorder:
         self._next += 1
         return entry
 
+    def withdraw(self, entry):
+        """Takes ``entry`` out of the ring (a step that needs no record once it
+        ended well: a store's creation)."""
+        for i, e in enumerate(self._ring):
+            if e is entry:
+                self._ring[i] = None
+
     def entries(self):
         """The recorded calls, oldest first, as dicts."""
         n, cap = self._next, self.capacity

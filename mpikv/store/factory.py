@@ -11,12 +11,13 @@ process (:func:`_end_of_process`).
 import atexit
 
 from . import config
-from .. import errors
+from .. import errors, flight
 from ..tuning import table as tuning
 from ..logs import get_logger
 from ..calls.agreement import format_ranks
 from ..core.fusion import sizes
 from .kvstore import KVStore
+from .protocol import next_store_number
 from ..transport import make_transport
 
 #: store type -> transport kind
@@ -43,7 +44,8 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
         comm: mpi4py intra-communicator of a distributed store (default
             ``MPI.COMM_WORLD``); every rank of it is a worker and an owner.
         timeout: seconds a collective may wait for the other ranks before the
-            job is ended (default ``MPIKV_TIMEOUT`` or 600; 0 means never).
+            job is ended, this creation's own collectives included (default
+            ``MPIKV_TIMEOUT`` or 600; 0 means never).
         bigarray_bound: arrays of at least this many elements are split over
             all owners (default ``MPIKV_BIGARRAY_BOUND`` or 1,000,000).
         abort_on_exception: end the whole job when an exception escapes on
@@ -98,17 +100,38 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
         if kind == "local":
             raise
         options, failure = config.Options(), str(exc)
-    transport = make_transport(kind, comm, options)
     if kind == "mpi":
-        _drain_at_exit()
-        device = _agree_on_options(transport, options, failure, device)
-    table = tuning.resolve(transport, options.reducer, options.autotune)
+        transport, device, table = _make_distributed(comm, options, failure, device)
+    else:
+        transport = make_transport(kind, comm, options)
+        table = tuning.resolve(transport, options.reducer, options.autotune)
     store = KVStore(name.lower(), transport, options, table, device,
                     remake=remake_store, on_release=_forget)
     if kind == "mpi":
         _OPEN.append(store)
         _log_made(store, name, transport, options, table, device)
     return store
+
+
+def _make_distributed(comm, options, failure, device):
+    """The transport, the agreed options and the tuning table of a distributed store.
+
+    Its collectives run under the store's watchdog (``timeout``): a rank that
+    never comes ends the job, and while it is made the flight recorder names the
+    step "create" (the entry leaves the ring once the store is made).
+    """
+    entry = flight.RECORDER.begin(next_store_number(), 0, "create", [], 0, 0)
+    try:
+        transport = make_transport("mpi", comm, options)
+        _drain_at_exit()
+        device = _agree_on_options(transport, options, failure, device)
+        flight.agreed(entry)
+        table = tuning.resolve(transport, options.reducer, options.autotune)
+    except BaseException as exc:
+        flight.failed(entry, type(exc).__name__)
+        raise
+    flight.RECORDER.withdraw(entry)
+    return transport, device, table
 
 
 def _log_made(store, name, transport, options, table, device):

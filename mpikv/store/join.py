@@ -69,6 +69,13 @@ class Joiner:
         """
         p = self.protocol
         p.settle()
+        p.enter("join")   # one thread at a time, as every call of the store
+        try:
+            return self._join(p, on_call, follow_optimizer)
+        finally:
+            p.leave()
+
+    def _join(self, p, on_call, follow_optimizer):
         p.drain()
         t = p.transport
         # Larger for a later join, the same on every rank for the same moment.

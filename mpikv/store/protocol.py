@@ -18,6 +18,7 @@ every rank has joined.
 """
 
 import itertools
+import threading
 import weakref
 
 import numpy as np
@@ -34,6 +35,19 @@ from ..transport.base import AGREED, JOINED
 JOINABLE = ("push", "pull", "pushpull", "barrier", "gather_gradients", "allreduce_")
 #: numbers the distributed stores of this process for the flight recorder
 _DIST_STORES = itertools.count()
+#: the number the next distributed store gets (its creation is recorded under it)
+_next_store = [0]
+
+
+def next_store_number():
+    """The flight-recorder number the next distributed store of this process gets."""
+    return _next_store[0]
+
+
+def _take_store_number():
+    number = next(_DIST_STORES)
+    _next_store[0] = number + 1
+    return number
 
 
 class CallHook:
@@ -66,7 +80,7 @@ class Protocol:
                                   lambda exc: isinstance(exc, errors.RankLostError))
         # The flight recorder numbers distributed stores in creation order (the same
         # on every rank: creation is collective) and their calls in call order.
-        self._trace_id = next(_DIST_STORES) if transport.size > 1 else None
+        self._trace_id = _take_store_number() if transport.size > 1 else None
         self._calls = 0
         self._failure = None   # (error class, message) of fail_next_call, or None
         self.closed = False
@@ -78,6 +92,13 @@ class Protocol:
         # store calls on a thread of its own, and must be drained before a call of
         # the user's comes in (see add_call_hook).
         self._settlers = []
+        # One thread at a time in the store's calls (see one_caller): the thread
+        # inside and how deep, the call it is in, and a refusal not yet agreed on.
+        self._inside = threading.Lock()
+        self._owner = None
+        self._depth = 0
+        self._owner_op = None
+        self._refused = None
 
     # -- what every call goes through ------------------------------------------
     def add_call_hook(self, fn):
@@ -104,6 +125,49 @@ class Protocol:
             method = ref()
             if method is not None:
                 method()
+
+    def enter(self, op):
+        """Marks the start of a call of this thread (a call within a call of the same
+        thread nests); pair it with :meth:`leave`.
+
+        A store takes calls from one thread at a time: a call while another thread
+        is in one is refused here, before any collective, and the other thread's
+        call goes on unaffected; this rank's next call then fails on every rank
+        with the same error (see docs/store.md, "Threads").
+
+        Raises:
+            ConcurrentCallError: another thread of this rank is in a call of the store.
+        """
+        me = threading.get_ident()
+        if self._owner == me:
+            self._depth += 1
+            return
+        if not self._inside.acquire(blocking=False):
+            self._refuse(op)
+        self._owner, self._depth, self._owner_op = me, 1, op
+        if self._refused is not None:
+            # Refused on this rank only: every rank learns it from this call's agreement.
+            if self._failure is None:
+                self._failure = (errors.ConcurrentCallError, self._refused)
+            self._refused = None
+
+    def leave(self):
+        """Marks the end of the call :meth:`enter` started."""
+        self._depth -= 1
+        if not self._depth:
+            self._owner = self._owner_op = None
+            self._inside.release()
+
+    def _refuse(self, op):
+        names = {t.ident: t.name for t in threading.enumerate()}
+        rule = (f"{op} called from thread {threading.current_thread().name!r} while thread "
+                f"{names.get(self._owner, self._owner)!r} was in this store's "
+                f"{self._owner_op} call: a store takes calls from one thread at a time "
+                f"(docs/store.md, Threads)")
+        self._refused = f"refused earlier: {rule}"
+        raise errors.ConcurrentCallError(
+            f"{rule}; nothing was applied, the other thread's call goes on; this rank's next "
+            f"call of the store raises this error on every rank")
 
     def fail_next_call(self, exc_class, message):
         """Makes this rank's next collective call fail on every rank, nothing applied.
@@ -168,7 +232,9 @@ class Protocol:
         """
         if self.closed or self._exited:
             return
-        self._failure = None    # an adapter's pending failure is not the exit's
+        # An adapter's pending failure, or a call refused to another thread, is not
+        # the exit's: the end of the process has nothing left to keep apart.
+        self._failure = self._refused = None
         self._executor.drain()
         context = self.context
         exit = None if context is None else context[2]
@@ -186,11 +252,16 @@ class Protocol:
     def collective(self, call, action):
         """A call that is not a data movement: agreed, background calls drained,
         ``action()`` run. Returns what ``action`` returns."""
-        entry = self._agree(call)
-        self._executor.drain()
-        result = action()
-        flight.ended(entry)
-        return result
+        self.settle()
+        self.enter(call.op)
+        try:
+            entry = self._agree(call)
+            self._executor.drain()
+            result = action()
+            flight.ended(entry)
+            return result
+        finally:
+            self.leave()
 
     def run(self, call, push=False, pull=False, remember=None):
         """A data call (push, pull, pushpull): agreed, then run on this thread after
@@ -200,12 +271,17 @@ class Protocol:
             remember: ``(key, out)`` of a one-key call, whose route is then kept
                 for its repeats (see :meth:`one_key`).
         """
-        entry = self._agree(call)
-        job = self.job(call, push, pull, self._executor.busy)
-        self._executor.run(job, (call.op, call.keys))
-        flight.ended(entry)
-        if remember is not None and type(remember[0]) in (int, str):
-            self.routes.remember_one_key(call, *remember)
+        self.settle()
+        self.enter(call.op)
+        try:
+            entry = self._agree(call)
+            job = self.job(call, push, pull, self._executor.busy)
+            self._executor.run(job, (call.op, call.keys))
+            flight.ended(entry)
+            if remember is not None and type(remember[0]) in (int, str):
+                self.routes.remember_one_key(call, *remember)
+        finally:
+            self.leave()
 
     def submit(self, call, push=False, pull=False, action=None):
         """A data call in the background: agreed now; returns its :class:`Handle`.
@@ -213,14 +289,19 @@ class Protocol:
         Args:
             action: runs the call instead of a push or pull (``gather_gradients``).
         """
-        entry = self._agree(call)
-        job = self.job(call, push, pull, self._executor.threaded, action)
-        if entry is not None:
-            def traced(run=job):
-                run()
-                flight.ended(entry)
-            job = traced
-        return self._executor.submit(job, (call.op, call.keys))
+        self.settle()
+        self.enter(call.op)
+        try:
+            entry = self._agree(call)
+            job = self.job(call, push, pull, self._executor.threaded, action)
+            if entry is not None:
+                def traced(run=job):
+                    run()
+                    flight.ended(entry)
+                job = traced
+            return self._executor.submit(job, (call.op, call.keys))
+        finally:
+            self.leave()
 
     def one_key(self, op, key, value, out, priority, general):
         """Runs a repeated one-key call on its remembered route; False if it has none.
@@ -233,19 +314,24 @@ class Protocol:
                 call some rank got wrong.
         """
         if (type(key) is not int and type(key) is not str or type(priority) is not int
-                or self._failure is not None or self.closed or self._executor.busy):
+                or self._failure is not None or self._refused is not None or self.closed
+                or self._executor.busy):
             return False
         route = self.routes.one_key(op, key, value, out)
         if route is None:
             return False
         self.settle()
-        entry = self.begin(op, route.what[1], priority, out if value is None else value)
-        verdict = self.transport.agree(route.digest(priority), False, route.what)
-        if verdict != AGREED:
-            self._disagree(general(), verdict == JOINED, entry)
-        flight.agreed(entry)
-        route.run(value, out)
-        flight.ended(entry)
+        self.enter(op)
+        try:
+            entry = self.begin(op, route.what[1], priority, out if value is None else value)
+            verdict = self.transport.agree(route.digest(priority), False, route.what)
+            if verdict != AGREED:
+                self._disagree(general(), verdict == JOINED, entry)
+            flight.agreed(entry)
+            route.run(value, out)
+            flight.ended(entry)
+        finally:
+            self.leave()
         return True
 
     def wait(self, handle=None):
@@ -282,7 +368,11 @@ class Protocol:
         if self.closed:
             return
         self.settle()
-        self._executor.drain()
+        self.enter("close")
+        try:
+            self._executor.drain()
+        finally:
+            self.leave()
 
         def end():
             self.closed = True
@@ -326,7 +416,6 @@ class Protocol:
 
     def _agree(self, call):
         """Raises the same MPIKVError on every rank unless all ranks made this call right."""
-        self.settle()
         what = (call.op, call.keys)
         if self.closed:   # the same on every rank: close() is collective
             raise errors.InputError(f"{call.op}: the store is closed (close() was called)")

@@ -48,8 +48,18 @@ class MPITransport(Transport):
         comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(comm, MPI.Intracomm):
             raise TypeError(f"comm must be an mpi4py intra-communicator, not {type(comm).__name__}")
+        # Creation is watched too: a rank that never comes (it failed before its
+        # store, say) ends the job at the timeout instead of hanging the others.
+        self._watchdog = Watchdog(options.timeout, comm.Get_rank())
         try:
             self._make(comm, options, node_of)
+        except BaseException:
+            self._watchdog.stop()
+            raise
+
+    def _make(self, comm, options, node_of):
+        try:
+            self._make_comms(comm, options, node_of)
         except MPI.Exception as exc:
             # A rank of ``comm`` lost while the store was being made (the survivors'
             # communicator of an earlier loss, say): the same RankLostError on every
@@ -60,17 +70,22 @@ class MPITransport(Transport):
                                    [c for c in (getattr(self, "comm", None),
                                                 getattr(self, "agree_comm", None)) if c])
 
-    def _make(self, comm, options, node_of):
-        self.comm = comm.Dup()
+    def _make_comms(self, comm, options, node_of):
+        # Each collective of the creation under the watchdog (re-armed per step).
+        step = self._watchdog.watch(("create", []))
+        with step:
+            self.comm = comm.Dup()
         # Agreement runs in the caller's thread while the store's worker thread
         # may be inside a data collective: separate communicators keep them apart.
-        self.agree_comm = comm.Dup()
+        with step:
+            self.agree_comm = comm.Dup()
         # Under --ft every rank needs heartbeats, fault-tolerant store or not.
         ulfm.heartbeat_for_launch()
         # ULFM: the same answer (or error) on every rank, before any other collective.
         try:
-            self.fault_tolerant = ulfm.agree_on_support(
-                self.agree_comm, getattr(options, "fault_tolerant", False))
+            with step:
+                self.fault_tolerant = ulfm.agree_on_support(
+                    self.agree_comm, getattr(options, "fault_tolerant", False))
         except Exception:
             self.comm.Free()
             self.agree_comm.Free()
@@ -84,7 +99,8 @@ class MPITransport(Transport):
         self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         # Whether MPI takes GPU buffers: probed once per process, the same on every
         # rank (one small Allreduce; staged where any rank stages), per kind of call.
-        self.cuda = cuda.agree(cuda.detect, self._min_over_ranks)
+        with step:
+            self.cuda = cuda.agree(cuda.detect, self._min_over_ranks)
         #: How device buffers of reductions reach MPI (the store's reducers stage
         #: through it too); :attr:`pull_staging` for pulls and broadcasts.
         self.staging = Staging(detect=lambda: self.cuda.for_op(cuda.REDUCE))
@@ -102,7 +118,6 @@ class MPITransport(Transport):
         self.timeout = options.timeout
         self.piece_bytes = options.bucket_bytes
         self.library = MPI.Get_library_version().replace("\x00", "").strip()
-        self._watchdog = Watchdog(options.timeout, self.rank)
         if self._recovery is not None:
             self._watchdog.on_failure = self._recovery.check
         self._vecs = {}    # (digest, error) -> the agreement's input words
@@ -115,24 +130,27 @@ class MPITransport(Transport):
         self._late = SimpleNamespace(
             early=min(1.0, self.timeout / 4), announce=self._announce, expire=self._expire,
             limit=self.timeout if self.rank == 0 else self.timeout * (1 + _GRACE) + 1.0)
-        if options.abort_on_exception:
-            install_exception_hook()
+        install_exception_hook(options.abort_on_exception)
         self._nodes = None
-        if node_of is not None:
-            from .shm import NodeGroup
-            self._nodes = NodeGroup(self.comm, node=self.comm.Split(node_of(self.rank),
-                                                                    self.rank))
-        elif self.size > 1:
-            # Made now, on every rank: a first use decided by one rank's own state
-            # (which route a call takes) must never be the collective that makes it.
-            self.nodes  # noqa: B018
+        with step:
+            if node_of is not None:
+                from .shm import NodeGroup
+                self._nodes = NodeGroup(self.comm, node=self.comm.Split(node_of(self.rank),
+                                                                        self.rank))
+            elif self.size > 1:
+                # Made now, on every rank: a first use decided by one rank's own state
+                # (which route a call takes) must never be the collective that makes it.
+                self.nodes  # noqa: B018
         if self._nodes is not None and self.fault_tolerant:
             ulfm.set_errors_return(self._nodes.node, self._nodes.across)
             # No shared windows (the shared and window reducers, zero-copy buffers in
             # them): Open MPI warns that its 'osc' module 'sm' "is not tested for
             # post-failure operation" and may abort, crash or deadlock the survivors.
             self._nodes.usable = False
-        start_listener()   # answers the flight-recorder requests of a rank ending the job
+        # The flight-recorder exchange's communicator (collective: a Dup of comm for
+        # the first store over these ranks) and the thread that answers requests.
+        with step:
+            start_listener(comm, self._world_ranks)
 
     def _ft_comms(self):
         """Every communicator of the store (a lost rank revokes them all)."""

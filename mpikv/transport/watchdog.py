@@ -4,10 +4,16 @@ MPI has no timeouts, and an exception on one rank leaves the others waiting
 in a collective forever. These helpers end the whole job with ``MPI_Abort``
 after saying why on standard error, and after every rank has shown its flight
 recorder (:mod:`mpikv.flight`): the rank that ends the job asks the others
-(a small message on ``COMM_WORLD``, answered by a listener thread), so that
-its message says which call each rank was last in.
+(a small message, answered by a listener thread), so that its message says
+which call each rank was last in.
+
+That exchange runs on communicators of mpikv's own, never on the user's: one
+duplicate per group of ranks that made a store together (:func:`start_listener`),
+so a user's ``MPI.COMM_WORLD.recv(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)``
+never takes the library's messages, nor the listener the user's.
 """
 
+import atexit
 import os
 import sys
 import threading
@@ -22,7 +28,7 @@ from .ticker import Ticker
 EXCEPTION_EXIT_CODE = 1
 TIMEOUT_EXIT_CODE = 3
 
-#: tags of the flight-recorder exchange on COMM_WORLD (high: clear of users' usual tags)
+#: tags of the flight-recorder exchange (on mpikv's own communicators, see start_listener)
 _ASK, _ANSWER = 32011, 32012
 #: how long the ending rank waits for the others' last calls
 ANSWER_WAIT = 3.0
@@ -33,9 +39,16 @@ HEADLINE_WAIT = 0.5
 _LINGER = HEADLINE_WAIT + 0.5
 
 _hook_installed = False
+#: whether a distributed store asked to end the job on an uncaught exception:
+#: None until one is made (then MPIKV_ABORT_ON_EXCEPTION decides)
+_abort_asked = None
 _aborting = threading.Lock()
 _shown = threading.Lock()      # a rank shows its ring once
 _listener = None
+#: the flight-recorder exchange's communicators: the ranks of a group of stores
+#: (``COMM_WORLD`` ranks, in the group's order) -> ``[comm, usable]``
+_talk = {}
+_talk_lock = threading.Lock()
 
 
 def format_what(what):
@@ -106,69 +119,144 @@ def _show_ring(rank, reason):
     return calls
 
 
+def _comms():
+    """The exchange's communicators still usable, with each member's ``COMM_WORLD`` rank."""
+    with _talk_lock:
+        return [(entry[0], ranks) for ranks, entry in _talk.items() if entry[1]]
+
+
 def _last_calls(world, reason):
-    """Shows this rank's ring, asks every other rank to show its own, and returns
-    the lines that say which call each rank was last in."""
+    """Shows this rank's ring, asks every rank that shares a store with this one
+    to show its own, and returns the lines that say which call each rank was last in."""
     rank, size = world.Get_rank(), world.Get_size()
     lasts = {rank: flight.last_call(_show_ring(rank, reason))}
-    if size > 1 and _listener is not None:
-        sent = [world.isend((rank, reason), dest=r, tag=_ASK) for r in range(size) if r != rank]
-        deadline = time.monotonic() + ANSWER_WAIT
-        while len(lasts) < size and time.monotonic() < deadline:
-            message = world.improbe(tag=_ANSWER)
+    asked, sent = set(), []
+    if _listener is not None:
+        for comm, ranks in _comms():
+            for r, world_r in enumerate(ranks):
+                if world_r is not None and world_r not in asked and world_r != rank:
+                    asked.add(world_r)
+                    sent.append(comm.isend((rank, reason), dest=r, tag=_ASK))
+    deadline = time.monotonic() + ANSWER_WAIT
+    while not asked <= set(lasts) and time.monotonic() < deadline:
+        got = False
+        for comm, _ in _comms():
+            message = comm.improbe(tag=_ANSWER)
             if message is not None:
                 r, line = message.recv()
                 lasts[r] = line
-                continue
-            _answer(world, rank)   # another rank may be ending the job at the same time
+                got = True
+        if not got:
+            _answer(rank)   # another rank may be ending the job at the same time
             time.sleep(0.01)
-        for request in sent:   # kept until here: an unsent request must stay alive
-            request.Test()
+    for request in sent:   # kept until here: an unsent request must stay alive
+        request.Test()
     where = (f"written under {os.environ['MPIKV_TRACE_DIR']} (merge them: mpikv trace DIR)"
              if os.environ.get("MPIKV_TRACE_DIR") else "printed with [rank N] prefixes")
     lines = [f"mpikv: the last call of each rank (flight recorders {where}):"]
+    unasked = ("not asked (it has made no store with this rank)" if _listener is not None
+               else "not asked (no listener: no store yet, or MPI is not THREAD_MULTIPLE)")
     for r in range(size):
-        lines.append(f"  rank {r}: {lasts.get(r, f'no answer within {ANSWER_WAIT:g} s')}")
+        missing = f"no answer within {ANSWER_WAIT:g} s" if r in asked else unasked
+        lines.append(f"  rank {r}: {lasts.get(r, missing)}")
     return "\n".join(lines)
 
 
-def _answer(world, rank):
-    """Answers a request for this rank's last call, if one came; returns whether one did."""
-    message = world.improbe(tag=_ASK)
-    if message is None:
-        return False
-    asker, reason = message.recv()
-    calls = _show_ring(rank, f"asked by rank {asker}: {reason}")
-    world.isend((rank, flight.last_call(calls)), dest=asker, tag=_ANSWER).Wait()
-    return True
+def _answer(rank):
+    """Answers the requests for this rank's last call that came; returns whether one did.
+
+    Args:
+        rank: this process's ``COMM_WORLD`` rank.
+    """
+    from mpi4py import MPI
+    answered = False
+    for comm, ranks in _comms():
+        status = MPI.Status()
+        try:
+            message = comm.improbe(tag=_ASK, status=status)
+        except MPI.Exception as exc:
+            if exc.Get_error_class() not in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING,
+                                             MPI.ERR_REVOKED):
+                raise
+            _drop(ranks)   # ULFM: a rank of this group died; nobody asks here any more
+            continue
+        if message is None:
+            continue
+        asker, reason = message.recv()
+        calls = _show_ring(rank, f"asked by rank {asker}: {reason}")
+        comm.isend((rank, flight.last_call(calls)), dest=status.Get_source(),
+                   tag=_ANSWER).Wait()
+        answered = True
+    return answered
 
 
-def start_listener():
-    """Starts this process's thread that answers flight-recorder requests (once;
-    MPI must allow calls from several threads). It stops before MPI finalizes."""
+def _drop(ranks):
+    with _talk_lock:
+        if ranks in _talk:
+            _talk[ranks][1] = False
+
+
+def start_listener(comm, ranks):
+    """Makes the flight-recorder exchange's communicator for the stores over ``comm``
+    and starts this process's thread that answers requests (once).
+
+    Collective over ``comm`` when no store over the same ranks was made before
+    (a store's creation, where every rank of ``comm`` takes part): a duplicate of
+    ``comm`` then carries the exchange for every store over these ranks, until the
+    end of the process. The thread needs MPI to allow calls from several threads;
+    it stops, and the duplicates are freed, before MPI finalizes.
+
+    Args:
+        comm: the store's communicator (the user's).
+        ranks: the ``COMM_WORLD`` rank of each rank of ``comm``, in its order.
+    """
     global _listener
     from mpi4py import MPI
-    world = MPI.COMM_WORLD
-    if _listener is not None or world.Get_size() == 1 or \
-            MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+    ranks = tuple(ranks)
+    if len(ranks) < 2:
         return
-    rank = world.Get_rank()
+    with _talk_lock:
+        made = ranks in _talk
+    if not made:
+        # Whether a group has its duplicate is the same on every rank of it: every
+        # one of them took part in the creation that made it.
+        talk = comm.Dup()
+        talk.Set_errhandler(MPI.ERRORS_RETURN)
+        with _talk_lock:
+            first = not _talk
+            _talk[ranks] = [talk, True]
+        if first:
+            # Registered after mpi4py's finalizer (MPI is up): runs before it.
+            atexit.register(_end_listener)
+    if _listener is not None or MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        return
+    rank = MPI.COMM_WORLD.Get_rank()
 
     def listen():
         if MPI.Is_finalized():
             return False
-        try:
-            _answer(world, rank)
-        except MPI.Exception as exc:
-            if exc.Get_error_class() in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING,
-                                         MPI.ERR_REVOKED):
-                return False   # ULFM: a rank of COMM_WORLD died; nobody asks any more
-            raise
+        _answer(rank)
         return True
 
-    # Its exit hook is registered after mpi4py's finalizer: it runs before it.
-    _listener = Ticker(listen, 0.25, "mpikv-flight-recorder", stop_at_exit=True)
+    _listener = Ticker(listen, 0.25, "mpikv-flight-recorder")
     _listener.start()
+
+
+def _end_listener():
+    """At exit: the listener stops, then the exchange's communicators are freed."""
+    from mpi4py import MPI
+    if _listener is not None:
+        _listener.stop()
+    with _talk_lock:
+        comms = [entry[0] for entry in _talk.values()]
+        _talk.clear()
+    if MPI.Is_finalized():
+        return
+    for talk in comms:
+        try:
+            talk.Free()
+        except MPI.Exception:  # noqa: PERF203 - a group that lost a rank (ULFM): nothing to free
+            pass
 
 
 def headline(exc):
@@ -208,8 +296,16 @@ def exit_failed(exc, abort_job=True):
     abort(line, EXCEPTION_EXIT_CODE, linger=_LINGER)
 
 
-def install_exception_hook():
-    """Makes an uncaught exception on any rank end the job (once per process).
+def install_exception_hook(abort_on_exception=None):
+    """Makes an uncaught exception on any rank of an MPI job end the job.
+
+    Installed at ``import mpikv`` (``abort_on_exception`` None), so that a rank
+    that fails before any store exists (a bad argument to the torch drop-in, say)
+    ends the job instead of leaving the others in the store's creation forever.
+    Until a distributed store is made, ``MPIKV_ABORT_ON_EXCEPTION`` (default on)
+    decides; from then on, the job is ended if any store was made with
+    ``abort_on_exception`` on. Outside an MPI job of several ranks (MPI not
+    initialised, or one rank), the hook found at installation runs instead.
 
     The traceback is printed with the rank on every line, then ``MPI_Abort``
     stops the other ranks, which would otherwise wait in their next collective.
@@ -219,16 +315,22 @@ def install_exception_hook():
     ``mpikv: MismatchError: <message>`` by the lowest of those ranks, which
     ends the job a second later; the others print only their ``[rank N]``
     traceback, meanwhile (and end the job themselves if that rank does not).
+
+    Args:
+        abort_on_exception: a distributed store's option, or None (no store).
     """
-    global _hook_installed
+    global _hook_installed, _abort_asked
+    if abort_on_exception is not None:
+        _abort_asked = bool(_abort_asked) or bool(abort_on_exception)
     if _hook_installed:
         return
-    from mpi4py import MPI
-    world = MPI.COMM_WORLD
-    if world.Get_size() == 1:
-        return
+    previous = sys.excepthook
 
     def hook(exc_type, exc, tb):
+        if not _ends_the_job():
+            return previous(exc_type, exc, tb)
+        from mpi4py import MPI
+        world = MPI.COMM_WORLD
         rank, size = world.Get_rank(), world.Get_size()
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         lines = "".join(f"[rank {rank}] {line}\n" for line in text.splitlines())
@@ -250,6 +352,20 @@ def install_exception_hook():
 
     sys.excepthook = hook
     _hook_installed = True
+
+
+def _ends_the_job():
+    """Whether an uncaught exception now ends the job (see install_exception_hook)."""
+    from .world import mpi_running
+    if not mpi_running():   # (never initialises MPI)
+        return False
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_size() == 1:
+        return False
+    if _abort_asked is not None:
+        return _abort_asked
+    raw = os.environ.get("MPIKV_ABORT_ON_EXCEPTION", "1").strip().lower()
+    return raw not in ("0", "false", "no", "off")
 
 
 #: the watchdogs started and not stopped, all checked by one thread: a process

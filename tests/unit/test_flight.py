@@ -33,6 +33,15 @@ def test_capacity_zero_records_nothing():
     assert rec.entries() == []
 
 
+def test_a_withdrawn_entry_leaves_the_ring_and_the_others_stay():
+    # A store's creation is recorded while it runs, and withdrawn once it is made.
+    rec = flight.Recorder(4)
+    made = rec.begin(0, 0, "create", [], 0, 0)
+    rec.begin(0, 1, "init", ["w"], 8, 0)
+    rec.withdraw(made)
+    assert [(c["op"], c["seq"]) for c in rec.entries()] == [("init", 1)]
+
+
 def test_environment_sets_the_capacity():
     assert flight._capacity({"MPIKV_TRACE_CALLS": "5"}) == 5
     assert flight._capacity({}) == flight.DEFAULT_CALLS
@@ -102,3 +111,19 @@ def test_mpikv_trace_command(tmp_path, capsys):
     assert "not an mpikv trace file" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["trace"])
+
+
+@pytest.mark.parametrize("start_mpi", [False, True])
+def test_outside_an_mpi_job_an_uncaught_exception_is_pythons_own(start_mpi):
+    # import mpikv installs the hook that ends an MPI job (issue 38, class 3); with
+    # MPI not running, or one rank, Python's own hook runs: no abort, status 1.
+    import subprocess
+    import sys
+    code = ("from mpi4py import MPI; " if start_mpi else "") + (
+        "import sys, mpikv; assert sys.excepthook is not sys.__excepthook__; "
+        "raise ValueError('plain')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.rstrip().endswith("ValueError: plain"), proc.stderr
+    assert "mpikv: uncaught" not in proc.stderr and "MPI_ABORT" not in proc.stderr
