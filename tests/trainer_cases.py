@@ -348,3 +348,102 @@ def finish(trainer, net, join):
     updates = trainer.num_update
     trainer.close()
     return weights, updates, last
+
+
+# -- a .grad replaced between backward() and step(), or before backward ---------------
+#: name -> what a script does to a parameter's ``.grad``: swaps its storage
+#: (``.data =``) or assigns a new tensor; the one-process reference does the same
+REPLACEMENTS = {
+    "data-clone": lambda p: setattr(p.grad, "data", p.grad.data.clone()),
+    "data-float32": lambda p: setattr(p.grad, "data", p.grad.data.float()),
+    "data-half": lambda p: setattr(p.grad, "data", p.grad.data.half()),
+    "data-scaled": lambda p: setattr(p.grad, "data", p.grad.data * 0.5),
+    "grad-clone": lambda p: setattr(p, "grad", p.grad.clone()),
+    "grad-new-tensor": lambda p: setattr(p, "grad", torch.zeros_like(p) + p.grad * 0.5),
+    # the store's float64 buffer cannot hold it: refused on every rank
+    "data-complex": lambda p: setattr(p.grad, "data", p.grad.data.to(torch.complex128)),
+    "data-shape": lambda p: setattr(p.grad, "data", p.grad.data.reshape(-1)[:1].clone()),
+}
+#: the replacements the store's gradient buffer cannot hold exactly
+REFUSED_REPLACEMENTS = ("data-complex", "data-shape")
+#: the parameters of :class:`Net` backward reaches (``head`` and ``spare`` stay unused)
+_REACHED = ("enc.", "fc1.", "fc2.")
+
+
+def _replace(net, kind):
+    for n, p in net.named_parameters():
+        if n.startswith(_REACHED) and p.grad is not None:
+            REPLACEMENTS[kind](p)
+
+
+def train_replacing(kind, when, rank, size, shard, face="trainer"):
+    """The "sgd" case through a Trainer, ``.grad`` of the parameters backward
+    reaches replaced by ``kind`` ``when`` ("after-backward": between backward and
+    step; "before-backward": after zero_grad) in every step; the weights, whole.
+    ``face="optimizer"``: the script's own SGD wrapped in ``DistributedOptimizer``."""
+    s = settings("sgd")
+    net = Net()
+    store = mpikv.create("dist_sync", timeout=120)
+    if face == "optimizer":
+        own = s["opt"]([p for p in net.parameters() if p.requires_grad], **s["kw"])
+        own = mpikv.torch.DistributedOptimizer(
+            own, named_parameters=net.named_parameters(), kvstore=store, shard=shard,
+            **({"module": net} if shard == "parameters" else {}))
+        trainer = own.mpikv_trainer
+    else:
+        trainer = own = mpikv.torch.Trainer(net, s["opt"], s["kw"], store, shard=shard)
+    per = GLOBAL_BATCH // size
+    rows = slice(rank * per, (rank + 1) * per)
+    try:
+        for step in range(STEPS):
+            own.zero_grad()
+            if when == "before-backward":
+                _replace(net, kind)
+            x, y = data(step, 0)
+            _loss(s, net(x[rows], False), y[rows]).backward()
+            if when == "after-backward":
+                _replace(net, kind)
+            own.step()
+        with trainer.gathered():
+            return {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
+    finally:
+        trainer.close()
+        store.close()
+
+
+def reference_replacing(kind, when, size, shard):
+    """:func:`train_replacing` in one process with the global batch. Where the
+    ranks replace their own gradient (before backward, whose gradient then adds
+    into the replacement as torch adds it; or after it with ``shard`` other than
+    "optimizer", whose ``.grad`` then holds the rank's own gradient), each rank's
+    is made so, as a float64 sum; else the average is replaced."""
+    s = settings("sgd")
+    net = Net()
+    trained = [p for p in net.parameters() if p.requires_grad]
+    opt = s["opt"](trained, **s["kw"])
+    per = GLOBAL_BATCH // size
+    own = when == "before-backward" or shard != "optimizer"
+    for step in range(STEPS):
+        x, y = data(step, 0)
+        total = [torch.zeros_like(p) for p in trained]
+        for r in range(size):
+            for p in trained:
+                p.grad = torch.zeros_like(p)
+            if when == "before-backward":
+                _replace(net, kind)
+            rows = slice(r * per, (r + 1) * per)
+            _loss(s, net(x[rows], False), y[rows]).backward()
+            if when == "after-backward" and own:
+                _replace(net, kind)
+            for t, p in zip(total, trained):
+                t += p.grad.to(t.dtype)
+        for t, p in zip(total, trained):
+            p.grad = t / size
+        if when == "after-backward" and not own:
+            _replace(net, kind)
+        # (parameters no rank reached are skipped, as torch skips a None gradient)
+        for n, p in net.named_parameters():
+            if not n.startswith(_REACHED):
+                p.grad = None
+        opt.step()
+    return {n: p.detach().numpy().copy() for n, p in net.named_parameters()}

@@ -220,9 +220,11 @@ class Snapshot:
 
     def finish(self, then=None):
         """The ranks share how their writes went; rank 0 commits the manifest,
-        then calls ``then()`` if given; collective. Raises the same error on
-        every rank if any write (or ``then``) failed (after a failed write the
-        save is not visible: no manifest names its parts)."""
+        then calls ``then()`` if given (and ``then.before()`` right before the
+        manifest, if ``then`` has one: a file of the caller's that belongs to
+        this save, put in place before the save's one commit); collective.
+        Raises the same error on every rank if any write (or ``then``) failed
+        (after a failed write the save is not visible: no manifest names its parts)."""
         t = self._transport
 
         def outcome():
@@ -238,6 +240,8 @@ class Snapshot:
 
         def commit():
             if t.rank == 0:
+                if getattr(then, "before", None) is not None:
+                    then.before()
                 statefile.commit(self.fname, self._generation, [r for r in records if r],
                                  self._meta)
                 if then is not None:

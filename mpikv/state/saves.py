@@ -53,8 +53,10 @@ class Saves:
         Args:
             fname: the checkpoint's path.
             on_commit: called on rank 0 right after the checkpoint's manifest is
-                in place (to put a file of the caller's beside it); an exception
-                it raises is raised by ``wait()`` on every rank.
+                in place (to put a file of the caller's beside it); if it has a
+                ``before`` method, that is called on rank 0 right before the
+                manifest is written. An exception either raises is raised by
+                ``wait()`` on every rank.
 
         Returns:
             A :class:`~mpikv.state.saves.SaveHandle`: ``done()`` says (locally)

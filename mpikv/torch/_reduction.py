@@ -55,7 +55,7 @@ class GradientReduction:
         if s.launched[b]:  # its bucket is on the wire: do not touch the buffer
             s.late.append(w.names[index])
             return
-        w.rewire(index)
+        self.take(index)
         s.touched[index] = True
         if not s.sync or s.fired[index]:
             return
@@ -113,6 +113,22 @@ class GradientReduction:
         self.send_all()
         self.check(gather)
 
+    def take(self, index):
+        """Copies a ``.grad`` a script replaced (or whose storage it swapped) into
+        the store's buffer, and makes ``.grad`` a view of it again; one the buffer
+        cannot hold exactly is left as it is and refused at the status sum.
+
+        Returns:
+            bool: whether a gradient of the script's was copied in.
+        """
+        w = self._wiring
+        why = w.unfit(index)
+        if why is not None:
+            self._step.refused[index] = why
+            return False
+        self._step.refused.pop(index, None)
+        return w.rewire(index)
+
     def send_all(self):
         """Ends every bucket's reduction (what backward has not started yet starts now)."""
         s, w = self._step, self._wiring
@@ -120,11 +136,12 @@ class GradientReduction:
             return
         for i in range(len(w.params)):
             if s.launched[w.bucket_of[i]]:
-                # Replaced, or changed in place, after its bucket left.
+                # Replaced (or its storage swapped), or changed in place, after its
+                # bucket left.
                 if not w.wired(i) or w.grads[i]._version != s.versions[i]:
                     s.late.append(w.names[i])
                 continue
-            if w.rewire(i):
+            if self.take(i):
                 s.touched[i] = True  # a gradient assigned by hand counts as one
             if not s.touched[i]:
                 w.grads[i].zero_()  # an unused parameter adds zeros
@@ -157,7 +174,7 @@ class GradientReduction:
         stop, save, written = (self.resumer.flags(self._context.settled().rank)
                                if self.resumer is not None else (False, False, False))
         return self._status.row(s.touched, s.cleared, s.late, gather, s.joined,
-                                stop, save, written)
+                                stop, save, written, refused=sorted(s.refused))
 
     def read_status(self):
         """Reads the summed status (the same on every rank, joined or not).
@@ -227,7 +244,7 @@ class GradientReduction:
                     w.rewire(i)
                     s.touched[i] = False
                     s.cleared[i] = True
-                elif w.rewire(i):   # replaced since: the owners take it
+                elif self.take(i):   # replaced since: the owners take it
                     s.touched[i] = True
             self.check(gather=True)
         else:

@@ -25,6 +25,8 @@ class StepState:
         next: the next bucket to launch.
         handles: the handles of the launched calls.
         late: the keys of gradients written after their bucket left.
+        refused: index -> why, of each ``.grad`` replaced by a tensor the store's
+            buffer cannot hold exactly (see :meth:`._wiring.ParamWiring.unfit`).
         sent: every bucket's reduction has ended.
         checked: the status of the step's gradients was summed.
         scaled: ``.grad`` holds the average (``allreduce_grads`` ran).
@@ -69,6 +71,7 @@ class StepState:
         self.next = 0
         self.handles = []
         self.late = []
+        self.refused = {}
         self.sent = False
         self.checked = False
         self.scaled = False

@@ -34,7 +34,9 @@ class ParamWiring:
         bucket_keys: each bucket's keys.
         grad_arrays / value_arrays: each bucket's native gradient and value arrays.
         grads: each parameter's gradient tensor (the store's buffer, or its own
-            for a 16-bit parameter).
+            for a 16-bit parameter). Never handed out: ``.grad`` is another tensor
+            on the same memory, so a script that swaps its storage
+            (``p.grad.data = ...``) leaves these alone, and :meth:`wired` sees it.
     """
 
     def __init__(self, kv, names, params, bucket_bytes):
@@ -82,7 +84,7 @@ class ParamWiring:
                 p.data = on_device_of(tensors.from_native(value), p, self.names[i])
                 self.grads[i] = own[k] if own is not None else tensors.from_native(grad)
             self._value_views[i] = value
-            p.grad = self.grads[i]
+            p.grad = self._alias(i)
 
     def value_of(self, index):
         """The store's value array that parameter ``index`` is a view of."""
@@ -92,22 +94,51 @@ class ParamWiring:
         """Whether ``bucket`` holds 16-bit parameters."""
         return self.params[self.buckets[bucket][0]].dtype in HALF
 
+    def _alias(self, index):
+        """A new tensor on the memory of gradient ``index`` (its version counter too),
+        to be the parameter's ``.grad``."""
+        return self.grads[index].detach()
+
     def wired(self, index):
-        """Whether the parameter's ``.grad`` is (a view of) the store's buffer."""
+        """Whether the parameter's ``.grad`` is on the store's buffer: its memory, dtype,
+        shape and strides (a ``.grad`` whose storage a script swapped is not)."""
         grad, buf = self.params[index].grad, self.grads[index]
-        return grad is buf or (grad is not None and grad.data_ptr() == buf.data_ptr()
-                               and grad.shape == buf.shape)
+        return (grad is not None and grad.data_ptr() == buf.data_ptr()
+                and grad.dtype == buf.dtype and grad.device == buf.device
+                and grad.shape == buf.shape and grad.stride() == buf.stride())
+
+    def unfit(self, index):
+        """Why the parameter's ``.grad``, which is not the store's buffer, cannot be
+        copied into it exactly, or None (it can, or it is the buffer, or None).
+
+        A gradient is taken when it has the parameter's shape, is dense, and its
+        dtype is the buffer's or a floating dtype whose values the buffer's holds
+        exactly (float16, bfloat16 or float32 into float64; the 16-bit ones into
+        float32).
+        """
+        grad, buf = self.params[index].grad, self.grads[index]
+        if grad is None or self.wired(index):
+            return None
+        if grad.layout != torch.strided:
+            return f"a {grad.layout} tensor"
+        if grad.shape != buf.shape:
+            return f"of shape {tuple(grad.shape)}, not the parameter's {tuple(buf.shape)}"
+        if grad.dtype != buf.dtype and not (
+                grad.is_floating_point()
+                and torch.promote_types(grad.dtype, buf.dtype) == buf.dtype):
+            return (f"{str(grad.dtype).replace('torch.', '')}, which its "
+                    f"{str(buf.dtype).replace('torch.', '')} gradient does not hold exactly")
+        return None
 
     def rewire(self, index):
-        """Puts a gradient that is no longer the store's buffer back into it.
+        """Puts a gradient that is no longer the store's buffer back into it (one that
+        :meth:`unfit` accepts: the caller asks first).
 
         Returns:
             bool: whether a gradient of the user's (not the buffer) was copied in.
         """
         p, buf = self.params[index], self.grads[index]
         if self.wired(index):
-            if p.grad is not buf:
-                p.grad = buf
             return False
         grad = p.grad
         with torch.no_grad():
@@ -115,7 +146,7 @@ class ParamWiring:
                 buf.zero_()
             else:
                 buf.copy_(grad)
-        p.grad = buf
+        p.grad = self._alias(index)
         return grad is not None
 
     def cuda_ready(self):
@@ -166,11 +197,11 @@ class ParamWiring:
         if release:
             self.release_gradients(owned_too=True)
         with torch.no_grad():
-            for p, grad in zip(self.params, self.grads):
+            for i, grad in enumerate(self.grads):
                 if not release:
                     grad.zero_()
-                if p.grad is not grad:
-                    p.grad = grad
+                if not self.wired(i):
+                    self.params[i].grad = self._alias(i)
 
     def unwire(self, keep_grads=True):
         """Gives every parameter its own memory again: the current values, no longer

@@ -19,8 +19,8 @@ therefore costs the copy, not the disk. The checkpoint at a signal is written
 before the job ends.
 
 A checkpoint is complete once its Trainer file (``.trainer.json``) is in
-place: the Trainer writes it last, after the store's parts and the user's
-state. Partial ones (a job killed while saving) are skipped and removed; one
+place and names the store's save in place (see :mod:`.checkpoint`): the
+Trainer writes it last, after the store's parts and the user's state. Partial ones (a job killed while saving) are skipped and removed; one
 that fails to load (a corrupt part) is skipped for the one before it.
 """
 
@@ -69,7 +69,8 @@ def is_complete(path, with_state=False):
                 return False
     except (OSError, ValueError):
         return False
-    return manifest_reads(path) and (not with_state or Path(state_path(path)).is_file())
+    return (manifest_reads(path) and checkpoint.belongs(path)
+            and (not with_state or Path(state_path(path)).is_file()))
 
 
 def state_path(path):

@@ -14,10 +14,13 @@ from .. import errors
 #: parameters (so every rank can name them), the join ticket (0: still
 #: training), whether the step gathers the gradients, and whether this rank asks
 #: the job to stop after a checkpoint (a signal) or to save now (rank 0's clock),
-#: and whether its part of a checkpoint written in the background is on disk
+#: and whether its part of a checkpoint written in the background is on disk; the
+#: number of gradients it refused (replaced by a tensor the store cannot hold
+#: exactly) and the index (+1) of the first
 NAMED = 3
 _JOIN, _GATHER, _STOP, _SAVE, _WRITTEN = 2 + NAMED, 3 + NAMED, 4 + NAMED, 5 + NAMED, 6 + NAMED
-_ROW = 7 + NAMED
+_REFUSED, _REFUSED_AT = 7 + NAMED, 8 + NAMED
+_ROW = 9 + NAMED
 #: the tag of the status sum
 TAG = "status"
 
@@ -41,7 +44,7 @@ class StepStatus:
         return self._vector[:self._n * _ROW].reshape(-1, _ROW)
 
     def row(self, touched, cleared, late, gather, ticket=0, stop=False, save=False,
-            written=False):
+            written=False, refused=()):
         """This rank's part of the sum (the whole vector, its row filled).
 
         Args:
@@ -54,6 +57,8 @@ class StepStatus:
             stop, save: this rank asks for a checkpoint and the job's end (it
                 got a signal), or for a checkpoint now (see :mod:`.resume`).
             written: this rank's part of a background checkpoint is on disk.
+            refused: indices of the gradients refused (a ``.grad`` replaced by a
+                tensor the store's buffer cannot hold exactly).
         """
         vector = self._vector
         vector[:] = 0
@@ -67,6 +72,8 @@ class StepStatus:
         row[2:2 + len(unused[:NAMED])] = [i + 1 for i in unused[:NAMED]]
         row[_GATHER] = gather
         row[_STOP], row[_SAVE], row[_WRITTEN] = stop, save, written
+        if refused:
+            row[_REFUSED], row[_REFUSED_AT] = len(refused), min(refused) + 1
         vector[self._n * _ROW:] = (np.asarray(touched, np.float64)
                                    + (self._n + 1) * np.asarray(cleared, np.float64))
         return vector
@@ -96,6 +103,18 @@ class StepStatus:
             stop=bool(rows[:, _STOP].any()), save=bool(rows[:, _SAVE].any()),
             # (a joined rank's row says nothing: its write is committed later)
             written=bool(rows[:, _WRITTEN].all()))
+        refused = [r for r in range(len(rows)) if rows[r, _REFUSED]]
+        if refused:
+            where = "; ".join(
+                f"rank {r}: " + few([self._names[int(rows[r, _REFUSED_AT]) - 1]],
+                                    limit=1, more=int(rows[r, _REFUSED]))
+                for r in refused)
+            return verdict, errors.GradientError(
+                f"a .grad was replaced by a tensor its parameter's gradient buffer cannot "
+                f"hold exactly ({where}): another shape, a sparse tensor, or a dtype whose "
+                f"values the parameter's dtype does not hold (a float64 .grad of a float32 "
+                f"parameter, a complex one); give .grad the parameter's dtype and shape; "
+                f"nothing was applied")
         late = [r for r in range(len(rows)) if rows[r, 1]]
         if late:
             return verdict, errors.GradientError(

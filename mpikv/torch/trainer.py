@@ -356,7 +356,9 @@ class Trainer(ClosesAfterWith):
 
         The store's checkpoint (``path`` and ``path.parts/``, one part per
         owner) holds the weights and the state; ``path.trainer.json`` the rest.
-        It loads on any number of ranks. Call it between steps; collective (a
+        It loads on any number of ranks. A save is one commit (the store's
+        manifest): a save over an earlier one at ``path`` cut short anywhere
+        loads as all of one of them (see :mod:`.checkpoint`). Call it between steps; collective (a
         rank that is not in it gets, as the ranks that are, a
         :class:`mpikv.MismatchError` that says where each rank is).
         """

@@ -82,10 +82,21 @@ def test_wiring_makes_the_parameters_views_of_the_store():
     value = wiring.value_of(0)
     value[0, 0] = 7.0   # the store's array is the parameter's storage
     assert model.weight[0, 0].item() == 7.0
-    assert wiring.wired(0) and model.weight.grad is wiring.grads[0]
+    # .grad is another tensor on the buffer's memory (a swap of its storage leaves
+    # the buffer alone)
+    assert wiring.wired(0) and model.weight.grad is not wiring.grads[0]
+    assert model.weight.grad.data_ptr() == wiring.grads[0].data_ptr()
     model.weight.grad = torch.ones(2, 3)   # replaced by hand: copied back in
-    assert not wiring.wired(0) and wiring.rewire(0)
-    assert model.weight.grad is wiring.grads[0] and wiring.grads[0].sum().item() == 6.0
+    assert not wiring.wired(0) and wiring.unfit(0) is None and wiring.rewire(0)
+    assert wiring.wired(0) and wiring.grads[0].sum().item() == 6.0
+    model.weight.grad.data = torch.full((2, 3), 2.0)   # its storage swapped: the same
+    assert not wiring.wired(0) and wiring.rewire(0) and wiring.grads[0].sum().item() == 12.0
+    model.weight.grad.data = torch.ones(2, 3, dtype=torch.float64)
+    assert "float64, which its float32 gradient does not hold exactly" in wiring.unfit(0)
+    model.weight.grad.data = torch.ones(6)
+    assert "of shape (6,), not the parameter's (2, 3)" in wiring.unfit(0)
+    model.weight.grad.data = torch.ones(2, 3, dtype=torch.float16)   # exact in float32
+    assert wiring.unfit(0) is None and wiring.rewire(0) and wiring.wired(0)
     wiring.zero_grads()
     assert wiring.grads[0].sum().item() == 0.0
     wiring.unwire()

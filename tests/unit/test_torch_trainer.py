@@ -506,3 +506,50 @@ def test_every_torch_scheduler_steps_on_trainer_optimizer_as_on_torch_s(name, op
                     == torch_opt.param_groups[0].get(key)), (step, key)
     for (n, a), b in zip(ours.named_parameters(), theirs.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=n)
+
+
+# -- a checkpoint is one commit (the store's manifest) ---------------------------------
+def test_a_trainer_file_without_a_generation_still_loads(tmp_path):
+    """The Trainer file of before the rule (no "generation") is taken as it is."""
+    import json
+    net = cases.Net()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, "local")
+    trainer.num_update = 5
+    trainer.save_checkpoint(tmp_path / "ck")
+    file = tmp_path / "ck.trainer.json"
+    saved = json.loads(file.read_text())
+    assert saved["generation"] and "pending" not in saved and saved["num_update"] == 5
+    del saved["generation"]
+    file.write_text(json.dumps(saved))
+    trainer.num_update = 0
+    trainer.load_checkpoint(tmp_path / "ck")
+    assert trainer.num_update == 5
+
+
+def test_the_trainer_file_of_another_save_is_refused_and_changes_nothing(tmp_path):
+    net = cases.Net()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, "local")
+    trainer.save_checkpoint(tmp_path / "ck")
+    kept = (tmp_path / "ck.trainer.json").read_bytes()
+    trainer.save_checkpoint(tmp_path / "ck")   # a new generation of the store's save
+    (tmp_path / "ck.trainer.json").write_bytes(kept)
+    before = net.fc1.weight.detach().clone()
+    with pytest.raises(mpikv.StateFileError, match="does not belong to the store's checkpoint"):
+        trainer.load_checkpoint(tmp_path / "ck")
+    assert torch.equal(net.fc1.weight, before)
+
+
+def test_the_pending_entry_is_the_save_whose_manifest_is_in_place(tmp_path):
+    """A save cut short after the store's manifest: its entry is still pending, and
+    it is what loads; cut short before it: the entry of the save in place loads."""
+    import json
+    from mpikv.torch import checkpoint
+    trainer = mpikv.torch.Trainer(cases.Net(), torch.optim.SGD, {"lr": 0.1}, "local")
+    trainer.num_update = 1
+    trainer.save_checkpoint(tmp_path / "ck")
+    first = json.loads((tmp_path / "ck.trainer.json").read_text())
+    pending = {**first, "pending": {"num_update": 2, "param_groups": first["param_groups"]}}
+    assert checkpoint.resolve(pending, first["generation"])["num_update"] == 1
+    assert checkpoint.resolve(pending, "another")["num_update"] == 2
+    assert checkpoint.resolve(pending, None) is None
+    assert checkpoint.resolve({**first, "generation": None}, "another") is None

@@ -1,0 +1,55 @@
+"""A Trainer checkpoint is one commit: saved twice to one path, with a rank killed
+between any two files of the second save, it loads as all of the first save or
+all of the second (weights, buffers, update count, learning rate), never a mix."""
+
+import re
+
+import numpy as np
+import pytest
+
+from .conftest import run_job
+
+pytest.importorskip("torch")
+
+SCRIPT = "tests/jobs/scripts/trainer_torn_save.py"
+
+
+def _read(path):
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+def _which(got, a, b):
+    """"a" or "b" when ``got`` is all of that save, else what is mixed."""
+    assert sorted(got) == sorted(a) == sorted(b)
+    for name, want in (("a", a), ("b", b)):
+        if all(np.array_equal(got[k], want[k]) for k in want):
+            return name
+    return {k: [np.array_equal(got[k], a[k]), np.array_equal(got[k], b[k])] for k in got}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_save_killed_between_any_two_files_loads_all_of_one_save(tmp_path, rank):
+    outcomes = []
+    for nth in range(1, 20):
+        run = tmp_path / f"kill-{nth}"
+        run.mkdir()
+        ckpt = str(run / "ck")
+        rc, log, _ = run_job(2, SCRIPT, "save", ckpt, str(run), str(rank), str(nth))
+        done = re.search(r"renames=(\d+)", log)
+        assert (rc == 0) == bool(done), log
+        a, b = _read(run / "a.npz"), _read(run / "b.npz")
+        assert a["num_update"] == 2 and b["num_update"] == 4 and a["lr"] != b["lr"]
+        rc, log, _ = run_job(2, SCRIPT, "load", ckpt, str(run / "got.npz"))
+        assert rc == 0, f"killed before rename {nth} of rank {rank}: the load failed\n{log}"
+        outcomes.append(_which(_read(run / "got.npz"), a, b))
+        assert outcomes[-1] in ("a", "b"), (nth, outcomes[-1])
+        if done:
+            break
+    else:
+        pytest.fail("the save never ended")
+    # The first save until the commit, the second from it on.
+    assert outcomes[0] == "a" and outcomes[-1] == "b", outcomes
+    assert outcomes == sorted(outcomes), outcomes
+    if rank == 0:   # (rank 0 commits: a kill after its commit, before its last file)
+        assert outcomes[-2] == "b", outcomes
