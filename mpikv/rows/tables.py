@@ -84,8 +84,8 @@ class RowTables:
             return table
         rows = np.asarray(init(table.lo, table.hi) if callable(init) else init)
         if not takes(table.dtype, rows.dtype):
-            raise errors.DTypeError(f"the initializer gave {rows.dtype} values; a "
-                                    f"{table.dtype} table takes "
+            raise errors.DTypeError(f"the initializer gave {rows.dtype} values; the table "
+                                    f"is {table.dtype} and takes "
                                     f"{_KINDS[is_floating(table.dtype)]}")
         if callable(init) and rows.shape != table.block.shape:
             raise errors.ShapeError(f"the row table's initializer gave shape {rows.shape} "
@@ -154,7 +154,7 @@ class RowTables:
         call.settings["row_sparse_weight"] = bool(row_sparse_weight)
         key = keys[0] if keys else None
         try:
-            shape = read_shape(shape, "the row table's shape")
+            shape = read_shape(shape, "shape")
             if not shape:
                 raise errors.ShapeError("a row table has rows: its shape has at least one axis")
             dtype = _read_dtype(dtype)
@@ -218,21 +218,10 @@ class RowTables:
             return
         call.items = [Item(key, shape=table.shape, dtype=table.dtype)]
         try:
-            try:   # a copy: the caller's ids cannot change under the call
-                ids = np.array([] if row_ids is None else row_ids, copy=True)
-            except Exception as exc:  # noqa: BLE001 - a ragged list: numpy's ValueError
-                raise errors.ValueTypeError(f"row_ids must be integers ({type(exc).__name__}: "
-                                            f"{exc})") from None
-            ids = ids.reshape(-1)
-            # (the ids' checks only: rows that read as zeros, with no memory)
-            ids = read_parts(ids, np.broadcast_to(np.zeros((), table.dtype),
-                                                  (ids.size, *table.shape[1:])),
-                             table.shape)[0]
+            ids = _read_ids(key, row_ids, table)
             _check_out(key, out, table)
         except errors.MPIKVError as exc:
-            call.fail(type(exc), key, f"row_sparse_pull of row table {key!r}: {exc}"
-                      if type(exc) is errors.ValueTypeError and "row_ids" in str(exc)
-                      else str(exc))
+            call.fail(type(exc), key, str(exc))
             return
         read.extend([key, ids])
 
@@ -375,7 +364,7 @@ def _read_dtype(dtype):
         dtype = np.dtype(dtype)
     except Exception as exc:  # noqa: BLE001 - np.dtype('nope'): numpy's TypeError
         raise errors.DTypeError(f"dtype {dtype!r} is not a dtype ({exc})") from None
-    check_dtype(dtype, "it")
+    check_dtype(dtype, "the table")
     return dtype
 
 
@@ -402,13 +391,30 @@ def _read_rows(key, rows, table):
     if shape != table.shape:
         raise errors.ShapeError(f"the push has shape {shape}; row table {key!r} "
                                 f"has {table.shape}")
-    check_dtype(data.dtype, f"the rows pushed to row table {key!r}")
+    check_dtype(data.dtype, f"the data of the RowSparse pushed to row table {key!r}")
     if not takes(table.dtype, data.dtype):
-        raise errors.DTypeError(f"the rows pushed to row table {key!r} have dtype "
-                                f"{data.dtype}; a {table.dtype} table takes "
-                                f"{_KINDS[is_floating(table.dtype)]} (nothing is cast "
-                                f"with a loss unseen)")
+        raise errors.DTypeError(f"the data of the RowSparse pushed to row table {key!r} has "
+                                f"dtype {data.dtype}; the table is {table.dtype} and takes "
+                                f"{_KINDS[is_floating(table.dtype)]} (nothing is cast with "
+                                f"a loss unseen)")
     return indices, data
+
+
+def _read_ids(key, row_ids, table):
+    """``row_ids`` of a ``row_sparse_pull``, checked: a flat int64 copy (the caller's
+    ids cannot change under the call)."""
+    try:
+        ids = np.array([] if row_ids is None else row_ids, copy=True).reshape(-1)
+    except Exception as exc:  # noqa: BLE001 - a ragged list: numpy's ValueError
+        raise errors.ValueTypeError(f"row_ids for row table {key!r} are not an array of "
+                                    f"integers ({type(exc).__name__}: {exc})") from None
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise errors.ValueTypeError(f"row_ids for row table {key!r} must be integers, "
+                                    f"not {ids.dtype}")
+    if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
+        raise errors.ShapeError(f"row_ids for row table {key!r} must lie in "
+                                f"[0, {table.shape[0]}); got {int(ids.min())}..{int(ids.max())}")
+    return ids.astype(np.int64, copy=False)
 
 
 #: what a table takes, by whether it is floating-point (for messages)
