@@ -153,6 +153,10 @@ class RowTables:
         keys = read_keys(call, [key], self._store_key_type(engine))
         call.settings["row_sparse_weight"] = bool(row_sparse_weight)
         key = keys[0] if keys else None
+        if key is not None and (key in self or engine.lookup(key) is not None):
+            # (first, as the general reader's init: whatever else is wrong)
+            call.fail(errors.DuplicateInitError, key, f"key {key!r} is already initialised")
+            return
         try:
             shape = read_shape(shape, "shape")
             if not shape:
@@ -164,9 +168,6 @@ class RowTables:
         if key is None:
             return
         call.items = [Item(key, shape=shape, dtype=dtype)]
-        if key in self or engine.lookup(key) is not None:
-            call.fail(errors.DuplicateInitError, key, f"key {key!r} is already initialised")
-            return
         try:   # this rank's rows first: an initializer that fails fails every rank
             made.extend([key, self.make(shape, dtype, init, row_sparse_weight)])
         except errors.MPIKVError as exc:
