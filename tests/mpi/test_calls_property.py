@@ -558,7 +558,7 @@ class StoreMachine(RuleBasedStateMachine):
         target, call_key, call_ids = outs[out](), key, ids
         if fault and self._bad_here(where):
             if fault == "ragged ids":
-                call_ids = [ids, [0, 1]]
+                call_ids = [ids, [0], [0, 1]]   # (rows of 1 and 2 ids: ragged whatever ids is)
             elif fault == "id out of range":
                 call_ids = ids + [shape[0]]
             elif fault == "wrong out dtype":
