@@ -9,6 +9,14 @@ dtypes, some split over the owners. Keys repeat, so the remembered routes
 reader. Now and then one rank, or every rank, makes the call bad: a read-only
 or wrong-shape output, a wrong dtype, an unknown key, a key initialised twice.
 
+Row tables too: ``init_rows`` (made twice, or over a dense key), pushes of
+:class:`mpikv.RowSparse` rows (repeats, empty pushes, key lists in another order
+on odd ranks) and ``row_sparse_pull`` (into None, a dense out or a RowSparse), with
+their own bad inputs on a random rank (``ROW_FAULTS``: a bad shape, dtype or key,
+complex or string rows, an id changed after the RowSparse was made, ragged ids, a
+float64 or read-only out...); the tables are compared with a numpy model of the
+whole table after every step.
+
 After every step:
 
 - every rank raised the same error (class and message) or none did, and a
