@@ -413,7 +413,7 @@ def _read_ids(key, row_ids, table):
         raise errors.ValueTypeError(f"row_ids for row table {key!r} must be integers, "
                                     f"not {ids.dtype}")
     if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
-        raise errors.ShapeError(f"row_ids for row table {key!r} must lie in "
+        raise errors.ShapeError(f"row_ids for row table {key!r}: indices must lie in "
                                 f"[0, {table.shape[0]}); got {int(ids.min())}..{int(ids.max())}")
     return ids.astype(np.int64, copy=False)
 
