@@ -215,23 +215,7 @@ class CallReader:
 
     @staticmethod
     def _check_priority(call, nkeys):
-        """Priorities become plain ints (numpy ints too); anything else is an input error."""
-        if "priority" not in call.settings:
-            return
-        priority = call.settings["priority"]
-
-        def ok(p):
-            return isinstance(p, numbers.Integral) and not isinstance(p, (bool, np.bool_))
-        if isinstance(priority, (list, tuple)):
-            if len(priority) == nkeys and all(ok(p) for p in priority):
-                call.settings["priority"] = [int(p) for p in priority]
-                return
-        elif ok(priority):
-            call.settings["priority"] = int(priority)
-            return
-        call.fail(errors.InputError, None, f"priority must be an int or one int per key "
-                  f"({nkeys} keys), not {priority!r}")
-        call.settings["priority"] = repr(priority)  # still JSON, still compared
+        check_priority(call, nkeys)
 
     def _check_item(self, call, item, value, out, new_keys, need_values, need_outs):
         key = item.key
@@ -249,12 +233,64 @@ class CallReader:
             if known is not None:
                 item.shape, item.dtype = known
                 if item.values:
-                    _expect(key, "value", item.values[0], known)
+                    expect(key, "value", item.values[0], known)
             if need_outs:
                 item.outs = _arrays_of(out, key, "out", writable=True)
-                _expect(key, "out", item.outs[0], (item.shape, item.dtype))
+                expect(key, "out", item.outs[0], (item.shape, item.dtype))
         except errors.MPIKVError as exc:
             call.fail(type(exc), key, str(exc))
+
+
+def check_priority(call, nkeys):
+    """Priorities become plain ints (numpy ints too); anything else is an input error."""
+    if "priority" not in call.settings:
+        return
+    priority = call.settings["priority"]
+
+    def ok(p):
+        return isinstance(p, numbers.Integral) and not isinstance(p, (bool, np.bool_))
+    if isinstance(priority, (list, tuple)):
+        if len(priority) == nkeys and all(ok(p) for p in priority):
+            call.settings["priority"] = [int(p) for p in priority]
+            return
+    elif ok(priority):
+        call.settings["priority"] = int(priority)
+        return
+    call.fail(errors.InputError, None, f"priority must be an int or one int per key "
+              f"({nkeys} keys), not {priority!r}")
+    call.settings["priority"] = repr(priority)  # still JSON, still compared
+
+
+def read_keys(call, keys, store_key_type):
+    """The keys of a call the general reader does not read (the row tables'), checked
+    by its rules: each an int or str (bools refused), none twice, all of one type and
+    of the store's (``store_key_type``: int, str or None). Failures go on ``call``.
+
+    Returns:
+        the keys that read, normalized, in the caller's order (``call.user_keys``).
+    """
+    seen, types = set(), set()
+    for raw in keys:
+        try:
+            k = normalize_key(raw)
+        except errors.KeyTypeError as exc:
+            call.fail(errors.KeyTypeError, None, str(exc))
+            continue
+        types.add(type(k))
+        if k in seen:
+            call.fail(errors.InputError, k, f"key {k!r} appears more than once in one call")
+            continue
+        seen.add(k)
+        call.user_keys.append(k)
+    # As the general reader: mixed key types explain the per-key errors, so come first.
+    if len(types) > 1:
+        call.errors.insert(0, (errors.KeyTypeError.__name__, None,
+                               "mixed int and str keys are not allowed"))
+    elif types and store_key_type not in (None, *types):
+        call.errors.insert(0, (errors.KeyTypeError.__name__, None,
+                               f"mixed key types are not allowed: this store has "
+                               f"{store_key_type.__name__} keys"))
+    return call.user_keys
 
 
 class _KnownList:
@@ -319,7 +355,9 @@ def plain_fits(array, shape, dtype, written):
             and (not written or array.flags.writeable))
 
 
-def _expect(key, what, array, shape_dtype):
+def expect(key, what, array, shape_dtype):
+    """Raises ShapeError or DTypeError unless ``array`` has ``shape_dtype``, the key's
+    ``(shape, dtype)``."""
     shape, dtype = shape_dtype
     if array.shape != tuple(shape):
         raise errors.ShapeError(f"{what} for key {key!r} has shape {array.shape}, "

@@ -1,8 +1,62 @@
 """``RowSparse``: some rows of an array, as MXNet's ``RowSparseNDArray`` holds them."""
 
+import numbers
+
 import numpy as np
 
 from .. import errors
+
+
+def _is_int(d):
+    return isinstance(d, numbers.Integral) and not isinstance(d, (bool, np.bool_))
+
+
+def read_shape(shape, what="shape"):
+    """``shape`` as a tuple of ints, each at least 0 (an int is one axis).
+
+    Raises:
+        ShapeError: anything else (``('x', 4)``, ``(2.5,)``, a negative length).
+    """
+    dims = (shape,) if _is_int(shape) else shape
+    try:
+        dims = tuple(dims)
+    except TypeError:
+        dims = None
+    if dims is None or not all(_is_int(d) and d >= 0 for d in dims):
+        raise errors.ShapeError(f"{what} {shape!r} is not a tuple of non-negative ints")
+    return tuple(int(d) for d in dims)
+
+
+def read_parts(indices, data, shape):
+    """``(indices, data, shape)`` of a :class:`RowSparse`, checked: int64 indices (a
+    view where they are int64 already), the data as an array, the shape a tuple.
+
+    Raises:
+        ShapeError: the parts do not fit together, or an index is out of range.
+        ValueTypeError: the indices are not 1-D integers, or the data not an array.
+    """
+    shape = read_shape(shape, "a RowSparse array's shape")
+    try:
+        indices = np.asarray(indices)
+    except Exception as exc:  # noqa: BLE001 - ragged lists: numpy's ValueError
+        raise errors.ValueTypeError(f"RowSparse indices must be a 1-D array of integers "
+                                    f"({type(exc).__name__}: {exc})") from None
+    try:
+        data = np.asarray(data)
+    except Exception as exc:  # noqa: BLE001
+        raise errors.ValueTypeError(f"RowSparse data is not an array "
+                                    f"({type(exc).__name__}: {exc})") from None
+    if len(shape) < 1:
+        raise errors.ShapeError("a RowSparse array has rows: its shape has at least one axis")
+    if indices.ndim != 1 or not (indices.size == 0 or np.issubdtype(indices.dtype, np.integer)):
+        raise errors.ValueTypeError("RowSparse indices must be a 1-D array of integers")
+    if data.shape != (indices.size, *shape[1:]):
+        raise errors.ShapeError(f"RowSparse data has shape {data.shape}; {indices.size} rows "
+                                f"of {shape[1:]} make {(indices.size, *shape[1:])}")
+    if indices.size and (indices.min() < 0 or indices.max() >= shape[0]):
+        raise errors.ShapeError(f"RowSparse indices must lie in [0, {shape[0]}); got "
+                                f"{int(indices.min())}..{int(indices.max())}")
+    return indices.astype(np.int64, copy=False), data, shape
 
 
 class RowSparse:
@@ -18,26 +72,15 @@ class RowSparse:
     Raises:
         ShapeError: the parts do not fit together, or an index is out of range.
         ValueTypeError: the indices are not 1-D integers.
+
+    The store checks the parts again at each call (:func:`read_parts`): indices the
+    caller changed since are refused there, never dropped.
     """
 
     __slots__ = ("indices", "data", "shape")
 
     def __init__(self, indices, data, shape):
-        shape = tuple(int(d) for d in shape)
-        indices = np.asarray(indices)
-        data = np.asarray(data)
-        if len(shape) < 1:
-            raise errors.ShapeError("a RowSparse array has rows: its shape has at least one axis")
-        if indices.ndim != 1 or not (indices.size == 0 or np.issubdtype(indices.dtype, np.integer)):
-            raise errors.ValueTypeError("RowSparse indices must be a 1-D array of integers")
-        if data.shape != (indices.size, *shape[1:]):
-            raise errors.ShapeError(f"RowSparse data has shape {data.shape}; {indices.size} rows "
-                                    f"of {shape[1:]} make {(indices.size, *shape[1:])}")
-        if indices.size and (indices.min() < 0 or indices.max() >= shape[0]):
-            raise errors.ShapeError(f"RowSparse indices must lie in [0, {shape[0]}); got "
-                                    f"{int(indices.min())}..{int(indices.max())}")
-        self.indices = indices.astype(np.int64, copy=False)
-        self.data, self.shape = data, shape
+        self.indices, self.data, self.shape = read_parts(indices, data, shape)
 
     @property
     def dtype(self):
@@ -152,4 +195,4 @@ def sum_rows(ids, data, bound):
     return unique, out.reshape(starts.size, *data.shape[1:])
 
 
-__all__ = ["RowSparse", "sum_rows", "unique_ids", "sort_ids"]
+__all__ = ["RowSparse", "read_parts", "read_shape", "sum_rows", "unique_ids", "sort_ids"]

@@ -14,10 +14,13 @@ holds and gets them back the same way. No rank ever holds the whole table.
 import numpy as np
 
 from .. import errors
-from ..calls.reader import Call
+from ..arrays.values import check_dtype
+from ..calls.reader import Call, Item, check_priority, expect, read_keys
+from ..dtypes import is_floating
+from ..keys import is_key, normalize_key
 from ..optimizer.base import COUNT
-from ..core.plan import split_bounds
-from .rowsparse import RowSparse, sum_rows, unique_ids
+from ..core.plan import sort_key, split_bounds
+from .rowsparse import RowSparse, read_parts, read_shape, sum_rows, unique_ids
 
 
 class RowTable:
@@ -73,18 +76,22 @@ class RowTables:
 
         Raises:
             ShapeError: ``init`` gave another shape than the block's.
+            DTypeError: ``init`` gave values the table does not take (see :func:`takes`).
         """
         t = self.transport
         table = RowTable(shape, dtype, t.rank, t.size, row_sparse_weight)
-        if callable(init):
-            rows = np.asarray(init(table.lo, table.hi))
-            if rows.shape != table.block.shape:
-                raise errors.ShapeError(f"the row table's initializer gave shape {rows.shape} "
-                                        f"for rows {table.lo}..{table.hi}, not "
-                                        f"{table.block.shape}")
-            table.block[...] = rows
-        elif init is not None:
-            table.block[...] = init
+        if init is None:
+            return table
+        rows = np.asarray(init(table.lo, table.hi) if callable(init) else init)
+        if not takes(table.dtype, rows.dtype):
+            raise errors.DTypeError(f"the initializer gave {rows.dtype} values; the table "
+                                    f"is {table.dtype} and takes "
+                                    f"{_KINDS[is_floating(table.dtype)]}")
+        if callable(init) and rows.shape != table.block.shape:
+            raise errors.ShapeError(f"the row table's initializer gave shape {rows.shape} "
+                                    f"for rows {table.lo}..{table.hi}, not "
+                                    f"{table.block.shape}")
+        table.block[...] = rows
         return table
 
     def install(self, key, table):
@@ -92,14 +99,24 @@ class RowTables:
         self.tables[key] = table
 
     # -- the store's calls: checked here, run by the protocol -----------------------------
+    # Each call reads its arguments as the general reader does (mpikv.calls.reader): a bad
+    # one fails the Call, never raises, so every rank learns of it at the agreement and
+    # raises the same error, with nothing applied.
+    def key_type(self):
+        """The type of the row tables' keys (int or str), None while there are none."""
+        return type(next(iter(self.tables))) if self.tables else None
+
+    def _store_key_type(self, engine):
+        return engine.key_type or self.key_type()
+
     def is_rows_call(self, key, value):
         """Whether a push goes to row tables: a RowSparse value, or a row table's key."""
         keys = key if isinstance(key, (list, tuple)) else [key]
         values = value if isinstance(value, (list, tuple)) else [value]
         return any(isinstance(v, RowSparse) for v in values) or any(
-            isinstance(k, (int, str)) and k in self for k in keys)
+            is_key(k) and k in self for k in keys)
 
-    def init_call(self, key, shape, dtype, init, row_sparse_weight, lookup):
+    def init_call(self, key, shape, dtype, init, row_sparse_weight, engine):
         """Creates a row table: ``key``'s rows live on their owners only.
 
         Rank ``r`` owns the ``r``-th of ``num_workers`` near-equal blocks of rows
@@ -108,38 +125,58 @@ class RowTables:
         :meth:`~mpikv.KVStore.row_sparse_pull`. Collective.
 
         Args:
-            key: a new key (int or str, as the store's other keys).
-            shape: the whole table's shape (rows first).
-            dtype: its dtype.
+            key: a new key (int or str, of the type of the store's other keys).
+            shape: the whole table's shape (rows first): a tuple of ints.
+            dtype: its dtype, one the store holds (float16, float32, float64,
+                int32, int64, bfloat16).
             init: ``init(first_row, stop_row)`` returning this rank's rows, a
-                number for every element, or None (zeros).
+                number for every element, or None (zeros). Its values must be of a
+                kind the table takes (no complex numbers for a float table, no
+                floats for an integer one): nothing is cast with a loss unseen.
             row_sparse_weight: the value is row-sparse, as an MXNet
                 ``row_sparse`` weight: an optimizer whose MXNet kernel for such
                 weights steps only the rows present (Ftrl) does so here too.
 
         Returns ``(call, action)`` for :meth:`mpikv.store.protocol.Protocol.collective`;
-        ``lookup`` is the dense keys' ``key -> (shape, dtype) or None``.
+        ``engine`` is the store's :class:`mpikv.core.engine.Engine` (its dense keys).
         """
         call = Call("init_rows")
-        shape = tuple(int(d) for d in np.atleast_1d(shape))
-        call.settings.update(key=repr(key), shape=str(shape), dtype=str(np.dtype(dtype)),
-                             row_sparse_weight=str(bool(row_sparse_weight)))
-        table = None
-        if key in self or lookup(key) is not None:
-            call.fail(errors.DuplicateInitError, key, f"key {key!r} is already initialised")
-        elif not shape or min(shape) < 0:
-            call.fail(errors.ShapeError, key, f"a row table needs rows: shape {shape}")
-        else:   # this rank's rows first: an initializer that fails fails every rank
-            try:
-                table = self.make(shape, dtype, init, row_sparse_weight)
-            except errors.MPIKVError as exc:
-                call.fail(type(exc), key, f"row table {key!r}: {exc}")
-            except Exception as exc:  # noqa: BLE001 - the user's initializer
-                call.fail(errors.InputError, key, f"the initializer of row table {key!r} "
-                          f"raised {type(exc).__name__}: {exc}")
-        return call, lambda: self.install(key, table)
+        made = []
+        try:
+            self._read_init(call, key, shape, dtype, init, row_sparse_weight, engine, made)
+        except Exception as exc:  # noqa: BLE001 - nothing may escape before the ranks agree
+            call.fail(errors.InputError, None, f"its arguments cannot be read "
+                      f"({type(exc).__name__}: {exc})")
+        return call, lambda: self.install(*made)
 
-    def pull_call(self, key, out, row_ids):
+    def _read_init(self, call, key, shape, dtype, init, row_sparse_weight, engine, made):
+        keys = read_keys(call, [key], self._store_key_type(engine))
+        call.settings["row_sparse_weight"] = bool(row_sparse_weight)
+        key = keys[0] if keys else None
+        if key is not None and (key in self or engine.lookup(key) is not None):
+            # (first, as the general reader's init: whatever else is wrong)
+            call.fail(errors.DuplicateInitError, key, f"key {key!r} is already initialised")
+            return
+        try:
+            shape = read_shape(shape, "shape")
+            if not shape:
+                raise errors.ShapeError("a row table has rows: its shape has at least one axis")
+            dtype = _read_dtype(dtype)
+        except errors.MPIKVError as exc:
+            call.fail(type(exc), key, f"row table {key!r}: {exc}")
+            return
+        if key is None:
+            return
+        call.items = [Item(key, shape=shape, dtype=dtype)]
+        try:   # this rank's rows first: an initializer that fails fails every rank
+            made.extend([key, self.make(shape, dtype, init, row_sparse_weight)])
+        except errors.MPIKVError as exc:
+            call.fail(type(exc), key, f"row table {key!r}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - the user's initializer
+            call.fail(errors.InputError, key, f"the initializer of row table {key!r} "
+                      f"raised {type(exc).__name__}: {exc}")
+
+    def pull_call(self, key, out, row_ids, priority, engine):
         """Copies rows ``row_ids`` of ``key`` into ``out``; only they are fetched.
 
         As MXNet's: ids may repeat and come in any order. Collective (every rank
@@ -147,73 +184,125 @@ class RowTables:
 
         Args:
             key: a row table's key.
-            out: None, a :class:`~mpikv.RowSparse` (it gets the rows, each id
-                once, in increasing order) or a dense array of the table's shape
-                (those rows filled, the others zeroed).
+            out: None, a :class:`~mpikv.RowSparse` of the table's shape and dtype (it
+                gets the rows, each id once, in increasing order) or a writable numpy
+                array of the table's shape and dtype (those rows filled, the others
+                zeroed): as for ``pull``, nothing is cast.
             row_ids: 1-D integers in ``[0, rows)``.
-            priority: accepted for MXNet compatibility.
+            priority: an int, the same on every rank (accepted for MXNet compatibility).
+            engine: the store's :class:`mpikv.core.engine.Engine`.
 
         Returns:
             the rows as a :class:`~mpikv.RowSparse` (``out`` itself if given one).
 
         Returns ``(call, action)`` for :meth:`mpikv.store.protocol.Protocol.collective`.
         """
-        call = Call("row_sparse_pull")
-        call.settings.update(key=repr(key))
+        call = Call("row_sparse_pull", settings={"priority": priority})
+        read = []
+        try:
+            self._read_pull(call, key, out, row_ids, engine, read)
+        except Exception as exc:  # noqa: BLE001 - nothing may escape before the ranks agree
+            call.fail(errors.InputError, None, f"its arguments cannot be read "
+                      f"({type(exc).__name__}: {exc})")
+        return call, lambda: _fill(out, self.pull((call.op, call.keys), *read))
+
+    def _read_pull(self, call, key, out, row_ids, engine, read):
+        check_priority(call, 1)
+        keys = read_keys(call, [key], self._store_key_type(engine))
+        if not keys:
+            return
+        key = keys[0]
         table = self.tables.get(key)
-        ids = None
         if table is None:
             call.fail(errors.UnknownKeyError, key, f"{key!r} is not a row table "
                       f"(make it with init_rows)")
-        else:
-            try:
-                ids = np.asarray([] if row_ids is None else row_ids)
-                # (the ids' checks only: rows that read as zeros, with no memory)
-                RowSparse(ids.reshape(-1), np.broadcast_to(np.zeros((), table.dtype),
-                                                           (ids.size, *table.shape[1:])),
-                          table.shape)
-                if out is not None and not isinstance(out, RowSparse) and (
-                        not isinstance(out, np.ndarray) or out.shape != table.shape):
-                    raise errors.ShapeError(f"out must be a RowSparse or an array of the "
-                                            f"table's shape {table.shape}")
-            except errors.MPIKVError as exc:
-                call.fail(type(exc), key, str(exc))
-        return call, lambda: _fill(out, self.pull((call.op, [key]), key, ids))
+            return
+        call.items = [Item(key, shape=table.shape, dtype=table.dtype)]
+        try:
+            ids = _read_ids(key, row_ids, table)
+            _check_out(key, out, table)
+        except errors.MPIKVError as exc:
+            call.fail(type(exc), key, str(exc))
+            return
+        read.extend([key, ids])
 
-    def push_call(self, key, value, engine):
+    def push_call(self, key, value, engine, priority=0):
         """A push to row tables, checked, and its action: each row to its owner.
+
+        Every rule of a dense push holds (keys, one value per key, the priority, the
+        updater and optimizer agreed), and each value is read again here, however it
+        was changed since it was made: a :class:`~mpikv.RowSparse` of the table's
+        shape, its indices in range, its rows of a dtype the store holds and of a
+        kind the table takes (no complex rows into a float table: as ``push``, they
+        are refused, not cast).
 
         Args:
             engine: the store's :class:`mpikv.core.engine.Engine` (updater, optimizer, owners).
         """
-        keys = list(key) if isinstance(key, (list, tuple)) else [key]
-        values = list(value) if isinstance(value, (list, tuple)) else [value]
-        call = Call("push_rows")
-        call.settings.update(keys=repr(keys), updater=engine.updater_kind)
+        call = Call("push_rows", settings={"priority": priority,
+                                           "updater": engine.updater_kind})
         if engine.optimizer is not None:
             call.settings["optimizer"] = engine.optimizer.get_config()
-        if len(keys) != len(values):
-            call.fail(errors.InputError, None, f"{len(keys)} keys but {len(values)} values")
-        for k, v in zip(keys, values):
-            table = self.tables.get(k)
-            if table is None:
-                call.fail(errors.UnknownKeyError, k, f"{k!r} is not a row table (make it with "
-                          f"init_rows; dense keys take dense pushes)")
-            elif not isinstance(v, RowSparse):
-                call.fail(errors.ValueTypeError, k, f"row table {k!r} takes a RowSparse push, "
-                          f"not {type(v).__name__}")
-            elif v.shape != table.shape:
-                call.fail(errors.ShapeError, k, f"the push has shape {v.shape}; row table {k!r} "
-                          f"has {table.shape}")
+        read = {}   # key -> its checked (indices, data)
+        try:
+            self._read_push(call, key, value, engine, read)
+        except Exception as exc:  # noqa: BLE001 - nothing may escape before the ranks agree
+            call.fail(errors.InputError, None, f"its arguments cannot be read "
+                      f"({type(exc).__name__}: {exc})")
         owners = engine.owners
-        return call, lambda: [self.push((call.op, [k]), k, v, owners)
-                              for k, v in zip(keys, values)]
+        # In the canonical key order: the same exchanges, in the same order, on every rank.
+        return call, lambda: [self.push((call.op, [k]), k, *read[k], owners)
+                              for k in call.keys]
+
+    def _read_push(self, call, key, value, engine, read):
+        keys = list(key) if isinstance(key, (list, tuple)) else [key]
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        check_priority(call, len(keys))
+        if len(keys) != len(values):
+            call.fail(errors.InputError, None, f"{len(keys)} keys but {len(values)} value "
+                      f"entries; give one entry per key")
+            return
+        known = read_keys(call, keys, self._store_key_type(engine))
+        by_key = {}
+        for raw, v in zip(keys, values):
+            try:
+                by_key.setdefault(normalize_key(raw), v)
+            except errors.KeyTypeError:
+                pass   # (failed by read_keys)
+        items = []
+        for k in known:
+            v = by_key[k]
+            table = self.tables.get(k)
+            try:
+                if table is None:
+                    raise errors.UnknownKeyError(f"{k!r} is not a row table (make it with "
+                                                 f"init_rows; dense keys take dense pushes)")
+                items.append(Item(k, shape=table.shape, dtype=table.dtype))
+                read[k] = _read_rows(k, v, table)
+                if engine.optimizer is not None and not is_floating(table.dtype):
+                    raise errors.OptimizerError(f"row table {k!r} holds integers; optimizers "
+                                                f"update floating-point values only")
+            except errors.MPIKVError as exc:
+                call.fail(type(exc), k, str(exc))
+        call.items = sorted(items, key=lambda item: sort_key(item.key))
+        priority = call.settings.get("priority")
+        if isinstance(priority, list) and not call.errors:
+            of = dict(zip(call.user_keys, priority))
+            call.settings["priority"] = [of[item.key] for item in call.items]
 
     def refuse_tables(self, call):
-        """Fails a dense ``init`` of keys that are row tables."""
+        """Fails a dense ``init`` or ``broadcast`` of keys that are row tables, or of
+        keys of another type than the row tables' (the general reader knows only the
+        dense keys' type)."""
         for k in call.keys:
             if k in self:
                 call.fail(errors.DuplicateInitError, k, f"key {k!r} is a row table already")
+        mine = self.key_type()
+        if mine is not None and any(type(k) is not mine for k in call.keys) and not any(
+                e[2].startswith("mixed") for e in call.errors):
+            call.errors.insert(0, (errors.KeyTypeError.__name__, None,
+                                   f"mixed key types are not allowed: this store has "
+                                   f"{mine.__name__} keys"))
 
     # -- the exchange --------------------------------------------------------------------
     def _counts(self, what, table, sorted_ids):
@@ -237,8 +326,9 @@ class RowTables:
                                  recv.reshape(-1), rcounts, rdispls, what)
         return recv
 
-    def push(self, what, key, rows, owners):
-        """Sends ``rows`` (a RowSparse) to their owners and applies them there.
+    def push(self, what, key, indices, data, owners):
+        """Sends rows ``indices`` (checked: 1-D int64 in range), ``data[i]`` row
+        ``indices[i]``, to their owners and applies them there.
 
         Args:
             owners: the store's :class:`~mpikv.core.owners.Owners` (its updater or optimizer).
@@ -246,8 +336,7 @@ class RowTables:
         table = self.tables[key]
         # In the table's dtype (every rank sends the same), each rank's repeats added
         # before sending (fewer bytes); the summed ids increase: grouped by owner.
-        ids, data = sum_rows(rows.indices, rows.data.astype(table.dtype, copy=False),
-                             table.shape[0])
+        ids, data = sum_rows(indices, data.astype(table.dtype, copy=False), table.shape[0])
         counts, got = self._counts(what, table, ids)
         came = self._exchange(what, ids, counts, got)
         if table.lo:
@@ -268,6 +357,90 @@ class RowTables:
             asked -= table.lo
         rows = self._exchange(what, table.block[asked], got, counts, table.row_size)
         return RowSparse(wanted, rows, table.shape)
+
+
+def _read_dtype(dtype):
+    """``dtype`` as a numpy dtype the store holds; DTypeError otherwise."""
+    try:
+        dtype = np.dtype(dtype)
+    except Exception as exc:  # noqa: BLE001 - np.dtype('nope'): numpy's TypeError
+        raise errors.DTypeError(f"dtype {dtype!r} is not a dtype ({exc})") from None
+    check_dtype(dtype, "the table")
+    return dtype
+
+
+def takes(table_dtype, dtype):
+    """Whether a table of ``table_dtype`` takes values of ``dtype`` (cast to its own):
+    real numbers into a floating-point table, integers (or bools) into an integer one.
+    Complex values (their imaginary parts), strings and objects are refused."""
+    dtype = np.dtype(dtype)
+    if is_floating(table_dtype):
+        return dtype.kind in "biuf" or is_floating(dtype)
+    return dtype.kind in "biu"
+
+
+def _read_rows(key, rows, table):
+    """The checked ``(indices, data)`` of a push of ``rows`` to ``table`` (read again
+    here: the caller may have changed the RowSparse since it was made)."""
+    if not isinstance(rows, RowSparse):
+        raise errors.ValueTypeError(f"row table {key!r} takes a RowSparse push, "
+                                    f"not {type(rows).__name__}")
+    try:
+        indices, data, shape = read_parts(rows.indices, rows.data, rows.shape)
+    except errors.MPIKVError as exc:
+        raise type(exc)(f"the rows pushed to row table {key!r}: {exc}") from None
+    if shape != table.shape:
+        raise errors.ShapeError(f"the push has shape {shape}; row table {key!r} "
+                                f"has {table.shape}")
+    check_dtype(data.dtype, f"the data of the RowSparse pushed to row table {key!r}")
+    if not takes(table.dtype, data.dtype):
+        raise errors.DTypeError(f"the data of the RowSparse pushed to row table {key!r} has "
+                                f"dtype {data.dtype}; the table is {table.dtype} and takes "
+                                f"{_KINDS[is_floating(table.dtype)]} (nothing is cast with "
+                                f"a loss unseen)")
+    return indices, data
+
+
+def _read_ids(key, row_ids, table):
+    """``row_ids`` of a ``row_sparse_pull``, checked: a flat int64 copy (the caller's
+    ids cannot change under the call)."""
+    try:
+        ids = np.array([] if row_ids is None else row_ids, copy=True).reshape(-1)
+    except Exception as exc:  # noqa: BLE001 - a ragged list: numpy's ValueError
+        raise errors.ValueTypeError(f"row_ids for row table {key!r} are not an array of "
+                                    f"integers ({type(exc).__name__}: {exc})") from None
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise errors.ValueTypeError(f"row_ids for row table {key!r} must be integers, "
+                                    f"not {ids.dtype}")
+    if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
+        raise errors.ShapeError(f"row_ids for row table {key!r}: indices must lie in "
+                                f"[0, {table.shape[0]}); got {int(ids.min())}..{int(ids.max())}")
+    return ids.astype(np.int64, copy=False)
+
+
+#: what a table takes, by whether it is floating-point (for messages)
+_KINDS = {True: "real numbers", False: "integers"}
+
+
+def _check_out(key, out, table):
+    """Refuses an ``out`` of ``row_sparse_pull`` that is not a writable numpy array or a
+    RowSparse of the table's shape and dtype (as ``pull``'s out: nothing is cast)."""
+    if out is None:
+        return
+    if isinstance(out, RowSparse):
+        if tuple(out.shape) != table.shape:
+            raise errors.ShapeError(f"out for key {key!r} has shape {tuple(out.shape)}, "
+                                    f"the row table has shape {table.shape}")
+        if np.dtype(out.dtype) != table.dtype:
+            raise errors.DTypeError(f"out for key {key!r} has dtype {out.dtype}, "
+                                    f"the row table has dtype {table.dtype}")
+        return
+    if not isinstance(out, np.ndarray):
+        raise errors.ValueTypeError(f"out for key {key!r} is a {type(out).__name__}, not a "
+                                    f"RowSparse or a numpy array")
+    if not out.flags.writeable:
+        raise errors.ValueTypeError(f"out for key {key!r} is read-only")
+    expect(key, "out", out, (table.shape, table.dtype))
 
 
 def _fill(out, rows):
@@ -402,4 +575,4 @@ def _lazy(opt, table):
         table.row_sparse_weight and bool(getattr(opt, "lazy_on_row_sparse_weights", False)))
 
 
-__all__ = ["RowTable", "RowTables", "part_entries", "describe", "stage", "install"]
+__all__ = ["RowTable", "RowTables", "takes", "part_entries", "describe", "stage", "install"]

@@ -175,7 +175,7 @@ class KVStore(ClosesAfterWith):
                 higher priority move first. Must be the same on every rank.
         """
         if self._rows.is_rows_call(key, value):
-            self._protocol.collective(*self._rows.push_call(key, value, self._engine))
+            self._protocol.collective(*self._rows.push_call(key, value, self._engine, priority))
             return
         if not self._protocol.one_key("push", key, value, None, priority,
                                       lambda: self._push_call("push", key, value, priority)):
@@ -231,15 +231,15 @@ class KVStore(ClosesAfterWith):
         ``r``-th block); collective. See :meth:`mpikv.rows.tables.RowTables.init_call`.
         """
         self._protocol.collective(*self._rows.init_call(key, shape, dtype, init,
-                                                        row_sparse_weight, self._engine.lookup))
+                                                        row_sparse_weight, self._engine))
 
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
         """Copies rows ``row_ids`` of ``key`` into ``out`` and returns them as a
         :class:`~mpikv.RowSparse`; collective, each rank with its own ids. See
         :meth:`mpikv.rows.tables.RowTables.pull_call`.
         """
-        del priority
-        return self._protocol.collective(*self._rows.pull_call(key, out, row_ids))
+        return self._protocol.collective(*self._rows.pull_call(key, out, row_ids, priority,
+                                                               self._engine))
 
     def wait(self, handle=None):
         """Waits for a handle, a list of handles, or (``None``) every call made so far."""
@@ -251,6 +251,7 @@ class KVStore(ClosesAfterWith):
         """:meth:`init` with rank 0's ``value``, then :meth:`pull` into ``out``."""
         call = self._read("broadcast", key, value, out, new_keys=True, need_values=True,
                           need_outs=True, settings={"priority": priority})
+        self._rows.refuse_tables(call)
         def run():
             self._engine.init(call.op, call.items)
             self._engine.pull(call.op, call.items)

@@ -9,6 +9,14 @@ dtypes, some split over the owners. Keys repeat, so the remembered routes
 reader. Now and then one rank, or every rank, makes the call bad: a read-only
 or wrong-shape output, a wrong dtype, an unknown key, a key initialised twice.
 
+Row tables too: ``init_rows`` (made twice, or over a dense key), pushes of
+:class:`mpikv.RowSparse` rows (repeats, empty pushes, key lists in another order
+on odd ranks) and ``row_sparse_pull`` (into None, a dense out or a RowSparse), with
+their own bad inputs on a random rank (``ROW_FAULTS``: a bad shape, dtype or key,
+complex or string rows, an id changed after the RowSparse was made, ragged ids, a
+float64 or read-only out...); the tables are compared with a numpy model of the
+whole table after every step.
+
 After every step:
 
 - every rank raised the same error (class and message) or none did, and a
@@ -80,6 +88,40 @@ FAULTS = {
     "unknown key": errors.UnknownKeyError,
 }
 
+#: row tables: (shape, dtype). Key 10 is made at the start, the others by the steps
+#: (or made twice); their keys are ints, as the dense keys.
+ROW_TABLES = {10: ((9, 3), np.float32), 11: ((5, 2), np.float64), 12: ((6,), np.int32)}
+
+#: each bad input of a row call and the error every rank must raise for it
+ROW_FAULTS = {
+    "init_rows": {
+        "shape ('x', 4)": errors.ShapeError,
+        "dtype 'nope'": errors.DTypeError,
+        "complex128 table": errors.DTypeError,
+        "object table": errors.DTypeError,
+        "key 10.5": errors.KeyTypeError,
+        "key True": errors.KeyTypeError,
+        "str key": errors.KeyTypeError,
+        "complex initializer": errors.DTypeError,
+    },
+    "push": {
+        "complex rows": errors.DTypeError,
+        "rows of strings": errors.DTypeError,
+        "id changed after construction": errors.ShapeError,
+        "wrong shape": errors.ShapeError,
+        "unknown table": errors.UnknownKeyError,
+        "dense value": errors.ValueTypeError,
+        "key 10.5": errors.KeyTypeError,
+    },
+    "row_sparse_pull": {
+        "ragged ids": errors.ValueTypeError,
+        "id out of range": errors.ShapeError,
+        "wrong out dtype": errors.DTypeError,
+        "read-only output": errors.ValueTypeError,
+        "key True": errors.KeyTypeError,
+    },
+}
+
 _PHASES = (Phase.explicit, Phase.generate, Phase.shrink)
 PROFILES = {
     "ci": dict(max_examples=80, stateful_step_count=40, phases=_PHASES),
@@ -107,6 +149,14 @@ class _Shape:
 
 def _add(key, value, stored):
     stored += value
+
+
+def _first_rows(meta):
+    """A row table's initializer: row ``i`` holds ``i`` (each element)."""
+    shape, dtype = meta
+    return lambda lo, hi: np.broadcast_to(
+        np.arange(lo, hi).reshape(-1, *[1] * (len(shape) - 1)), (hi - lo, *shape[1:])
+    ).astype(dtype)
 
 
 def _full(shape, dtype, fill):
@@ -141,6 +191,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.aliased = False
         self.handles = []
         self.last = None   # the _Shape of the last call that succeeded
+        self.rows = {}     # row table key -> the whole table, as every rank must pull it
 
     # -- what every step shares ---------------------------------------------------
     def _value(self, key, fill, form):
@@ -216,6 +267,8 @@ class StoreMachine(RuleBasedStateMachine):
         keys = list(KEYS)
         self.kv.init(keys, [_full(*KEYS[k], 1 + self.rank) for k in keys])
         self.model = {k: _full(*KEYS[k], 1) for k in keys}
+        self.kv.init_rows(10, *ROW_TABLES[10], init=_first_rows(ROW_TABLES[10]))
+        self.rows[10] = _first_rows(ROW_TABLES[10])(0, ROW_TABLES[10][0][0])
 
     def teardown(self):
         if self.kv is not None:
@@ -380,6 +433,165 @@ class StoreMachine(RuleBasedStateMachine):
         self.aliased = False   # the store copies aliased values back into its own memory
         self.adds = adds
 
+    # -- row tables: init_rows, push of RowSparse, row_sparse_pull ----------------------
+    def _row_fault(self, draw, op):
+        """``(fault, where)`` of a row call: a bad input (or None) and the bad rank (or
+        "every")."""
+        fault = draw(st.one_of(st.none(), st.none(), st.sampled_from(sorted(ROW_FAULTS[op]))))
+        where = draw(st.one_of(st.integers(0, 3), st.just("every"))) if fault else None
+        return fault, (where % self.size if isinstance(where, int) else where)
+
+    def _first_error(self, fault, where, op, own):
+        """The error class every rank must raise: the lowest failing rank's first error.
+        ``own`` is what a good rank's call raises (None: nothing)."""
+        for rank in range(self.size):
+            bad = fault is not None and (where == "every" or where == rank)
+            found = own(rank, bad)
+            if found is not None:
+                return found
+        return None
+
+    @rule(data=st.data(), key=st.sampled_from(sorted(ROW_TABLES) + [1]))
+    def init_rows(self, data, key):
+        """A new row table (or one made twice, or a dense key's), maybe bad on some rank."""
+        fault, where = self._row_fault(data.draw, "init_rows")
+        shape, dtype = ROW_TABLES.get(key, ((4, 2), np.float32))
+        exists = key in self.rows or key in self.model
+        args = dict(key=key, shape=shape, dtype=dtype, init=_first_rows((shape, dtype)))
+        if fault and self._bad_here(where):
+            changes = {"shape ('x', 4)": dict(shape=("x", 4)), "dtype 'nope'": dict(dtype="nope"),
+                       "complex128 table": dict(dtype=np.complex128),
+                       "object table": dict(dtype=object), "key 10.5": dict(key=10.5),
+                       "key True": dict(key=True), "str key": dict(key="emb"),
+                       "complex initializer": dict(init=lambda lo, hi: np.full(
+                           (hi - lo, *shape[1:]), 1 + 2j))}
+            args.update(changes[fault])
+        key_fault = fault in ("key 10.5", "key True", "str key")
+
+        def own(rank, bad):
+            if bad and key_fault:
+                return errors.KeyTypeError
+            if exists:   # (checked before the shape and dtype, as a dense init's)
+                return errors.DuplicateInitError
+            return ROW_FAULTS["init_rows"][fault] if bad else None
+        expected = self._first_error(fault, where, "init_rows", own)
+        if not self._outcome(lambda: self.kv.init_rows(**args), expected):
+            self.rows[key] = _first_rows((shape, dtype))(0, shape[0])
+
+    def _row_value(self, key, ids, fill, rank):
+        """Rank ``rank``'s rows of a push to ``key``: ``ids`` shifted by the rank, each
+        row ``fill + rank``."""
+        shape, dtype = ROW_TABLES[key]
+        mine = (np.asarray(ids, np.int64) + rank) % shape[0]
+        return mine, np.full((mine.size, *shape[1:]), fill + rank, dtype)
+
+    @precondition(lambda self: self.rows)
+    @rule(data=st.data(), fill=st.integers(0, 3))
+    def push_rows(self, data, fill):
+        """A push of RowSparse rows to one table or a list of them (in any order on each
+        rank), repeats and empty pushes included, maybe bad on some rank."""
+        draw = data.draw
+        keys = draw(st.lists(st.sampled_from(sorted(self.rows)), min_size=1,
+                             max_size=len(self.rows), unique=True))
+        ids = {k: draw(st.lists(st.integers(0, ROW_TABLES[k][0][0] - 1), max_size=6))
+               for k in keys}
+        fault, where = self._row_fault(draw, "push")
+        which = draw(st.integers(0, len(keys) - 1))
+        one = len(keys) == 1 and draw(st.booleans())
+        order = list(keys)
+        if self.rank % 2:   # another order on odd ranks: the same call
+            order.reverse()
+        values = {}
+        for k in keys:
+            shape = ROW_TABLES[k][0]
+            values[k] = mpikv.RowSparse(*self._row_value(k, ids[k], fill, self.rank), shape)
+        call_keys = list(order)
+        if fault and self._bad_here(where):
+            k = keys[which]
+            shape, dtype = ROW_TABLES[k]
+            rows = values[k]
+            if fault == "complex rows":
+                values[k] = mpikv.RowSparse(rows.indices, rows.data.astype(np.complex64), shape)
+            elif fault == "rows of strings":
+                values[k] = mpikv.RowSparse(rows.indices, rows.data.astype(str), shape)
+            elif fault == "id changed after construction":
+                values[k] = mpikv.RowSparse(np.append(rows.indices, 0),
+                                            np.concatenate([rows.data, rows.data[:1] if
+                                                            rows.data.size else np.zeros(
+                                                                (1, *shape[1:]), dtype)]), shape)
+                values[k].indices[-1] = shape[0]   # after the RowSparse checked it
+            elif fault == "wrong shape":
+                values[k] = mpikv.RowSparse([], np.zeros((0, *shape[1:], 1), dtype),
+                                            (shape[0], *shape[1:], 1))
+            elif fault == "dense value":
+                values[k] = np.zeros(shape, dtype)
+            else:   # a key that is no row table, or no key at all
+                bad_key = 99 if fault == "unknown table" else 10.5
+                call_keys[call_keys.index(k)] = bad_key
+                values[bad_key] = values.pop(k)
+        key_arg = call_keys[0] if one else call_keys
+        value_arg = values[call_keys[0]] if one else [values[k] for k in call_keys]
+        expected = ROW_FAULTS["push"][fault] if fault else None
+        if self._outcome(lambda: self.kv.push(key_arg, value_arg), expected):
+            return
+        for k in keys:
+            table = self.rows[k]
+            grads = np.zeros(table.shape, np.float64)
+            touched = []
+            for r in range(self.size):
+                rid, rdata = self._row_value(k, ids[k], fill, r)
+                np.add.at(grads, rid, rdata)
+                touched.extend(rid.tolist())
+            touched = sorted(set(touched))
+            if self.adds:
+                table[touched] += grads[touched].astype(table.dtype)
+            else:
+                table[touched] = grads[touched]
+
+    @precondition(lambda self: self.rows)
+    @rule(data=st.data(), key=st.sampled_from(sorted(ROW_TABLES)),
+          out=st.sampled_from(["none", "dense", "rowsparse"]))
+    def row_sparse_pull(self, data, key, out):
+        """Rows of a table into ``out`` (each rank its own ids), maybe bad on some rank."""
+        draw = data.draw
+        if key not in self.rows:
+            key = sorted(self.rows)[0]
+        shape, dtype = ROW_TABLES[key]
+        ids = draw(st.lists(st.integers(0, shape[0] - 1), max_size=6))
+        ids = [(i + self.rank) % shape[0] for i in ids]
+        fault, where = self._row_fault(draw, "row_sparse_pull")
+        outs = {"none": lambda: None, "dense": lambda: np.full(shape, 7, dtype),
+                "rowsparse": lambda: mpikv.RowSparse([], np.zeros((0, *shape[1:]), dtype),
+                                                     shape)}
+        target, call_key, call_ids = outs[out](), key, ids
+        if fault and self._bad_here(where):
+            if fault == "ragged ids":
+                call_ids = [ids, [0], [0, 1]]   # (rows of 1 and 2 ids: ragged whatever ids is)
+            elif fault == "id out of range":
+                call_ids = ids + [shape[0]]
+            elif fault == "wrong out dtype":
+                target = np.zeros(shape, np.float64 if dtype != np.float64 else np.float32)
+            elif fault == "read-only output":
+                target = np.zeros(shape, dtype)
+                target.flags.writeable = False
+            else:
+                call_key = True
+        got = []
+        expected = ROW_FAULTS["row_sparse_pull"][fault] if fault else None
+        if self._outcome(lambda: got.append(self.kv.row_sparse_pull(
+                call_key, out=target, row_ids=call_ids)), expected):
+            return
+        table, want = self.rows[key], sorted(set(ids))
+        pairs = [("row_sparse_pull's ids", got[0].indices, np.asarray(want, np.int64)),
+                 ("row_sparse_pull's rows", got[0].data, table[want])]
+        if out == "dense":
+            dense = np.zeros(shape, dtype)
+            dense[want] = table[want]
+            pairs.append(("row_sparse_pull's out", target, dense))
+        elif out == "rowsparse":
+            pairs.append(("row_sparse_pull fills out", np.asarray(got[0] is target), True))
+        self._expect_equal(pairs)
+
     @invariant()
     def pulls_equal_model(self):
         if self.kv is None:
@@ -388,8 +600,11 @@ class StoreMachine(RuleBasedStateMachine):
         keys = sorted(self.model)
         outs = [np.zeros(*ALL_KEYS[k]) for k in keys]
         self.kv.pull(keys, out=outs)
-        self._expect_equal((f"pull of key {key}", out, self.model[key])
-                           for key, out in zip(keys, outs))
+        pairs = [(f"pull of key {key}", out, self.model[key]) for key, out in zip(keys, outs)]
+        for key in sorted(self.rows):
+            rows = self.kv.row_sparse_pull(key, row_ids=np.arange(ROW_TABLES[key][0][0]))
+            pairs.append((f"row_sparse_pull of row table {key}", rows.data, self.rows[key]))
+        self._expect_equal(pairs)
 
 
 def test_calls_agree_and_match_model(comm):

@@ -274,6 +274,10 @@ def test_row_sparse_checks_its_parts():
         mpikv.RowSparse([5], np.zeros((1, 3)), (5, 3))
     with pytest.raises(mpikv.ValueTypeError, match="1-D array of integers"):
         mpikv.RowSparse([0.5], np.zeros((1, 3)), (5, 3))
+    with pytest.raises(mpikv.ValueTypeError, match="1-D array of integers"):
+        mpikv.RowSparse([[0, 1], [2]], np.zeros((3, 3)), (5, 3))   # ragged
+    with pytest.raises(mpikv.ShapeError, match=r"shape \('x', 3\) is not a tuple"):
+        mpikv.RowSparse([0], np.zeros((1, 3)), ("x", 3))
     rows = mpikv.RowSparse([4, 1, 4], np.arange(9.0).reshape(3, 3), (5, 3)).summed()
     assert rows.indices.tolist() == [1, 4]
     np.testing.assert_array_equal(rows.data, [[3, 4, 5], [6, 8, 10]])

@@ -28,23 +28,31 @@ def _failures(call):
 
 
 class _Engine:
-    """What a row push reads of the engine: the updater and optimizer (none here)."""
+    """What a row call reads of the engine: the updater and optimizer (none here), the
+    dense keys (``dense``: key -> (shape, dtype)) and their type."""
     updater_kind = None
     optimizer = None
     owners = None
+    key_type = None
+
+    def __init__(self, dense=None):
+        self.dense = dense or {}
+
+    def lookup(self, key):
+        return self.dense.get(key)
 
 
 def test_init_call_checks_the_key_and_shape_and_installs_on_the_action():
     tables = _tables()
-    call, action = tables.init_call("emb", (4, 2), np.float32, 1.5, False, lambda k: None)
+    call, action = tables.init_call("emb", (4, 2), np.float32, 1.5, False, _Engine())
     assert call.errors == [] and "emb" not in tables
-    assert call.settings == {"key": "'emb'", "shape": "(4, 2)", "dtype": "float32",
-                             "row_sparse_weight": "False"}
+    assert call.settings == {"row_sparse_weight": False}
+    assert [(i.key, i.shape, i.dtype) for i in call.items] == [("emb", (4, 2), np.float32)]
     action()
     assert "emb" in tables and (tables.tables["emb"].block == 1.5).all()
-    again, _ = tables.init_call("emb", (4, 2), np.float32, None, False, lambda k: None)
-    dense, _ = tables.init_call("w", (4, 2), np.float32, None, False, lambda k: ((2,), "f4"))
-    flat, _ = tables.init_call("x", (), np.float32, None, False, lambda k: None)
+    again, _ = tables.init_call("emb", (4, 2), np.float32, None, False, _Engine())
+    dense, _ = tables.init_call("w", (4, 2), np.float32, None, False, _Engine({"w": ((2,), "f4")}))
+    flat, _ = tables.init_call("x", (), np.float32, None, False, _Engine())
     assert _failures(again) == [("DuplicateInitError", "emb")]
     assert _failures(dense) == [("DuplicateInitError", "w")]
     assert _failures(flat) == [("ShapeError", "x")]
@@ -53,19 +61,20 @@ def test_init_call_checks_the_key_and_shape_and_installs_on_the_action():
 def test_an_initializer_that_raises_is_the_calls_input_error():
     def init(lo, hi):
         raise ValueError("no rows today")
-    call, _ = _tables().init_call("emb", (4, 2), np.float32, init, False, lambda k: None)
+    call, _ = _tables().init_call("emb", (4, 2), np.float32, init, False, _Engine())
     ((cls, key, message),) = call.errors
     assert (cls, key) == ("InputError", "emb") and "raised ValueError: no rows today" in message
 
 
 def test_push_call_takes_row_sparse_values_of_row_tables_only():
     tables = _tables()
-    tables.init_call("emb", (4, 2), np.float32, 0.0, False, lambda k: None)[1]()
+    tables.init_call("emb", (4, 2), np.float32, 0.0, False, _Engine())[1]()
     rows = RowSparse(np.array([1]), np.ones((1, 2), np.float32), (4, 2))
     assert tables.is_rows_call("emb", np.ones(2)) and tables.is_rows_call("w", rows)
     assert not tables.is_rows_call("w", np.ones(2))
     good, _ = tables.push_call("emb", rows, _Engine())
-    assert good.errors == [] and good.settings == {"keys": "['emb']", "updater": None}
+    assert good.errors == [] and good.settings == {"priority": 0, "updater": None}
+    assert good.keys == ["emb"]
     assert _failures(tables.push_call(["emb", "w"], [rows], _Engine())[0]) == [
         ("InputError", None)]
     assert _failures(tables.push_call(["emb", "w"], [rows, rows], _Engine())[0]) == [
@@ -79,16 +88,16 @@ def test_push_call_takes_row_sparse_values_of_row_tables_only():
 def test_pull_call_fills_a_dense_out_and_checks_the_ids():
     tables = _tables()
     tables.init_call("emb", (4, 2), np.float32, lambda lo, hi: np.arange(
-        lo * 2, hi * 2, dtype=np.float32).reshape(-1, 2), False, lambda k: None)[1]()
+        lo * 2, hi * 2, dtype=np.float32).reshape(-1, 2), False, _Engine())[1]()
     out = np.full((4, 2), 9.0, np.float32)
-    call, action = tables.pull_call("emb", out, [3, 1, 3])
+    call, action = tables.pull_call("emb", out, [3, 1, 3], 0, _Engine())
     assert call.errors == []
     rows = action()
     assert rows.indices.tolist() == [1, 3]
     np.testing.assert_array_equal(out, [[0, 0], [2, 3], [0, 0], [6, 7]])
-    assert _failures(tables.pull_call("nope", None, [0])[0]) == [("UnknownKeyError", "nope")]
-    assert _failures(tables.pull_call("emb", None, [4])[0])[0][1] == "emb"
-    assert _failures(tables.pull_call("emb", np.zeros(3), [0])[0]) == [("ShapeError", "emb")]
+    assert _failures(tables.pull_call("nope", None, [0], 0, _Engine())[0]) == [("UnknownKeyError", "nope")]
+    assert _failures(tables.pull_call("emb", None, [4], 0, _Engine())[0])[0][1] == "emb"
+    assert _failures(tables.pull_call("emb", np.zeros(3), [0], 0, _Engine())[0]) == [("ShapeError", "emb")]
 
 
 class _Protocol:
