@@ -11,6 +11,7 @@ Needs torch (``pip install mpikv[torch]``)::
 
 from .distributed import (DistributedDataParallel, DistributedOptimizer, DistributedSampler,
                           init_process_group, local_rank, rank, size)
+from .diloco import DiLoCo
 from .embedding import ShardedEmbedding
 from .optimizers import MXNetRule, TorchAdam, TorchSGD
 from .torch_rules import TorchOptim
@@ -18,4 +19,4 @@ from .trainer import Trainer
 
 __all__ = ["Trainer", "DistributedDataParallel", "DistributedOptimizer", "DistributedSampler",
            "init_process_group", "rank", "size", "local_rank", "ShardedEmbedding",
-           "TorchSGD", "TorchAdam", "TorchOptim", "MXNetRule"]
+           "TorchSGD", "TorchAdam", "TorchOptim", "MXNetRule", "DiLoCo"]

@@ -3,7 +3,7 @@
 import torch
 
 from .. import errors
-from . import param_shards, sparse, torch_rules
+from . import diloco, param_shards, sparse, torch_rules
 from ._params import named_groups
 from .buffers import refuse_without_module
 
@@ -32,6 +32,7 @@ class TrainerOptions:
         hyper_groups: the param groups' hyperparameters.
         sparse_named: ``[(name, weight, group)]`` of the sparse embedding weights.
         split_parameters: an owner's part may be a flat shard of a parameter.
+        sync: the sync mode (:class:`~.diloco.DiLoCo`), or None (every step).
     """
 
     def __init__(self, made):
@@ -41,6 +42,9 @@ class TrainerOptions:
         if made["unused_parameters"] not in ("zeros", "error"):
             raise ValueError(f"unused_parameters must be 'zeros' or 'error', "
                              f"not {made['unused_parameters']!r}")
+        self.sync = made.get("sync")
+        if self.sync is not None:
+            shard = diloco.check_options(self.sync, made)
         if shard is None:
             shard = "optimizer" if compression is None else "gradients"
         if shard not in ("optimizer", "gradients", "parameters"):
@@ -77,6 +81,8 @@ class TrainerOptions:
         self.names = [n for n, _, _ in named]
         self.params = [p for _, p, _ in named]
         self.group_of = [g for _, _, g in named]
+        if self.sync is not None:
+            diloco.check_params(self.names, self.params, self.sparse_named)
         if compression is not None:
             check_compressible(self.names, self.params)
         self.split_parameters = (

@@ -4,7 +4,7 @@ import dataclasses
 import weakref
 
 from .. import errors
-from . import _store, param_shards, sparse, tensors
+from . import _store, diloco, param_shards, sparse, tensors
 from ._context import StoreContext
 from ._files import TrainerFile
 from ._module_hooks import ModuleHooks
@@ -38,7 +38,8 @@ class Pieces:
     buffers: object          # SharedBuffers, or None
     hyper: SharedHyperparameters
     file: TrainerFile
-    optimizer: OwnersOptimizer
+    optimizer: object        # OwnersOptimizer; with sync=DiLoCo, the inner optimizer
+    sync: object = None      # the LocalSteps of sync=DiLoCo, or None
 
     def close(self, close_store):
         """Ends the pieces once the ranks agreed to close: hooks off, every weight
@@ -84,8 +85,16 @@ def make_pieces(options, kv, owner):
     if made["compression"] is not None:
         kv.set_gradient_compression(made["compression"])
     multi = made["multi_precision"]
+    sync = options.sync
+    optimizer_class, optimizer_params = made["optimizer"], made["optimizer_params"] or {}
+    hyper_groups = options.hyper_groups
+    if sync is not None:   # the owners run the outer optimizer; the inner one runs here
+        if kv.num_workers > 1:   # every rank in the same mode, or a MismatchError on each
+            kv.agree(repr(sync))
+        optimizer_class, optimizer_params = sync.outer_optimizer()
+        hyper_groups = [{} for _ in hyper_groups]
     rule, groups, defaults = make_rule(
-        made["optimizer"], made["optimizer_params"] or {}, options.hyper_groups,
+        optimizer_class, optimizer_params, hyper_groups,
         names + [n for n, _, _ in options.sparse_named],
         options.group_of + [g for _, _, g in options.sparse_named],
         bool(any(p.dtype in HALF for p in params) if multi is None else multi),
@@ -105,8 +114,15 @@ def make_pieces(options, kv, owner):
                                            made["optimizer"])
                       if options.sparse_named else None)
     half = HalfGradients(helpers, rule, names, params, wiring.grads)
+    inner = None
+    if sync is not None:   # the user's torch class, on this rank's parameters
+        inner = made["optimizer"](
+            [{"params": [p for p, g in zip(params, options.group_of) if g == index], **hyper}
+             for index, hyper in enumerate(options.hyper_groups)],
+            **(made["optimizer_params"] or {}))
     lr_scheduler = made["lr_scheduler"]   # (it may add fields, before they are shared)
-    lr_scheduler = lr_scheduler(optimizer) if lr_scheduler is not None else None
+    lr_scheduler = (lr_scheduler(optimizer if inner is None else inner)
+                    if lr_scheduler is not None else None)
     # The hyperparameters as made: the same fields on every rank.
     hyper = SharedHyperparameters(helpers, optimizer.param_groups)
     step.on_reset = context.tell
@@ -120,13 +136,22 @@ def make_pieces(options, kv, owner):
               if options.shard == "parameters" else None)
     reduction = GradientReduction(context, wiring, step, StepStatus(helpers, names), rule,
                                   half, shards, options.averaging, options.error_unused)
-    file = TrainerFile(step, optimizer, buffers, rule, lr_scheduler)
-    update = OwnerUpdate(context, reduction, wiring, step, rule, sparse_weights, hyper,
-                         shards, options.copies, file.meta, optimizer)
+    if sync is None:
+        file = TrainerFile(step, optimizer, buffers, rule, lr_scheduler)
+    else:   # (the inner optimizer's hyperparameters and scheduler)
+        file = diloco.SyncedFile(step, inner, buffers, rule, lr_scheduler)
+    update = (OwnerUpdate if sync is None else diloco.SyncedUpdate)(
+        context, reduction, wiring, step, rule, sparse_weights, hyper, shards, options.copies,
+        file.meta, optimizer)
     hooks.watch_gradients(params, reduction.on_grad)
     optimizer.serve(update, context, ShardedTorchState(wiring, rule, context, step, optimizer))
+    local = None
+    if sync is not None:
+        local = diloco.LocalSteps(sync, inner, context, wiring, step, reduction, update, file)
+        hooks.before_each_forward(local.before_forward)
     return Pieces(rule, wiring, step, context, reduction, update, hooks, shards,
-                  sparse_weights, buffers, hyper, file, optimizer)
+                  sparse_weights, buffers, hyper, file, optimizer if inner is None else inner,
+                  local)
 
 
 __all__ = ["Pieces", "make_pieces"]

@@ -106,6 +106,9 @@ class Trainer(ClosesAfterWith):
             (after every step each rank also passes a copy of the weights and
             optimizer state it owns to the next rank; the survivors go on from
             the last step they all completed). Needs a fault-tolerant store.
+        sync: None (every step is synchronous) or :class:`mpikv.torch.DiLoCo`
+            (local inner steps with ``optimizer``, a sync through the owners'
+            outer optimizer every ``every`` steps; see docs/torch.md "DiLoCo").
 
     Attributes:
         kvstore: the store.
@@ -121,7 +124,7 @@ class Trainer(ClosesAfterWith):
                  bucket_bytes=8 << 20, unused_parameters="zeros", lr_scheduler=None,
                  multi_precision=None, compression=None, shard=None, broadcast_buffers=None,
                  split_parameters=None, module=None, units=None, fault_tolerant=None,
-                 min_workers=1, redundancy="checkpoint"):
+                 min_workers=1, redundancy="checkpoint", sync=None):
         if not isinstance(params, (torch.nn.Module, list, tuple)):
             params = list(params)   # (named_parameters(): read again by a recovery)
         self._options = opts = TrainerOptions(dict(
@@ -130,7 +133,7 @@ class Trainer(ClosesAfterWith):
             lr_scheduler=lr_scheduler, multi_precision=multi_precision, compression=compression,
             shard=shard, broadcast_buffers=broadcast_buffers, split_parameters=split_parameters,
             module=module, units=units, fault_tolerant=fault_tolerant, min_workers=min_workers,
-            redundancy=redundancy))
+            redundancy=redundancy, sync=sync))
         self.shard, self.split_parameters = opts.shard, opts.split_parameters
         self.min_workers = min_workers
         self._resumer = self._resume_args = None
@@ -262,6 +265,9 @@ class Trainer(ClosesAfterWith):
                 does); else they are summed and divided by ``batch_size`` (as
                 Gluon's ``step(batch_size)`` does).
         """
+        if self._pieces.sync is not None:   # DiLoCo: a local step, a sync every H
+            self._pieces.sync.step(batch_size)
+            return
         self._reduction.reduce_for_step()
         self._update.set_scale(batch_size)
         self.optimizer.step()
