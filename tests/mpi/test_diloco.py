@@ -2,6 +2,8 @@
 simulates every rank's inner steps and the outer Nesterov step, against synchronous
 SGD at every=1, through checkpoints, and its errors on every rank."""
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -56,10 +58,12 @@ def train(rank, size, sync, steps, inner=None, seed=0, **kwargs):
     return got
 
 
-def diloco_reference(size, every, outer_lr, outer_momentum, steps, inner=None):
+def diloco_reference(size, every, outer_lr, outer_momentum, steps, inner=None, switch=None):
     """One process: ``size`` replicas each stepping its inner optimizer on its own batches;
     every ``every`` steps the outer gradient (global minus local weights, averaged)
-    through torch's SGD with Nesterov momentum on the global weights."""
+    through torch's SGD with Nesterov momentum on the global weights. ``switch``:
+    ``(step, size)``: from that step (a sync) on, that many replicas, their inner
+    optimizers new (as after a load)."""
     cls, args = inner or (torch.optim.SGD, {"lr": 0.1})
     glob = make_net()
     m = outer_momentum
@@ -67,6 +71,10 @@ def diloco_reference(size, every, outer_lr, outer_momentum, steps, inner=None):
     replicas = [make_net() for _ in range(size)]
     inners = [cls(r.parameters(), **args) for r in replicas]
     for i in range(steps):
+        if switch is not None and i == switch[0]:
+            size = switch[1]
+            replicas = [copy.deepcopy(glob) for _ in range(size)]
+            inners = [cls(r.parameters(), **args) for r in replicas]
         for rank, (r, opt) in enumerate(zip(replicas, inners)):
             opt.zero_grad()
             loss_of(r, *batch(i, rank)).backward()
@@ -176,6 +184,46 @@ def test_a_checkpoint_continues_to_the_uninterrupted_weights(comm, shared_dir, s
     trainer.close()
     assert_close(got, want)
     assert_same_everywhere(comm, got) if steps % 4 == 0 else None
+
+
+def test_a_checkpoint_loads_on_another_number_of_ranks(comm, shared_dir):
+    """N -> 1 and 1 -> N: the last sync's weights and outer momentum, on any number
+    of ranks."""
+    sync, path = DiLoCo(every=4), f"{shared_dir}/ckpt"
+    inner = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.5})
+    # N ranks save in the middle of the second window; rank 0 alone goes on.
+    net = make_net()
+    trainer = mpikv.torch.Trainer(net, *inner, sync=sync)
+    run(trainer, net, comm.rank, range(6))
+    trainer.save_checkpoint(path)
+    trainer.close()
+    if comm.rank == 0:
+        net = make_net(seed=5)
+        trainer = mpikv.torch.Trainer(net, *inner, kvstore="local", sync=sync)
+        trainer.load_checkpoint(path)
+        assert trainer.num_update == 4
+        run(trainer, net, 0, range(4, 12))
+        got = weights(net)
+        trainer.close()
+        _, want = diloco_reference(comm.size, 4, 0.7, 0.9, 12, inner=inner, switch=(4, 1))
+        assert_close(got, want)
+        # Rank 0 alone saves at a sync; every rank goes on from it.
+        net = make_net()
+        trainer = mpikv.torch.Trainer(net, *inner, kvstore="local", sync=sync)
+        run(trainer, net, 0, range(8))
+        trainer.save_checkpoint(path)
+        trainer.close()
+    comm.Barrier()
+    net = make_net(seed=5)
+    trainer = mpikv.torch.Trainer(net, *inner, sync=sync)
+    trainer.load_checkpoint(path)
+    assert trainer.num_update == 8
+    run(trainer, net, comm.rank, range(8, 12))
+    got = weights(net)
+    trainer.close()
+    _, want = diloco_reference(1, 4, 0.7, 0.9, 12, inner=inner, switch=(8, comm.size))
+    assert_close(got, want)
+    assert_same_everywhere(comm, got)
 
 
 def test_a_load_in_the_same_trainer_goes_back_to_the_sync(comm, shared_dir):
