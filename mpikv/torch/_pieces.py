@@ -45,6 +45,8 @@ class Pieces:
         """Ends the pieces once the ranks agreed to close: hooks off, every weight
         whole in the model's own memory, the launcher ended; the store closed if
         ``close_store``."""
+        if self.sync is not None:
+            self.sync.remove()
         self.context.close()
         self.hooks.remove()
         if self.shards is not None:   # every weight whole again, for the plain model
@@ -58,6 +60,8 @@ class Pieces:
     def let_go(self):
         """Ends what the pieces hold on a lost store, on this rank alone (again:
         nothing more)."""
+        if self.sync is not None:
+            self.sync.remove()
         self.hooks.remove()
         if self.shards is not None:   # shard="parameters": its hooks
             self.shards.remove()

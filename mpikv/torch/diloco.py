@@ -18,6 +18,7 @@ holds the last sync, whenever it is taken (see :class:`SyncedFile`).
 import copy
 import math
 import numbers
+import weakref
 
 import torch
 
@@ -176,19 +177,31 @@ class LocalSteps:
         step.sync = False   # backward reduces nothing (no_sync, for good)
         self.last_sync = step.num_update
         update.after_pull, file.on_restore = self.pulled, self.restored
+        # trainer.optimizer.step() is trainer.step(): the inner step, counted. (Held
+        # weakly: the optimizer may outlive a Trainer dropped without close().)
+        self._hooks = [inner.register_step_pre_hook(_weak(self.before_step)),
+                       inner.register_step_post_hook(_weak(self.after_step))]
 
     def step(self, batch_size=None):
-        """``trainer.step()``: an inner step on this rank; a sync after every ``every``."""
+        """``trainer.step()``: ``trainer.optimizer.step()`` (see :meth:`before_step`)."""
         if batch_size is not None:
             raise errors.InputError("with sync=DiLoCo each rank steps on its own gradients "
                                     "as backward left them: call step() without batch_size")
-        resumer = self._update.resumer
-        if resumer is not None:
-            resumer.flush()
-        self._context.settled()
-        self._file.meta()   # (the last sync's contents, taken between steps)
         self._inner.step()
-        s = self._step
+
+    def before_step(self, optimizer, args, kwargs):
+        """Before each inner step (the inner optimizer's step pre-hook): a checkpoint due,
+        and the file's contents of the last sync, taken between steps."""
+        del optimizer, args, kwargs
+        if self._update.resumer is not None:
+            self._update.resumer.flush()
+        self._context.settled()
+        self._file.meta()
+
+    def after_step(self, optimizer, args, kwargs):
+        """After each inner step (its post-hook): counted; a sync after every ``every``."""
+        del optimizer, args, kwargs
+        s, resumer = self._step, self._update.resumer
         s.num_update += 1
         synced = s.num_update - self.last_sync >= self._every
         if synced:
@@ -221,6 +234,12 @@ class LocalSteps:
         self._step.share_next = True   # the next forward takes rank 0's buffers
         self._file.synced()
 
+    def remove(self):
+        """Takes the hooks off the inner optimizer (the Trainer closes, or is let go)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
     def restored(self):
         """After a load: the inner state starts afresh, as in a new run."""
         self._inner.state.clear()
@@ -228,6 +247,16 @@ class LocalSteps:
     def before_forward(self):
         """The file's contents of the last sync, before the first forward after it."""
         self._file.meta()
+
+
+def _weak(method):
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+    return hook
 
 
 __all__ = ["DiLoCo", "LocalSteps", "SyncedFile", "SyncedUpdate", "check_options",

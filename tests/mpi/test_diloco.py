@@ -41,18 +41,21 @@ def weights(net):
     return {n: p.detach().clone().numpy() for n, p in net.named_parameters()}
 
 
-def run(trainer, net, rank, steps):
+def run(trainer, net, rank, steps, how="trainer"):
     for i in steps:
         trainer.zero_grad()
         loss_of(net, *batch(i, rank)).backward()
-        trainer.step()
+        if how == "trainer":
+            trainer.step()
+        else:   # torch's face: the same step
+            trainer.optimizer.step()
 
 
-def train(rank, size, sync, steps, inner=None, seed=0, **kwargs):
+def train(rank, size, sync, steps, inner=None, seed=0, how="trainer", **kwargs):
     net = make_net(seed)
     cls, args = inner or (torch.optim.SGD, {"lr": 0.1})
     trainer = mpikv.torch.Trainer(net, cls, args, sync=sync, **kwargs)
-    run(trainer, net, rank, range(steps))
+    run(trainer, net, rank, range(steps), how)
     got = weights(net)
     trainer.close()
     return got
@@ -137,8 +140,9 @@ def test_every_1_equals_synchronous_sgd_averaging(comm, args):
                                    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1})],
                          ids=["sgd", "adamw"])
 @pytest.mark.parametrize("steps", [8, 10])
-def test_every_4_equals_the_simulated_ranks(comm, inner, steps):
-    got = train(comm.rank, comm.size, DiLoCo(every=4), steps, inner=inner)
+@pytest.mark.parametrize("how", ["trainer", "optimizer"])
+def test_every_4_equals_the_simulated_ranks(comm, inner, steps, how):
+    got = train(comm.rank, comm.size, DiLoCo(every=4), steps, inner=inner, how=how)
     local0, synced = diloco_reference(comm.size, 4, 0.7, 0.9, steps, inner=inner)
     if steps % 4 == 0:   # after a sync every rank holds the global weights
         assert_close(got, synced)
@@ -242,23 +246,38 @@ def test_a_load_in_the_same_trainer_goes_back_to_the_sync(comm, shared_dir):
     trainer.close()
 
 
-def test_resume_continues_to_the_uninterrupted_weights(comm, shared_dir):
+@pytest.mark.parametrize("background", [False, True])
+def test_resume_continues_to_the_uninterrupted_weights(comm, shared_dir, background):
     sync, steps = DiLoCo(every=2), 9
     want = train(comm.rank, comm.size, sync, steps)
     net = make_net()
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, sync=sync)
-    assert trainer.resume(shared_dir, every=2, background=False) == 0
+    assert trainer.resume(shared_dir, every=2, background=background) == 0
     run(trainer, net, comm.rank, range(5))   # (a job cut short after step 5)
     trainer.close()
     net = make_net(seed=3)
     trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, sync=sync)
-    start = trainer.resume(shared_dir, every=2, background=False)
+    start = trainer.resume(shared_dir, every=2, background=background)
     assert start == 4
     run(trainer, net, comm.rank, range(start, steps))
     got = weights(net)
     trainer.close()
     if comm.rank == 0:
         assert_close(got, want)
+
+
+def test_after_close_the_optimizer_steps_alone(comm):
+    net = make_net()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, sync=DiLoCo(every=1))
+    run(trainer, net, comm.rank, range(2))
+    optimizer = trainer.optimizer
+    trainer.close()
+    before = weights(net)
+    optimizer.zero_grad()
+    loss_of(net, *batch(5, comm.rank)).backward()
+    optimizer.step()   # a plain local step: no store, no sync
+    grads = {n: p.grad.numpy() for n, p in net.named_parameters()}
+    assert_close(weights(net), {n: before[n] - 0.1 * grads[n] for n in before})
 
 
 # -- errors -----------------------------------------------------------------------------
