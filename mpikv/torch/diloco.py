@@ -223,6 +223,7 @@ class LocalSteps:
         self._reduction.reduce()   # the sums on the owners, and the step's status
         self._update.update_owned(1.0 / kv.num_workers)
         self._update.pull_weights()
+        self._wiring.zero_grads()   # (the owners' sums, not this rank's gradient)
 
     def pulled(self):
         """The global weights are in the store's buffers (a sync, a load): into the
