@@ -102,8 +102,9 @@ def check_params(names, params, sparse_named):
                                 f"({', '.join(n for n, _, _ in sparse_named)})")
     half = [n for n, p in zip(names, params) if p.dtype in HALF]
     if half:
+        more = " and more" if len(half) > 5 else ""
         raise errors.InputError(f"sync=DiLoCo takes float32 or float64 parameters; these are "
-                                f"16-bit: {', '.join(half[:5])}{' and more' if len(half) > 5 else ''}")
+                                f"16-bit: {', '.join(half[:5])}{more}")
 
 
 class SyncedFile(TrainerFile):
