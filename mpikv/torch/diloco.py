@@ -215,6 +215,7 @@ class LocalSteps:
         """The outer step: every rank's weight change since the last sync, averaged on
         the owners, through the outer optimizer; every rank takes the new weights."""
         w, s = self._wiring, self._step
+        self._context.between_steps()   # (an allreduce_grads of this step is done with)
         kv = self._context.settled()
         with torch.no_grad():
             for i, p in enumerate(w.params):

@@ -45,7 +45,9 @@ def run(trainer, net, rank, steps, how="trainer"):
     for i in steps:
         trainer.zero_grad()
         loss_of(net, *batch(i, rank)).backward()
-        if how == "trainer":
+        if how == "allreduce":   # .grad averaged over the ranks before the inner step
+            trainer.allreduce_grads()
+        if how in ("trainer", "allreduce"):
             trainer.step()
         else:   # torch's face: the same step
             trainer.optimizer.step()
@@ -124,12 +126,13 @@ def sync_sgd_reference(size, steps, args):
 
 @pytest.mark.parametrize("args", [{"lr": 0.1}, {"lr": 0.05, "momentum": 0.9,
                                                 "weight_decay": 0.01}])
-def test_every_1_equals_synchronous_sgd_averaging(comm, args):
+@pytest.mark.parametrize("how", ["trainer", "optimizer", "allreduce"])
+def test_every_1_equals_synchronous_sgd_averaging(comm, args, how):
     # (SGD's momentum and weight decay are linear: the average of the ranks'
     # one-step updates is the update of the averaged gradient)
     steps = 5
     got = train(comm.rank, comm.size, DiLoCo(every=1, outer_lr=1.0, outer_momentum=0.0),
-                steps, inner=(torch.optim.SGD, args))
+                steps, inner=(torch.optim.SGD, args), how=how)
     assert_close(got, sync_sgd_reference(comm.size, steps, args))
     assert_same_everywhere(comm, got)
 
