@@ -169,6 +169,27 @@ def test_a_scheduler_steers_the_inner_optimizer(comm):
     trainer.close()
 
 
+def test_buffers_come_from_rank_0_at_the_first_forward_after_a_sync(comm):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6),
+                              torch.nn.Linear(6, 1)).double()
+    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, sync=DiLoCo(every=2))
+
+    def stats():
+        return comm.allgather(net[1].running_mean.clone().numpy())
+
+    run(trainer, net, comm.rank, range(3))   # a sync at step 2, then an inner step
+    if comm.size > 1:   # each rank's own statistics between syncs
+        assert not all((s == stats()[0]).all() for s in stats()[1:])
+    run(trainer, net, comm.rank, range(3, 4))   # the sync of step 4
+    net.eval()   # (a training forward would then add this rank's batch)
+    with torch.no_grad():
+        net(batch(9, comm.rank)[0])   # takes rank 0's buffers first
+    everyone = stats()
+    assert all((s == everyone[0]).all() for s in everyone[1:])
+    trainer.close()
+
+
 # -- checkpoints: a save holds the last sync ------------------------------------------------
 
 @pytest.mark.parametrize("save_after", [6, 8], ids=["mid-window", "at-a-sync"])
