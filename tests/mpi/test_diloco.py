@@ -333,11 +333,14 @@ def test_sixteen_bit_parameters_raise_everywhere(comm):
         make_net().half(), torch.optim.SGD, {"lr": 0.1}, sync=DiLoCo(every=2)))
 
 
-def test_different_modes_on_the_ranks_raise_everywhere(comm):
+@pytest.mark.parametrize("other", ["every", "none"])
+def test_different_modes_on_the_ranks_raise_everywhere(comm, other):
     if comm.size == 1:
         pytest.skip("needs 2 ranks")
+    sync = (DiLoCo(every=2 + comm.rank) if other == "every" else
+            DiLoCo(every=2) if comm.rank == 0 else None)
     raises_everywhere(comm, mpikv.MismatchError, lambda: mpikv.torch.Trainer(
-        make_net(), torch.optim.SGD, {"lr": 0.1}, sync=DiLoCo(every=2 + comm.rank)))
+        make_net(), torch.optim.SGD, {"lr": 0.1}, sync=sync))
 
 
 def test_step_with_batch_size_raises_everywhere(comm):
