@@ -184,7 +184,7 @@ class CompressedReducer(Reducer):
         n, p, me = dst.size, t.size, t.rank
         x = dst if src is None else src
         residual = comp.bucket_residual(self.bucket) if codec.has_residual else None
-        if everyone and codec.has_residual:
+        if everyone and codec.gathers_codes:
             # 2-bit to everyone: a rank's whole bucket is n / 4 bytes, so every rank
             # takes every rank's codes (less than the owners' route's float32 gather).
             w = codec.wire_size(n)
