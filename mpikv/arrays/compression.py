@@ -24,9 +24,9 @@ sum of its gradients less its last residual (half a 16-bit step of the last
 value); the owners keep the float32 sums.
 
 The casts run in torch, on torch views of the same numpy memory, where torch is
-already imported (a tenth of numpy's time for a cast: see docs/performance.md),
+already imported (a fifth of numpy's time for a cast: see docs/performance.md),
 else in numpy (bfloat16 with integer operations: no dependency). Both round
-alike, bit for bit.
+every number alike, bit for bit (a NaN stays a NaN; its bits may differ).
 """
 
 import numbers
@@ -247,8 +247,9 @@ def _half_view(torch, bits, kind):
 def cast16(x, out, kind, scratch=None):
     """float32 ``x`` -> 16-bit bits in ``out`` (uint16, ``x``'s shape), round to nearest even.
 
-    torch where :func:`_torch_for` allows (the same bits: both round to nearest
-    even and make every bfloat16 NaN the quiet NaN of its sign), else numpy.
+    torch where :func:`_torch_for` allows, else numpy: the same bits for every
+    number (both round to nearest even); a NaN is a NaN in both, its bits may
+    differ (torch's vectorised bfloat16 cast makes every NaN 0xFFFF).
     """
     torch = _torch_for(x, out)
     if torch is not None:
@@ -288,7 +289,7 @@ def feedback16(grad, residual, out, kind, ws):
     """
     n = grad.size
     out = out[:n]
-    torch = _torch_for(residual, out, grad if grad.flags.writeable else residual)
+    torch = _torch_for(residual, out, grad)
     back = ws.get("feedback", min(n, CHUNK), np.float32)
     if torch is not None:
         g, r = torch.from_numpy(grad), torch.from_numpy(residual)
