@@ -221,9 +221,14 @@ def unpack_2bit(packed, n):
 
 
 # -- 16-bit casts ------------------------------------------------------------
+_VIEWABLE = (np.dtype(np.float32), np.dtype(np.uint16))
+
+
 def _torch_for(*arrays):
     """torch, where the casts may run in it: loaded already (importing it costs
-    seconds) and every array a writeable numpy array it can view; else None."""
+    seconds) and every array a writeable, contiguous numpy array of float32 or
+    16-bit bits it can view; else None (numpy rounds anything else to float32
+    first, as before)."""
     if BACKEND == "numpy":
         return None
     torch = sys.modules.get("torch")
@@ -233,7 +238,7 @@ def _torch_for(*arrays):
         else:
             return None
     if all(type(a) is np.ndarray and a.flags.writeable and a.flags.c_contiguous
-           for a in arrays):
+           and a.dtype in _VIEWABLE for a in arrays):
         return torch
     return None
 

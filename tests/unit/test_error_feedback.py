@@ -208,3 +208,13 @@ def test_device_store_keeps_a_residual_per_device(make_store, kind):
         total += float(out[0])
     assert total == 4 + step
     np.testing.assert_array_equal(kv.gradient_residual("x", 0), np.zeros(4, F))
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_a_float64_gradient_is_rounded_to_float32_first(backend, kind):
+    # 1 + 2**-9 + 2**-30 rounds to 1 + 2**-9 in float32: a tie bfloat16 rounds to even (1.0).
+    x = np.array([1 + 2 ** -9 + 2 ** -30, 1 + 2 ** -12 + 2 ** -40], np.float64)
+    codec, ws = C.SixteenBit(kind), C.Workspace()
+    got = codec.decode(codec.encode(x, None, np.empty(2, np.uint16), ws), 2, ws)
+    want = x.astype(F).astype(DTYPES[kind]).astype(F)
+    np.testing.assert_array_equal(got, want)
