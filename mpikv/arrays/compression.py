@@ -412,8 +412,9 @@ class SixteenBit:
         updated), else cast as it is."""
         if residual is not None:
             return feedback16(grad, residual, out, self.kind, ws)
+        numpy_bf16 = self.kind == "bf16" and _torch_for(grad, out) is None
         return cast16(grad, out, self.kind,
-                      None if self.kind == "fp16" else ws.get("wide", grad.size, np.uint32))
+                      ws.get("wide", grad.size, np.uint32) if numpy_bf16 else None)
 
     def decode(self, wire, n, ws, out=None):
         """The float32 values ``wire`` stands for: in ``out``, or a workspace buffer."""
@@ -451,7 +452,8 @@ def describe(config):
     return config["type"]
 
 
-__all__ = ["TYPES", "DEFAULT_THRESHOLD", "FLOAT32_ONLY", "NOT_SUPPORTED", "supports",
-           "parse_params", "packed_nbytes", "quantize_2bit", "pack_2bit", "dequantize_2bit",
-           "unpack_2bit", "cast16", "widen16", "feedback16", "to_float16_bits", "from_float16_bits", "to_bfloat16_bits",
+__all__ = ["TYPES", "DEFAULT_THRESHOLD", "FLOAT32_ONLY", "NOT_SUPPORTED",
+           "supports", "parse_params", "packed_nbytes", "quantize_2bit", "pack_2bit",
+           "dequantize_2bit", "unpack_2bit", "cast16", "widen16", "feedback16",
+           "to_float16_bits", "from_float16_bits", "to_bfloat16_bits",
            "from_bfloat16_bits", "Workspace", "TwoBit", "SixteenBit", "make_codec", "describe"]
