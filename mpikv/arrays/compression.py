@@ -14,12 +14,23 @@ value takes 2 bits, 16 per 32-bit word: byte ``b`` of the stream holds values
 ``4b .. 4b+3``, the first in its two highest bits; ``11`` is ``+threshold``,
 ``10`` is ``-threshold``, ``00`` is 0 (and ``01`` reads as 0, as in MXNet).
 
-**16-bit**: float32 gradients travel as float16 (numpy's cast) or bfloat16
-(round to nearest even, here with integer operations: no dependency), are
-summed in float32 and the sum is rounded once.
+**16-bit**: float32 gradients travel as float16 or bfloat16 (round to nearest
+even) and are summed in float32; without error feedback the sum is rounded
+once. With error feedback (``{'type': 'bf16', 'error_feedback': True}``, the
+Trainer's default) each sender keeps a float32 residual, as 2-bit does: it adds
+its gradient to the residual, sends the 16-bit rounding of the result and keeps
+what the rounding lost, so the sum of what a rank sent over ``n`` pushes is the
+sum of its gradients less its last residual (half a 16-bit step of the last
+value); the owners keep the float32 sums.
+
+The casts run in torch, on torch views of the same numpy memory, where torch is
+already imported (a fifth of numpy's time for a cast: see docs/performance.md),
+else in numpy (bfloat16 with integer operations: no dependency). Both round
+every number alike, bit for bit (a NaN stays a NaN; its bits may differ).
 """
 
 import numbers
+import sys
 
 import numpy as np
 
@@ -34,6 +45,10 @@ DEFAULT_THRESHOLD = 0.5
 FLOAT32_ONLY = "gradient compression is only supported for float32 type of parameters"
 #: MXNet's message for a store type that does not compress (kvstore.py)
 NOT_SUPPORTED = "Gradient compression is not supported for this type of kvstore"
+#: where the 16-bit casts run: "auto" (torch where it is imported), "numpy" or "torch"
+BACKEND = "auto"
+#: values per piece of an error-feedback encode: its four passes stay in the cache
+CHUNK = 1 << 16
 
 
 def supports(store_type):
@@ -55,13 +70,19 @@ def parse_params(params):
     Args:
         params: a dict with ``'type'`` and, optionally, ``'threshold'``.
 
+    ``'error_feedback'`` (``True`` or ``False``, default ``False``; not MXNet's)
+    keeps a residual per sender for ``fp16`` and ``bf16``; 2-bit always keeps
+    one and ignores it.
+
     Returns:
         dict: ``{'type': '2bit', 'threshold': t}`` (``t`` the float32 value, as
-        a Python float) or ``{'type': 'fp16'}`` / ``{'type': 'bf16'}``.
+        a Python float), ``{'type': 'fp16'}`` / ``{'type': 'bf16'}``, with
+        ``'error_feedback': True`` where asked.
 
     Raises:
         InputError: not a dict, no type, a threshold that is not a number or
-            not greater than 0, or an unknown type.
+            not greater than 0, an unknown type, or an ``error_feedback`` that
+            is not a bool.
     """
     if not isinstance(params, dict):
         raise InputError(f"compression_params must be a dict, not {type(params).__name__}")
@@ -86,7 +107,10 @@ def parse_params(params):
                          f"(use one of {', '.join(map(repr, TYPES))})")
     if kind == "2bit":
         return {"type": kind, "threshold": float(t32)}
-    return {"type": kind}
+    feedback = params.get("error_feedback", False)
+    if not isinstance(feedback, (bool, np.bool_)):
+        raise InputError(f"error_feedback must be True or False, not {feedback!r}")
+    return {"type": kind, "error_feedback": True} if feedback else {"type": kind}
 
 
 # -- 2-bit -----------------------------------------------------------------
@@ -197,6 +221,105 @@ def unpack_2bit(packed, n):
 
 
 # -- 16-bit casts ------------------------------------------------------------
+_VIEWABLE = (np.dtype(np.float32), np.dtype(np.uint16))
+
+
+def _torch_for(*arrays):
+    """torch, where the casts may run in it: loaded already (importing it costs
+    seconds) and every array a writeable, contiguous numpy array of float32 or
+    16-bit bits it can view; else None (numpy rounds anything else to float32
+    first, as before)."""
+    if BACKEND == "numpy":
+        return None
+    torch = sys.modules.get("torch")
+    if torch is None:
+        if BACKEND == "torch":
+            import torch
+        else:
+            return None
+    if all(type(a) is np.ndarray and a.flags.writeable and a.flags.c_contiguous
+           and a.dtype in _VIEWABLE for a in arrays):
+        return torch
+    return None
+
+
+def _half_view(torch, bits, kind):
+    """A torch float16/bfloat16 view of uint16 ``bits`` (the same memory)."""
+    return torch.from_numpy(bits.view(np.int16)).view(
+        torch.float16 if kind == "fp16" else torch.bfloat16)
+
+
+def cast16(x, out, kind, scratch=None):
+    """float32 ``x`` -> 16-bit bits in ``out`` (uint16, ``x``'s shape), round to nearest even.
+
+    torch where :func:`_torch_for` allows, else numpy: the same bits for every
+    number (both round to nearest even); a NaN is a NaN in both, its bits may
+    differ (torch's vectorised bfloat16 cast makes every NaN 0xFFFF).
+    """
+    torch = _torch_for(x, out)
+    if torch is not None:
+        _half_view(torch, out, kind).copy_(torch.from_numpy(x))
+        return out
+    if kind == "fp16":
+        return to_float16_bits(x, out)
+    return to_bfloat16_bits(x, out, scratch)
+
+
+def widen16(bits, out, kind):
+    """16-bit bits (uint16) -> float32 in ``out`` (exact)."""
+    torch = _torch_for(bits, out)
+    if torch is not None:
+        torch.from_numpy(out).copy_(_half_view(torch, bits, kind))
+        return out
+    if kind == "fp16":
+        return from_float16_bits(bits, out)
+    return from_bfloat16_bits(bits, out)
+
+
+def feedback16(grad, residual, out, kind, ws):
+    """Error feedback: ``residual += grad``; ``out`` = its 16-bit rounding; ``residual -=``
+    what ``out`` holds (exact in float32).
+
+    So what leaves over ``n`` calls sums to the ``n`` gradients less the last
+    residual, which is at most half a 16-bit step of the last rounded value.
+    Where the rounding is not finite (past float16's range, a NaN or an
+    infinite gradient) the cast's value is sent and the residual is reset to 0
+    there, so one bad value does not poison every later push.
+
+    Args:
+        grad: flat float32 values (read only).
+        residual: flat float32, updated in place.
+        out: uint16, at least ``grad.size``.
+        ws: a :class:`Workspace` (a piece-sized float32 buffer).
+    """
+    n = grad.size
+    out = out[:n]
+    torch = _torch_for(residual, out, grad)
+    back = ws.get("feedback", min(n, CHUNK), np.float32)
+    if torch is not None:
+        g, r = torch.from_numpy(grad), torch.from_numpy(residual)
+        o, t = _half_view(torch, out, kind), torch.from_numpy(back)
+    wide = None if torch is not None else ws.get("wide", min(n, CHUNK), np.uint32)
+    for a in range(0, n, CHUNK):
+        b = min(n, a + CHUNK)
+        if torch is not None:
+            rr, oo, tt = r[a:b], o[a:b], t[:b - a]
+            rr.add_(g[a:b])
+            oo.copy_(rr)
+            tt.copy_(oo)
+            rr.sub_(tt)
+            torch.nan_to_num_(rr, nan=0.0, posinf=0.0, neginf=0.0)
+            continue
+        rr, tt = residual[a:b], back[:b - a]
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.add(rr, grad[a:b], out=rr)
+            cast16(rr, out[a:b], kind, wide[:b - a])
+            widen16(out[a:b], tt, kind)
+            np.subtract(rr, tt, out=rr)
+        np.nan_to_num(rr, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
+    return out
+
+
 def to_float16_bits(x, out=None):
     """float32 -> IEEE half, round to nearest even (numpy's cast), as uint16 bits."""
     x = np.asarray(x, np.float32)
@@ -236,6 +359,8 @@ class TwoBit:
     """
 
     has_residual = True
+    #: to every rank, each rank takes every rank's codes (n / 4 bytes a rank)
+    gathers_codes = True
     #: what the encoded values are moved as
     wire_dtype = np.dtype(np.uint8)
 
@@ -267,43 +392,49 @@ class SixteenBit:
 
     Args:
         kind: "fp16" (IEEE half) or "bf16" (bfloat16).
+        error_feedback: keep a residual per sender (:func:`feedback16`) and
+            leave the sums in float32 (:meth:`round` does nothing).
     """
 
-    has_residual = False
     wire_dtype = np.dtype(np.uint16)
+    #: to every rank: the owners' sums, rounded to 16 bits, are gathered instead
+    gathers_codes = False
 
-    def __init__(self, kind):
+    def __init__(self, kind, error_feedback=False):
         self.kind = kind
+        self.has_residual = bool(error_feedback)
 
     def wire_size(self, n):
         return n
 
     def encode(self, grad, residual, out, ws):
-        """``grad`` cast to 16 bits into ``out`` (uint16); ``residual`` is unused."""
-        if self.kind == "fp16":
-            return to_float16_bits(grad, out)
-        return to_bfloat16_bits(grad, out, ws.get("wide", grad.size, np.uint32))
+        """``grad`` in 16 bits into ``out`` (uint16): with ``residual`` (error feedback,
+        updated), else cast as it is."""
+        if residual is not None:
+            return feedback16(grad, residual, out, self.kind, ws)
+        numpy_bf16 = self.kind == "bf16" and _torch_for(grad, out) is None
+        return cast16(grad, out, self.kind,
+                      ws.get("wide", grad.size, np.uint32) if numpy_bf16 else None)
 
     def decode(self, wire, n, ws, out=None):
         """The float32 values ``wire`` stands for: in ``out``, or a workspace buffer."""
         out = ws.get("dec", wire.size, np.float32) if out is None else out
-        if self.kind == "fp16":
-            return from_float16_bits(wire, out)
-        return from_bfloat16_bits(wire, out)
+        return widen16(wire, out, self.kind)
 
     def round(self, total, ws):
-        """The float32 sum rounded once to 16 bits, in place."""
+        """The final sum, in place: rounded once to 16 bits; with error feedback left
+        in float32 (a rounding there would be lost to the residuals)."""
+        if self.has_residual:
+            return total
         half = self.encode(total, None, ws.get("round", total.size, np.uint16), ws)
-        if self.kind == "fp16":
-            return from_float16_bits(half, total)
-        return from_bfloat16_bits(half, total)
+        return self.decode(half, total.size, ws, total)
 
 
 def make_codec(config):
     """The codec of a :func:`parse_params` result."""
     if config["type"] == "2bit":
         return TwoBit(config["threshold"])
-    return SixteenBit(config["type"])
+    return SixteenBit(config["type"], config.get("error_feedback", False))
 
 
 def describe(config):
@@ -316,10 +447,13 @@ def describe(config):
         return "none"
     if config["type"] == "2bit":
         return f"2bit (threshold {str(np.float32(config['threshold']))})"
+    if config.get("error_feedback"):
+        return f"{config['type']} (error feedback)"
     return config["type"]
 
 
-__all__ = ["TYPES", "DEFAULT_THRESHOLD", "FLOAT32_ONLY", "NOT_SUPPORTED", "supports",
-           "parse_params", "packed_nbytes", "quantize_2bit", "pack_2bit", "dequantize_2bit",
-           "unpack_2bit", "to_float16_bits", "from_float16_bits", "to_bfloat16_bits",
+__all__ = ["TYPES", "DEFAULT_THRESHOLD", "FLOAT32_ONLY", "NOT_SUPPORTED",
+           "supports", "parse_params", "packed_nbytes", "quantize_2bit", "pack_2bit",
+           "dequantize_2bit", "unpack_2bit", "cast16", "widen16", "feedback16",
+           "to_float16_bits", "from_float16_bits", "to_bfloat16_bits",
            "from_bfloat16_bits", "Workspace", "TwoBit", "SixteenBit", "make_codec", "describe"]

@@ -467,7 +467,9 @@ def compression_call(params, store_type):
     residual, sends ``+t`` where that reaches ``t``, ``-t`` where it reaches
     ``-t``, 0 elsewhere (2 bits a value, 16 per 32-bit word), and keeps the
     rest for its next push. ``{'type': 'fp16'}`` and ``{'type': 'bf16'}``
-    send float32 gradients as 16 bits, summed in float32 and rounded once.
+    send float32 gradients as 16 bits, summed in float32; with
+    ``'error_feedback': True`` each sender keeps what rounding lost and adds
+    it to its next push, and the owners keep the float32 sums.
     ``init`` and ``pull`` are never compressed. As in MXNet, a ``local``
     store refuses; a ``device`` store compresses each device's values, a
     distributed store each rank's (summed over its devices). Only float32

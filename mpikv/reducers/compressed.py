@@ -23,9 +23,10 @@ What moves, per bucket of ``n`` float32 values on ``P`` ranks:
   push); a later pull moves float32 values, uncompressed, as in MXNet.
 - fp16 / bf16: one ``Alltoallv`` of 16-bit blocks (``2 n`` bytes per rank);
   each block's owner adds the ``P`` blocks in float32 in rank order and
-  rounds the sum once; with the default updater an ``Allgatherv`` then
-  moves the rounded sums, still as 16 bits (they are 16-bit values), over
-  near-equal blocks.
+  rounds the sum once (with error feedback, the owners keep it in float32:
+  each sender's residual carries what its rounding lost to its next push);
+  with the default updater an ``Allgatherv`` then moves the rounded sums,
+  still as 16 bits (they are 16-bit values), over near-equal blocks.
 
 ``init`` and ``pull`` never come here.
 """
@@ -77,7 +78,7 @@ class Compression:
 
         Returns:
             A float32 copy, or None before the key's first compressed push (and
-            for 16-bit compression, which keeps none).
+            for 16-bit compression without error feedback, which keeps none).
 
         Here: the flat residual itself (not a copy), or None.
         """
@@ -153,7 +154,8 @@ class Compression:
 class CompressedReducer(Reducer):
     """Sums one bucket over the ranks from every rank's encoded values.
 
-    Host buffers only (the codecs are numpy): the chooser stages GPU buffers.
+    Host buffers only (the codecs work on numpy arrays, in torch where it is
+    loaded): the chooser stages GPU buffers.
     Bound to its bucket, whose keys' residuals it updates.
 
     Args:
@@ -184,7 +186,7 @@ class CompressedReducer(Reducer):
         n, p, me = dst.size, t.size, t.rank
         x = dst if src is None else src
         residual = comp.bucket_residual(self.bucket) if codec.has_residual else None
-        if everyone and codec.has_residual:
+        if everyone and codec.gathers_codes:
             # 2-bit to everyone: a rank's whole bucket is n / 4 bytes, so every rank
             # takes every rank's codes (less than the owners' route's float32 gather).
             w = codec.wire_size(n)

@@ -114,7 +114,7 @@ class KVStore(ClosesAfterWith):
     def gradient_residual(self, key, device=None):
         """This rank's compression residual of ``key`` (on a ``device`` store, of its
         ``device``-th value), a float32 copy shaped like the key; None before its first
-        compressed push and for 16-bit compression. See
+        compressed push and for 16-bit compression without error feedback. See
         :meth:`mpikv.reducers.compressed.Compression.residual`.
         """
         comp = self._engine.compression

@@ -8,7 +8,7 @@ from . import _store, diloco, param_shards, sparse, tensors
 from ._context import StoreContext
 from ._files import TrainerFile
 from ._module_hooks import ModuleHooks
-from ._reduction import GradientReduction
+from ._reduction import GradientReduction, wire_compression
 from ._step import StepState
 from ._update import OwnerUpdate
 from ._wiring import ParamWiring
@@ -87,7 +87,7 @@ def make_pieces(options, kv, owner):
     launcher = _store.launcher_for(kv, any(tensors.is_device(p) for p in params))
     weakref.finalize(owner, launcher.stop)   # dropped without close()
     if made["compression"] is not None:
-        kv.set_gradient_compression(made["compression"])
+        kv.set_gradient_compression(wire_compression(made["compression"]))
     multi = made["multi_precision"]
     sync = options.sync
     optimizer_class, optimizer_params = made["optimizer"], made["optimizer_params"] or {}

@@ -6,6 +6,24 @@ from torch.autograd import Variable
 from . import status, tensors
 
 
+def wire_compression(compression):
+    """The store's compression parameters for a Trainer's ``compression=``.
+
+    A type's name alone (``"bf16"``, ``"fp16"``, ``"2bit"``) stands for
+    ``{"type": name}``; a 16-bit type gets error feedback unless the dict says
+    ``"error_feedback": False``. Anything else goes to the store as it is (its
+    checks raise there, on every rank).
+
+    Args:
+        compression: the Trainer's ``compression`` argument (not None).
+    """
+    if isinstance(compression, str):
+        compression = {"type": compression}
+    if isinstance(compression, dict) and compression.get("type") in ("fp16", "bf16"):
+        compression = {"error_feedback": True, **compression}
+    return compression
+
+
 class GradientReduction:
     """Sums each bucket of gradients on its owners as soon as backward gives it.
 
@@ -251,4 +269,4 @@ class GradientReduction:
             self.reduce()
 
 
-__all__ = ["GradientReduction"]
+__all__ = ["GradientReduction", "wire_compression"]

@@ -27,8 +27,10 @@ def measure(transport, sizes, reps=3, progress=None):
     """Times each codec's compressed sum per size class and mode; collective.
 
     Returns:
-        ``{(mode, size): {"compressed:TYPE": seconds}}`` (host buffers; the
-        codecs are numpy, a store stages GPU buffers for them).
+        ``{(mode, size): {"compressed:TYPE": seconds}}`` (host buffers, the
+        16-bit types without error feedback; the casts run in torch if the
+        caller imported it, else in numpy, as a store's do; a store stages GPU
+        buffers for them).
     """
     from ..arrays.compression import parse_params
     from ..reducers.compressed import Compression, CompressedReducer

@@ -255,6 +255,59 @@ def test_sixteen_bit_with_sgd_on_the_owners(make_store, comm, kind):
     assert_pulls_equal(kv, ref, keys)
 
 
+class FeedbackRanks:
+    """Error feedback by hand: each rank's residual + gradient rounded to 16 bits and
+    sent, the rest kept; the sends added in float32 in rank order."""
+
+    def __init__(self, kind, size, shape):
+        self.to, self.back = ((C.to_float16_bits, C.from_float16_bits) if kind == "fp16"
+                              else (C.to_bfloat16_bits, C.from_bfloat16_bits))
+        self.residuals = [np.zeros(shape, F) for _ in range(size)]
+
+    def push(self, grads):
+        total = None
+        for residual, g in zip(self.residuals, grads):
+            residual += g
+            sent = self.back(self.to(residual))
+            residual -= sent
+            total = sent.copy() if total is None else total + sent
+        return total
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+@pytest.mark.parametrize("mode", ["sgd", "pushpull"])
+def test_sixteen_bit_error_feedback_by_hand(make_store, comm, kind, mode):
+    """The owners (SGD) get the float32 sums of every rank's feedback sends; the default
+    updater's sums travel back as 16 bits, rounded once. Residuals stay per rank."""
+    kv = store(make_store)
+    kv.set_gradient_compression({"type": kind, "error_feedback": True})
+    keys = list(SHAPES)
+    kv.init(keys, [np.ones(s, F) for s in SHAPES.values()])
+    ref = mpikv.create("local")
+    ref.init(keys, [np.ones(s, F) for s in SHAPES.values()])
+    if mode == "sgd":
+        for k in (kv, ref):
+            k.set_optimizer(mpikv.optimizer.SGD(learning_rate=0.1, momentum=0.9))
+    sims = {k: FeedbackRanks(kind, comm.size, s) for k, s in SHAPES.items()}
+    for step in range(3):
+        mine = [grad(kv.rank, s, step, seed=i) * F(7) for i, s in enumerate(SHAPES.values())]
+        sums = [sims[k].push([grad(r, s, step, seed=i) * F(7) for r in range(comm.size)])
+                for i, (k, s) in enumerate(SHAPES.items())]
+        if mode == "sgd":
+            kv.push(keys, mine)
+            ref.push(keys, sums)
+        else:
+            outs = [np.zeros(s, F) for s in SHAPES.values()]
+            kv.pushpull(keys, mine, out=outs)
+            for o, want in zip(outs, sums):
+                np.testing.assert_array_equal(o, sims["a"].back(sims["a"].to(want)))
+                same_everywhere(comm, o)
+        for k in keys:
+            np.testing.assert_array_equal(kv.gradient_residual(k), sims[k].residuals[kv.rank])
+    if mode == "sgd":
+        assert_pulls_equal(kv, ref, keys, comm)
+
+
 # -- what moves ------------------------------------------------------------------
 def _bytes_of(make_store, comm, kind, optimizer, n):
     """Bytes one push (+ pull) of an n-value key brings to this rank."""
@@ -322,6 +375,7 @@ def test_non_float32_keys_are_an_error_on_every_rank_with_nothing_applied(make_s
     ({"type": "2bit", "threshold": -1.0}, "threshold must be greater than 0 (got -1.0)"),
     ({"type": "1bit"}, "Unknown type for gradient compression 1bit (use one of '2bit', "
                        "'fp16', 'bf16')"),
+    ({"type": "bf16", "error_feedback": 1}, "error_feedback must be True or False, not 1"),
 ])
 @pytest.mark.parametrize("where", ["every rank", "last rank"])
 def test_bad_parameters_are_an_error_on_every_rank_with_nothing_set(make_store, comm, params,

@@ -2,8 +2,10 @@
 
 Each rank's gradient is known exactly (the loss is ``sum(w * c)``, so
 ``w.grad == c``), so the expected weights follow from the compression's rule
-computed here by hand: 16-bit casts summed in float32 in rank order and
-rounded once; MXNet's 2-bit rule with a residual per rank.
+computed here by hand: 16-bit casts with error feedback (the Trainer's
+default: a residual per rank, float32 sums on the owners), or without it
+(``"error_feedback": False``: casts summed in float32 in rank order and rounded
+once); MXNet's 2-bit rule with a residual per rank.
 """
 
 import numpy as np
@@ -47,6 +49,18 @@ def _sixteen(dtype):
     return rule
 
 
+def _feedback(dtype):
+    def rule(grads, residuals):
+        total = np.zeros_like(grads[0])
+        for r, g in enumerate(grads):   # residual + gradient rounded; the rest kept
+            x = (g + residuals[r]).astype(np.float32)
+            sent = x.astype(dtype).astype(np.float32)
+            residuals[r] = (x - sent).astype(np.float32)
+            total += sent
+        return total                    # the owners' float32 sum, not rounded
+    return rule
+
+
 def _two_bit(grads, residuals):
     total = np.zeros_like(grads[0])
     for r, g in enumerate(grads):
@@ -61,8 +75,9 @@ def _exact(grads, residuals):
     return sum(grads[1:], grads[0].copy())
 
 
-RULES = {None: _exact, "fp16": _sixteen(np.float16), "bf16": _sixteen(ml_dtypes.bfloat16),
-         "2bit": _two_bit}
+RULES = {None: _exact, "fp16": _feedback(np.float16), "bf16": _feedback(ml_dtypes.bfloat16),
+         "fp16-cast": _sixteen(np.float16), "bf16-cast": _sixteen(ml_dtypes.bfloat16),
+         "bf16-name": _feedback(ml_dtypes.bfloat16), "2bit": _two_bit}
 
 
 def reference(kind, n):
@@ -90,6 +105,10 @@ def _average(kind, step, key, n):
 def _params(kind):
     if kind is None:
         return None
+    if kind.endswith("-cast"):
+        return {"type": kind[:4], "error_feedback": False}
+    if kind.endswith("-name"):
+        return kind[:4]   # the type's name alone: error feedback, as the dict
     return {"type": "2bit", "threshold": THRESHOLD} if kind == "2bit" else {"type": kind}
 
 
