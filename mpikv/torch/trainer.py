@@ -137,7 +137,17 @@ class Trainer(ClosesAfterWith):
         self.shard, self.split_parameters = opts.shard, opts.split_parameters
         self.min_workers = min_workers
         self._resumer = self._resume_args = None
-        self._build(store_for(opts), owns_store=kvstore is None or isinstance(kvstore, str))
+        owns_store = kvstore is None or isinstance(kvstore, str)
+        store = store_for(opts)
+        try:
+            self._build(store, owns_store=owns_store)
+        except BaseException as exc:
+            # Nobody else holds the store; a refusal is agreed, so close is collective.
+            if owns_store and isinstance(exc, errors.MPIKVError):
+                store.close()
+            elif owns_store:
+                store.abandon()
+            raise
 
     def _build(self, kv, owns_store):
         """Makes every piece on the store ``kv`` and puts them in place (at first, and
