@@ -62,7 +62,10 @@ class Trainer(ClosesAfterWith):
         compression: gradient compression of the pushes, as
             :meth:`mpikv.KVStore.set_gradient_compression` takes it:
             ``{"type": "2bit", "threshold": t}`` (MXNet's, with the residual
-            kept on each rank), ``{"type": "fp16"}`` or ``{"type": "bf16"}``.
+            kept on each rank), ``{"type": "fp16"}`` or ``{"type": "bf16"}``
+            (or the name alone), these two with error feedback (each rank
+            keeps what rounding lost and sends it the next step; the owners
+            sum in float32) unless ``"error_feedback": False``.
             float32 parameters only; :meth:`allreduce_grads` gathers the
             owners' sums uncompressed. Default: none.
         shard: what lives on the owners only. ``"optimizer"`` (ZeRO-1; the
