@@ -79,7 +79,7 @@ def left_running(tag, grace=5.0):
         time.sleep(0.1)
 
 
-def run_job(n, *args, timeout=120, env=None):
+def run_job(n, *args, timeout=300, env=None):
     """Runs ``python ARGS`` on ``n`` ranks; returns (returncode, output, seconds)."""
     cmd = ["timeout", "-k", "5", str(timeout), str(MPIRUN), "-n", str(n), sys.executable, *args]
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))

@@ -145,6 +145,8 @@ def test_overlap_is_measured_against_compute_and_communication_alone(timed):
 
 
 @pytest.mark.parametrize("fail, measure, cause", [
+    # Under load the parent may see rank 1's process end (the abort its error starts)
+    # before its report: "rank 1 then raised" is the same cause, named second.
     ("ddp-sgd", "--memory", "rank 1 raised RuntimeError: MPIKV_BENCH_FAIL_VARIANT=ddp-sgd: "
                             "ddp-sgd fails on rank 1"),
     ("trainer-sgd:kill", "--time", "ended without a result or an error: killed"),
@@ -158,22 +160,21 @@ def test_a_failed_child_job_ends_the_run_with_its_variant_and_a_nonzero_status(
         pytest.skip("the Trainer variants need mpikv.torch")
     variant = fail.partition(":")[0]
     # --groups each: the failing variant has a job of its own in --time too.
-    rc, out, seconds = run_job(2, "-m", "mpikv", "bench", "train", *TINY, measure,
-                               "--groups", "each", "--variants", variant,
-                               "--json", env={"MPIKV_AUTOTUNE": "0",
-                                              "MPIKV_BENCH_FAIL_VARIANT": fail},
-                               timeout=180)
+    rc, out, _ = run_job(2, "-m", "mpikv", "bench", "train", *TINY, measure,
+                         "--groups", "each", "--variants", variant,
+                         "--json", env={"MPIKV_AUTOTUNE": "0",
+                                        "MPIKV_BENCH_FAIL_VARIANT": fail},
+                         timeout=300)
     assert rc not in (0, 124), (rc, out)   # 124: the timeout ended a hang
     job = "memory" if measure == "--memory" else "time"
     lines = [line for line in out.splitlines() if line.startswith("bench train:")]
     assert len(lines) == 1, out
     assert lines[0].startswith(f"bench train: the {job} job of variant {variant} (bert) "
                                f"failed: "), out
-    assert cause in lines[0], out
+    assert cause in lines[0].replace("rank 1 then raised", "rank 1 raised"), out
     if fail.endswith(":kill"):   # the rank that ended is named with its pid
         assert "1 (pid " in lines[0], out
     assert not any(line.startswith("{") for line in out.splitlines()), out  # no result
-    assert seconds < 170   # ended by the failure, not by the timeout's kill
 
 
 #: A BERT whose encoder layers are each at most 1/8 of its bytes (8 layers, a small

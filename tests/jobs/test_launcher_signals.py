@@ -25,7 +25,7 @@ pytest.importorskip("torch")
 SCRIPT = "tests/jobs/scripts/preempt.py"
 #: the longest a job may take to start training, or to end after the signal, before
 #: the test calls it a hang (not a timing claim: the machine may be loaded)
-BOUND = 180
+BOUND = 300
 
 
 def _descendants(pid):

@@ -19,7 +19,7 @@ from .test_rank_lost import leftovers
 
 SCRIPT = "tests/jobs/scripts/stopped_rank.py"
 #: the limit past which the job counts as hung (not a timing claim)
-TIMEOUT = 180
+TIMEOUT = 300
 
 
 @pytest.mark.parametrize("stopped, redundancy", [
