@@ -498,7 +498,33 @@ def bench_gpu(workload, iterations, comm):
                settled(lambda: kv.pushpull(keys, inplace))),
               ("mpikv pushpull, zero-copy", settled(refill_zero),
                settled(lambda: kv.pushpull(keys, zero)))]
-    if not kv._transport.staging.direct:
+    if kv._transport.staging.direct:
+        # The same store calls staged, beside the direct ones in the same run (issue 41):
+        # a store made while MPIKV_CUDA_AWARE=0 stages (the ranks agree on a store's
+        # path once, when it is made), on every rank alike.
+        saved = os.environ.get(cuda.ENV)
+        os.environ[cuda.ENV] = "0"
+        try:
+            kv_staged = mpikv.create("dist_sync_device")
+        finally:
+            if saved is None:
+                os.environ.pop(cuda.ENV, None)
+            else:
+                os.environ[cuda.ENV] = saved
+        kv_staged.init(keys, [cp.zeros(s, cp.float32) for s in shp])
+        outs_staged = [cp.zeros(s, cp.float32) for s in shp]
+        zero_staged = kv_staged.gradient_buffers(keys)
+
+        def refill_zero_staged():
+            for z, g in zip(zero_staged, grads):
+                z[...] = g
+        cases += [("mpikv pushpull(out=...), staged", None,
+                   settled(lambda: kv_staged.pushpull(keys, grads, out=outs_staged))),
+                  ("mpikv pushpull in place, staged", settled(refill_inplace),
+                   settled(lambda: kv_staged.pushpull(keys, inplace))),
+                  ("mpikv pushpull, zero-copy, staged", settled(refill_zero_staged),
+                   settled(lambda: kv_staged.pushpull(keys, zero_staged)))]
+    else:
         # The same store call with whole-buffer staging: what the pipeline gains.
         kv_whole = mpikv.create("dist_sync_device", staging_piece=0)
         kv_whole.init(keys, [cp.zeros(s, cp.float32) for s in shp])

@@ -28,6 +28,12 @@ Variants:
   gradients in ``.grad`` after backward, as DDP does.
 - ``shardgrads-X``: the same with ``shard="gradients"`` (the gradients reduced to
   their owners only, no gradient allgather).
+- ``replicas-X``: the same with ``shard="none"`` (every rank updates every part with
+  a replica of the owners' state: no weights gathered after the step).
+- ``default-X``: the Trainer without ``shard=``: the store's layout chooses
+  ``"optimizer"`` or ``"none"`` (the choice and why go to stderr).
+- ``diloco-sgd``, ``diloco-adamw``: ``sync=DiLoCo(every=8)`` (the paper's outer
+  optimizer) with X as the inner optimizer on each rank.
 - ``shardparams-X``: the same with ``shard="parameters"`` (the weights live on
   their owners only; the Trainer's own units, ``units=None``, are gathered around
   their forward and backward and given back after). Their weights are read
@@ -64,7 +70,11 @@ the variants are timed in the launched job itself, all in one group (Open MPI
 5.0.11 fails to start a second spawned job across the namespace hosts; pick
 variants that fit in memory together), and DDP's gloo
 runs over the cluster's link (``MPIKV_CLUSTER_MASTER``, ``MPIKV_CLUSTER_IFNAME``);
-the tables name the hosts and the link's rate.
+the tables name the hosts and the link's rate, and each row the megabytes the
+variant's step sent over its host's link per rank (``link MB/step/rank``: the
+interface's own counter, gloo's bytes and MPI's alike, headers included, averaged
+over every step). Where ``local-X`` was timed, each X row also gives that
+compute-alone step time.
 
 SGD: lr 0.05, momentum 0.9, weight decay 5e-4; Adam: lr 1e-4; AdamW: lr 1e-4,
 weight decay 0.01.
@@ -137,9 +147,16 @@ MODELS = ("resnet18", "resnet50", "bert")
 VARIANTS = ("trainer-sgd", "trainer-adam", "trainer-adamw", "shardgrads-sgd", "shardgrads-adam",
             "shardgrads-adamw", "shardparams-sgd", "shardparams-adam", "shardparams-adamw",
             "ddp-sgd", "ddp-adam", "ddp-adamw", "ddp-zero-adam", "fsdp2-sgd", "fsdp2-adam",
-            "fsdp2-adamw", "horovod-sgd", "horovod-adam")
-#: The Trainer's variants: the name's first part -> ``shard=``.
-TRAINER_SHARD = {"trainer": "optimizer", "shardgrads": "gradients", "shardparams": "parameters"}
+            "fsdp2-adamw", "horovod-sgd", "horovod-adam", "default-sgd", "default-adam",
+            "replicas-sgd", "replicas-adam", "diloco-sgd", "diloco-adamw")
+#: The Trainer's variants: the name's first part -> ``shard=`` (``default``: none given,
+#: the store's layout chooses; ``diloco``: ``sync=DiLoCo(every=8)``, the inner optimizer X).
+TRAINER_SHARD = {"trainer": "optimizer", "shardgrads": "gradients", "shardparams": "parameters",
+                 "replicas": "none", "default": None, "diloco": None}
+#: The Trainer's kinds that take compression= and have an X/comm
+COMPRESSIBLE = ("trainer", "shardgrads", "replicas", "default")
+#: DiLoCo's sync interval in the ``diloco-X`` variants (the paper's outer defaults)
+DILOCO_EVERY = 8
 #: Compression, asked for with a suffix (``trainer-sgd+2bit``, ``ddp-sgd+fp16``): the
 #: Trainer's ``compression=`` and DDP's comm hooks.
 TRAINER_COMPRESSION = {"2bit": {"type": "2bit", "threshold": 0.5}, "fp16": {"type": "fp16"},
@@ -229,11 +246,12 @@ def split_variant(variant):
     if name in LOCAL and not comp and not alone:
         return "local", name.partition("-")[2], None
     if alone and (alone != "comm"
-                  or name.startswith(("horovod-", "ddp-zero", "shardparams-", "fsdp2-"))
+                  or name.startswith(("horovod-", "ddp-zero", "shardparams-", "fsdp2-",
+                                      "diloco-"))
                   or (name.startswith("ddp-") and comp)):
         raise ValueError(variant)
     kind, _, opt = name.partition("-")
-    known = (TRAINER_COMPRESSION if kind in ("trainer", "shardgrads")
+    known = (TRAINER_COMPRESSION if kind in COMPRESSIBLE
              else DDP_HOOKS if kind == "ddp" and opt != "zero-adam" else ())
     if name not in VARIANTS or (comp and comp not in known):
         raise ValueError(variant)
@@ -291,10 +309,14 @@ def make_variant(variant, net, loss_fn, comm):
     if comm_only(variant):
         return _comm_step(kind, opt, comp, net, comm)
     if kind in TRAINER_SHARD:
-        from mpikv.torch import Trainer
+        from mpikv.torch import DiLoCo, Trainer
         cls, kwargs = OPTIMIZERS[opt]
         trainer = Trainer(net, cls, dict(kwargs), shard=TRAINER_SHARD[kind],
-                          compression=TRAINER_COMPRESSION.get(comp))
+                          compression=TRAINER_COMPRESSION.get(comp),
+                          sync=DiLoCo(every=DILOCO_EVERY) if kind == "diloco" else None)
+        if comm.rank == 0 and kind == "default":
+            print(f"  {variant}: shard={trainer.shard!r} ({trainer.shard_reason})",
+                  file=sys.stderr, flush=True)
 
         def step(batch):
             trainer.zero_grad()
@@ -414,7 +436,7 @@ def _comm_step(kind, opt, comp, net, comm):
     grads = [torch.randn(p.shape, generator=g) * 1e-3 for p in net.parameters()]
     params = list(net.parameters())
     cls, kwargs = OPTIMIZERS[opt]
-    if kind in ("trainer", "shardgrads"):
+    if kind in COMPRESSIBLE:
         from mpikv.torch import Trainer
         trainer = Trainer(net, cls, dict(kwargs), shard=TRAINER_SHARD[kind],
                           compression=TRAINER_COMPRESSION.get(comp))
@@ -767,9 +789,16 @@ def time_child(args, comm):
             torch.manual_seed(_step_seed(args, comm.rank, i))
             current["batch"] = data[i]
             turn[v] = i + 1
-        return (v, prepare, lambda: steppers[v](current["batch"]))
+        def run():
+            before = link_bytes()
+            steppers[v](current["batch"])
+            if before is not None:
+                sent[v] = sent.get(v, 0) + link_bytes() - before
+        return (v, prepare, run)
+    sent = {}
     timer = Timer(comm)
     timer.run([case(v) for v in group], steps, warmup=warmup)
+    per_host = int(os.environ.get("MPIKV_CLUSTER_RANKS_PER_HOST") or 1)
     flat = {v: weights_of(steppers[v], nets[v]) for v in group}
     hosts = sorted(set(comm.allgather(MPI.Get_processor_name())))
     rows = {}
@@ -782,13 +811,30 @@ def time_child(args, comm):
         rank0 = flat[v].clone()
         comm.Bcast(rank0.numpy(), root=0)
         rows[v] = {"step_ms": float(np.median(ms)), "step_ms_min": float(ms.min()),
+                   "step_ms_mean": float(ms.mean()),
                    "hosts": hosts,
                    "step_ms_max": float(ms.max()), "group": group,
                    "max_abs_diff_vs_ddp": None if diff is None
                    else comm.allreduce(diff, op=MPI.MAX),
                    "max_abs_diff_vs_rank0": comm.allreduce(
                        float((flat[v] - rank0).abs().max()), op=MPI.MAX)}
+        if link_bytes() is not None:   # each host's link, shared by its ranks
+            rows[v]["link_mb_per_step"] = comm.allreduce(
+                sent[v] / per_host / (warmup + steps), op=MPI.SUM) / comm.size / 1e6
     return rows if comm.rank == 0 else None
+
+
+def link_bytes():
+    """Bytes this host sent over ``scripts/cluster.sh``'s link so far, or None (not on
+    such a host): what the variants move is counted there, gloo's and MPI's alike."""
+    name = os.environ.get("MPIKV_CLUSTER_IFNAME")
+    if not name:
+        return None
+    try:
+        with open(f"/sys/class/net/{name}/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return None
 
 
 def _steps(model, args):
@@ -896,6 +942,8 @@ def _ratios(info):
         local, alone = rows.get(f"local-{split_variant(v)[1]}"), rows.get(f"{v}/comm")
         if "step_ms" in row and local and alone and "step_ms" in local and "step_ms" in alone:
             row["comm_hidden"] = 1 - (row["step_ms"] - local["step_ms"]) / alone["step_ms"]
+        if local and "step_ms" in local and not v.startswith("local-"):
+            row["compute_ms"] = local["step_ms"]   # the same step with no communication
     for v, row in info["variants"].items():
         ref = info["variants"].get(reference(v), {})
         for key, name in (("step_ms", "time_vs_ddp"), ("peak_MiB", "rss_vs_ddp")):
@@ -966,7 +1014,12 @@ def show_model(info, out):
               f"{_fmt(r.get('peak_over_model'), '7.2f')} {_fmt(r.get('rss_vs_ddp'), '7.2f')} "
               f"{_fmt(r.get('max_abs_diff_vs_ddp'), '10.2e')} "
               f"{_fmt(r.get('max_abs_diff_vs_rank0'), '10.2e')}  {tag}"
-              + (f" comm hidden {r['comm_hidden']:.2f}" if "comm_hidden" in r else ""))
+              + (f" comm hidden {r['comm_hidden']:.2f}" if "comm_hidden" in r else "")
+              + (f" link MB/step/rank {r['link_mb_per_step']:.1f}"
+                 if "link_mb_per_step" in r else "")
+              + (f" compute alone {r['compute_ms']:.1f} ms" if "compute_ms" in r else "")
+              # (DiLoCo: most steps are local, the median hides the syncs)
+              + (f" mean {r['step_ms_mean']:.1f} ms" if "step_ms_mean" in r else ""))
 
 
 def show_goals(out):

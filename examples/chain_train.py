@@ -51,6 +51,10 @@ def main(argv=None):
     p.add_argument("--step-seconds", type=float, default=0.0,
                    help="sleep this long in each step (a longer model, for trying signals)")
     args = p.parse_args(argv)
+    if args.batch % mpikv.torch.size():   # every rank alike, before any store call
+        p.error(f"--batch {args.batch} does not divide by the {mpikv.torch.size()} ranks: each "
+                f"rank takes an equal slice of the global batch, and the rest would be "
+                f"dropped; give a multiple of {mpikv.torch.size()}")
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))

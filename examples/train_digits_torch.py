@@ -76,6 +76,13 @@ def parse_args(argv):
     p.add_argument("--save", metavar="PATH", help="save a Trainer checkpoint here at the end")
     p.add_argument("--resume", metavar="PATH", help="continue from a --save checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--compression", choices=["bf16", "fp16", "2bit"],
+                   help="gradient compression of the pushes (bf16/fp16 with error feedback)")
+    p.add_argument("--shard", choices=["none", "optimizer", "gradients", "parameters"],
+                   help="the Trainer's shard= (default: as the store's layout chooses)")
+    p.add_argument("--diloco", type=int, metavar="H",
+                   help="sync every H steps through the owners' outer optimizer "
+                        "(mpikv.torch.DiLoCo, the paper's outer_lr 0.7 and momentum 0.9)")
     args = p.parse_args(argv)
     if args.batch < 1 or args.epochs < 0:
         p.error("--batch must be >= 1 and --epochs >= 0")
@@ -157,7 +164,9 @@ def main(argv=None):
     # an uninterrupted 3-epoch run, exactly.
     trainer = mpikv.torch.Trainer(
         model, torch.optim.AdamW, {"lr": args.lr, "weight_decay": args.wd}, args.type,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, args.lr_decay))
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, args.lr_decay),
+        compression=args.compression, shard=args.shard,
+        sync=mpikv.torch.DiLoCo(every=args.diloco) if args.diloco else None)
     rank, size = trainer.kvstore.rank, trainer.kvstore.num_workers
 
     # Equal shards: each rank's mean loss then weighs its rows as the global mean would,
@@ -212,7 +221,11 @@ def main(argv=None):
         trainer.save_checkpoint(args.save)  # collective: before rank 0's plotting below
         say(f"checkpoint after epoch {max(start, args.epochs)}: {args.save}")
     agree, digest, digests = all_ranks_agree(trainer, model)
-    if not agree:
+    if args.diloco and trainer.num_update % args.diloco:
+        # Between syncs each rank holds its own weights: rank 0's are evaluated.
+        say(f"DiLoCo: {trainer.num_update % args.diloco} local step(s) since the last sync; "
+            f"rank 0's weights are evaluated")
+    elif not agree:
         say("weights differ between ranks: " + ", ".join(
             f"rank {r} {d[:16]}" for r, d in enumerate(digests)), file=sys.stderr)
         return 1

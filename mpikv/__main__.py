@@ -7,9 +7,11 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 USAGE = """\
-usage: python -m mpikv COMMAND [ARGS]
+usage: python -m mpikv COMMAND [ARGS]   (or mpikv --version)
 
 commands:
+  run [-n N] [--ft] [--hosts H:N,...] PROGRAM [ARGS]
+                     start PROGRAM on N MPI ranks (mpikv run -h; docs/launching.md)
   info [--json]      versions, MPI library, ranks per host, CUDA-aware MPI, settings
   bench WHAT [...]   benchmarks against raw mpi4py, from a clone (python -m mpikv bench -h)
   tune [...]         measure every reduction strategy here, cache the table (mpikv tune -h)
@@ -29,6 +31,13 @@ def main(argv=None):
     if command in ("-h", "--help", "help"):
         print(USAGE)
         return 0
+    if command in ("-V", "--version", "version"):
+        from ._version import __version__
+        print(f"mpikv {__version__} ({Path(__file__).resolve().parent})")
+        return 0
+    if command == "run":
+        from .launch import main as run_main
+        return run_main(rest)
     if command == "info":
         from .tools.info import main as info_main
         return info_main(rest)

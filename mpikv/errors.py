@@ -73,6 +73,10 @@ class FaultToleranceUnavailableError(MPIKVError):
     no ULFM (``scripts/mpirun.sh --ft``; see docs/fault-tolerance.md)."""
 
 
+class LaunchError(MPIKVError):
+    """The job was started in a way mpikv cannot run (``torchrun`` instead of ``mpiexec``)."""
+
+
 class RankLostError(MPIKVError):
     """A rank of a fault-tolerant store died; raised on every survivor alike.
 
@@ -109,5 +113,5 @@ __all__ = [
     "MPIKVError", "InputError", "UnknownKeyError", "DuplicateInitError",
     "KeyTypeError", "ValueTypeError", "ShapeError", "DTypeError",
     "MismatchError", "StateFileError", "OptimizerError", "GradientError",
-    "ConcurrentCallError", "FaultToleranceUnavailableError", "RankLostError",
+    "ConcurrentCallError", "FaultToleranceUnavailableError", "LaunchError", "RankLostError",
 ]

@@ -14,6 +14,16 @@
 #                           are no wheels in .whl/ and a .venv exists)
 #   MPIKV_GPU_WHEELS_DIR    the wheels (default .whl/); MPIKV_GPU_SITE: where they go
 #                           (default /tmp/site)
+#   MPIKV_MPI_PREFIX        a CUDA-aware Open MPI (scripts/build-cuda-mpi.sh; default
+#                           .cuda-mpi in the checkout, when there): every step runs on
+#                           it, and the direct steps run too (issue 41)
+#
+# With the CUDA-aware Open MPI (built on a CPU machine and carried in beside .whl/:
+# docs/gpu.md, "A CUDA-aware Open MPI"), the steps that say MPIKV_CUDA_AWARE=0 are the
+# staged path on that same library, and the *-direct steps (MPIKV_CUDA_AWARE unset: the
+# store's detection decides, and must say CUDA-aware: MPIKV_EXPECT_CUDA_AWARE=1) run
+# beside them in the same run. Without it the direct steps are "skipped: no CUDA-aware
+# MPI" and the rest runs on the pip wheel, staged, as before.
 #
 # The wheels the GPU machine lacks (Open MPI, pytest-mpi, a matching mpi4py) come beside
 # the checkout in .whl/ (scripts/fetch-gpu-wheels.sh fetches them on a machine with a
@@ -32,7 +42,7 @@ dry=${MPIKV_GPU_CHECK_DRY:-0}
 for arg in "$@"; do
   case $arg in
     --dry) dry=1 ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
     *) out=$arg ;;
   esac
 done
@@ -74,6 +84,23 @@ else
   py=${py:-python3}
   export PYTHONPATH="$top${PYTHONPATH:+:$PYTHONPATH}"
 fi
+# -- a CUDA-aware Open MPI, when carried in: first on every path, ahead of the wheels --
+cuda_mpi=${MPIKV_MPI_PREFIX:-}
+if [ -z "$cuda_mpi" ] && [ -x "$top/.cuda-mpi/bin/mpiexec" ]; then cuda_mpi=$top/.cuda-mpi; fi
+if [ -n "$cuda_mpi" ] && [ ! -x "$cuda_mpi/bin/mpiexec" ]; then
+  echo "gpu-check: MPIKV_MPI_PREFIX=$cuda_mpi has no bin/mpiexec; not used" >&2
+  cuda_mpi=
+fi
+if [ -n "$cuda_mpi" ]; then
+  cuda_mpi=$(cd "$cuda_mpi" && pwd)
+  # The probe and the one-process steps run outside scripts/mpirun.sh, which sets the
+  # same for jobs (MPIKV_MPI_PREFIX): its mpi4py, libraries and ompi_info come first.
+  export MPIKV_MPI_PREFIX=$cuda_mpi OPAL_PREFIX=$cuda_mpi PATH="$cuda_mpi/bin:$PATH"
+  export PYTHONPATH="$cuda_mpi/python:$PYTHONPATH"
+  export LD_LIBRARY_PATH="$cuda_mpi/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+else
+  unset MPIKV_MPI_PREFIX
+fi
 # shellcheck source=env.sh
 . "$top/scripts/env.sh"
 export MPIKV_TEST_GPU=1
@@ -88,8 +115,9 @@ record() {  # step rc seconds note
   printf '%-22s rc=%-4s %5ss  %s\n' "$1" "$2" "$3" "$4"
 }
 
-# step NAME LIMIT NEEDS_GPU COMMAND: runs COMMAND (a bash string) under timeout, at most
-# LIMIT seconds and never past the global deadline.
+# step NAME LIMIT NEEDS COMMAND: runs COMMAND (a bash string) under timeout, at most
+# LIMIT seconds and never past the global deadline. NEEDS: 0 nothing, 1 a GPU, 2 a GPU
+# and the CUDA-aware Open MPI.
 step() {
   local name=$1 limit=$2 needs_gpu=$3 cmd=$4
   n=$((n + 1))
@@ -106,9 +134,14 @@ step() {
     record "$name" - 0 "skipped: out of time"
     return
   fi
-  if [ "$needs_gpu" = 1 ] && [ "$gpu" != 1 ]; then
+  if [ "$needs_gpu" -ge 1 ] && [ "$gpu" != 1 ]; then
     echo "skipped: no GPU (nvidia-smi -L failed)" > "$log"
     record "$name" - 0 "skipped: no GPU"
+    return
+  fi
+  if [ "$needs_gpu" = 2 ] && [ -z "$cuda_mpi" ]; then
+    echo "skipped: no CUDA-aware MPI (no MPIKV_MPI_PREFIX, no .cuda-mpi: scripts/build-cuda-mpi.sh .cuda-mpi)" > "$log"
+    record "$name" - 0 "skipped: no CUDA-aware MPI"
     return
   fi
   [ "$limit" -gt $((left - 15)) ] && limit=$((left - 15))   # and -k 10: ends by the deadline
@@ -124,7 +157,7 @@ step() {
   record "$name" "$rc" $(($(date +%s) - t0)) "$note"
 }
 
-echo "gpu-check: logs and summary in $out (budget ${budget}s, python $py, gpu=$gpu, dry=$dry)"
+echo "gpu-check: logs and summary in $out (budget ${budget}s, python $py, gpu=$gpu, dry=$dry, cuda-aware MPI: ${cuda_mpi:-none})"
 
 # 0. what is there
 step probe 60 0 "
@@ -155,6 +188,8 @@ from mpikv.transport import cuda
 print('detect():', cuda.detect())
 PY
 command -v ompi_info > /dev/null && ompi_info --parsable --all | grep built_with_cuda_support:value
+echo 'MPIKV_MPI_PREFIX=${cuda_mpi:-}'
+ldd --version 2>&1 | head -1   # the CUDA-aware build needs glibc 2.36 or later (libevent's arc4random)
 $py -m mpikv info
 "
 
@@ -164,12 +199,23 @@ step unit-real-cupy 120 1 "${pytest[*]} tests/unit/test_backends.py tests/unit/t
 # 2. the store on real cupy, staged, 2 ranks sharing the GPU
 step store-staged-2 150 1 "MPIKV_CUDA_AWARE=0 ${mpirun[*]} -n 2 ${pytest[*]} --with-mpi tests/mpi/test_gpu.py tests/mpi/test_gpu_bfloat16.py"
 
+# 2b. the same with the CUDA-aware Open MPI, direct: the detection must say CUDA-aware
+#     (tests/gpu/test_cuda_aware_mpi.py: raw device collectives, the store's direct path,
+#     one staging rank makes all stage), then the store's GPU tests on the direct path
+direct="MPIKV_EXPECT_CUDA_AWARE=1 ${mpirun[*]} -n 2 ${pytest[*]} --with-mpi"
+step store-direct-2 180 2 "$direct tests/gpu/test_cuda_aware_mpi.py; a=\$?; $direct tests/mpi/test_gpu.py tests/mpi/test_gpu_bfloat16.py; b=\$?; exit \$((a ? a : b))"
+
 # 3. the torch Trainer on CUDA at 2 ranks (16-bit, allreduce_grads + update, join)
 trainer="MPIKV_CUDA_AWARE=0 ${mpirun[*]} -n 2 ${pytest[*]} --with-mpi"
 if [ -f tests/mpi/test_trainer_device.py ]; then
   step trainer-cuda-2 150 1 "$trainer tests/mpi/test_trainer_device.py; a=\$?; $trainer tests/mpi/test_trainer.py -k cuda; b=\$?; exit \$((a ? a : b))"
 else
   step trainer-cuda-2 150 1 "$trainer tests/mpi/test_trainer.py -k cuda"
+fi
+
+# 3b. the Trainer on CUDA at 2 ranks, direct (the CUDA-aware Open MPI)
+if [ -f tests/mpi/test_trainer_device.py ]; then
+  step trainer-direct-2 150 2 "MPIKV_EXPECT_CUDA_AWARE=1 ${mpirun[*]} -n 2 ${pytest[*]} --with-mpi tests/mpi/test_trainer_device.py"
 fi
 
 # 4. the stream-race stress: 256 MiB, 50 queued kernels before each pushpull(_async)
@@ -182,6 +228,10 @@ step bf16-casts 90 1 "${pytest[*]} tests/gpu/test_bf16_casts.py"
 #    at 1 rank NCCL as well (NCCL needs a GPU per rank)
 step bench-gpu-2 120 1 "MPIKV_CUDA_AWARE=0 ${mpirun[*]} -n 2 $py -m mpikv bench gpu --workload resnet50 --iterations 10"
 step bench-gpu-1 60 1 "MPIKV_CUDA_AWARE=0 ${mpirun[*]} -n 1 $py -m mpikv bench gpu --workload resnet50 --iterations 10"
+# 6b. the same direct (the detection decides: raw mpi4py on the device buffers too), and
+#     direct with only the smcuda BTL (CUDA IPC between the two ranks) for shared memory
+step bench-gpu-direct-2 120 2 "${mpirun[*]} -n 2 $py -m mpikv bench gpu --workload resnet50 --iterations 10"
+step bench-gpu-smcuda-2 120 2 "OMPI_MCA_btl=smcuda,self ${mpirun[*]} -n 2 $py -m mpikv bench gpu --workload resnet50 --iterations 10"
 
 # 7. the rest of tests/mpi, device cases only
 step mpi-device-rest 180 1 "MPIKV_CUDA_AWARE=0 ${mpirun[*]} -n 2 ${pytest[*]} --with-mpi tests/mpi -k 'cupy or cuda or gpu or device' --ignore=tests/mpi/test_gpu.py --ignore=tests/mpi/test_gpu_bfloat16.py --ignore=tests/mpi/test_trainer_device.py --ignore=tests/mpi/test_calls_property.py"

@@ -12,12 +12,17 @@ if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
 stamp=$venv/.mpikv-installed
-want=$(cat "$top/pyproject.toml" | sha256sum | cut -d' ' -f1)
+# editable_mode=compat: the clone is found through a path entry (a .pth line), not
+# through setuptools' import hook, which Python asks after the path: with the hook, a
+# directory named mpikv/ beside a script (a clone of the repository) shadows mpikv.
+mode=compat
+want=$({ cat "$top/pyproject.toml"; echo "editable_mode=$mode"; } | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setting up $venv (pip install -e .[$extras]; a minute or less the first time)"
   log=$venv/install.log
   if ! { "$venv/bin/python" -m pip install --upgrade pip &&
-         "$venv/bin/python" -m pip install -e "$top[$extras]"; } > "$log" 2>&1; then
+         "$venv/bin/python" -m pip install --config-settings "editable_mode=$mode" \
+           -e "$top[$extras]"; } > "$log" 2>&1; then
     tail -40 "$log"
     echo "setup failed; the whole log is in $log" >&2
     exit 1

@@ -151,8 +151,10 @@ def _plain_groups(s, net):
 #: ``(case, shard)``: every case at the other levels of sharding too (at
 #: ``"parameters"`` not a head that some ranks skip: every rank must run the same
 #: modules when the weights are gathered module by module, as with FSDP)
-LEVEL_CASES = [(n, shard) for shard in ("gradients", "parameters") for n in sorted(CASES)
-               if (n, shard) != ("head-on-some-ranks", "parameters")]
+#: ``"none"`` (every rank updates every part) takes torch's elementwise classes only
+LEVEL_CASES = [(n, shard) for shard in ("gradients", "parameters", "none") for n in sorted(CASES)
+               if (n, shard) != ("head-on-some-ranks", "parameters")
+               and not (shard == "none" and n in ("mxnet-sgd", "adafactor", "adamw-whole"))]
 
 
 def train(name, kv_type="dist_sync", rank=0, size=1, extra=0, joined=None, face="trainer",

@@ -118,6 +118,11 @@ class Engine:
         return self._owners.counts
 
     @property
+    def state_generation(self):
+        """Changes whenever the owners' states are replaced, not updated by a push."""
+        return self._owners.generation
+
+    @property
     def owners(self):
         """The :class:`~mpikv.core.owners.Owners`: the updater or optimizer, and its states."""
         return self._owners
@@ -354,8 +359,9 @@ class Engine:
 
     def gather_grads(self, op, keys):
         """After a push of the key list's zero-copy buffers to the owners, gives every
-        rank every owner's sums: one in-place ``Allgatherv`` per bucket."""
-        self._zero_copy.gather_grads(op, keys)
+        rank every owner's sums: one in-place ``Allgatherv`` per bucket (in 16 bits
+        with 16-bit compression)."""
+        self._zero_copy.gather_grads(op, keys, self.compression)
 
     def uses_shared_memory(self, keys):
         """Whether a key list's zero-copy buffers are in node shared memory."""

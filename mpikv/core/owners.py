@@ -28,6 +28,7 @@ class Owners:
         self._optimizer = None
         self._states = {}       # (key, shard start) -> optimizer state, owned shards only
         self._counts = {}       # key -> pushes through the optimizer, the same on every rank
+        self._generation = 0    # +1 whenever the states are replaced rather than updated
 
     # -- what is set -------------------------------------------------------------
     @property
@@ -55,6 +56,13 @@ class Owners:
         """key -> pushes through the optimizer, the same on every rank, read only."""
         return MappingProxyType(self._counts)
 
+    @property
+    def generation(self):
+        """A number that changes whenever the states are replaced rather than updated by
+        a push (an updater or optimizer set, a load, the store closed); the same on every
+        rank, as those calls are collective."""
+        return self._generation
+
     def state_nbytes(self):
         """Bytes of optimizer state this rank holds."""
         return sum(a.nbytes for state in self._states.values() for a in state.values())
@@ -62,12 +70,14 @@ class Owners:
     def set_updater(self, updater):
         """``updater(key, input, stored)`` from now on (None: assign); drops the optimizer."""
         self._optimizer, self._states = None, {}
+        self._generation += 1
         self._updater = updater
         self._kind = None if updater is None else "function"
 
     def set_optimizer(self, optimizer):
         """``optimizer`` from now on, with fresh states."""
         self._optimizer, self._states = optimizer, {}
+        self._generation += 1
         self._updater, self._kind = None, "optimizer"
 
     def follow_optimizer(self, config):
@@ -89,6 +99,7 @@ class Owners:
             self.set_optimizer(optimizer)
         self._states = states
         self._counts = counts
+        self._generation += 1
         opt = self._optimizer
         if opt is not None and counts:
             opt.num_update = max(opt.num_update, max(counts.values()))
@@ -98,6 +109,7 @@ class Owners:
         """Drops the states and counts (the store is closed)."""
         self._states.clear()
         self._counts.clear()
+        self._generation += 1
 
     # -- a push ------------------------------------------------------------------
     def count(self, keys):

@@ -82,13 +82,18 @@ class ZeroCopy:
         entries = self.keys.entries
         return {k: entries[k].array for k in keys}
 
-    def gather_grads(self, op, keys):
+    def gather_grads(self, op, keys, compression=None):
         """Gives every rank every owner's sums in the key list's zero-copy buffers:
-        one in-place ``Allgatherv`` per bucket."""
+        one in-place ``Allgatherv`` per bucket; in 16 bits with a 16-bit
+        ``compression`` (:meth:`mpikv.reducers.compressed.Compression.gather`)."""
         layout = self.layouts.get(keys)
         for index, bucket in enumerate(layout.buckets):
+            what = (op, bucket.keys)
+            if compression is not None and compression.gather(
+                    self.transport, layout.grads[index], bucket, what):
+                continue
             self.transport.allgatherv_(wire_view(layout.grads[index]), bucket.counts,
-                                       bucket.displs, (op, bucket.keys))
+                                       bucket.displs, what)
 
     def uses_shared_memory(self, keys):
         """Whether a key list's zero-copy buffers are in node shared memory."""

@@ -54,6 +54,9 @@ class Compression:
         self._home = {}             # key -> the bucket arena its residual lives in
         self._arenas = {}           # id(bucket) -> (bucket, arena)
         self._device_residuals = {}  # (key, device index) -> residual (device store)
+        self._sum_residuals = {}    # bucket's keys -> what rounding this owner's sums lost
+        self._sum_buckets = {}      # bucket's keys -> (bucket, first element of its block)
+        self._sums_loaded = {}      # key -> {(start, stop): residual} loaded, for gather
         self.configure(config)
 
     def configure(self, config):
@@ -110,6 +113,102 @@ class Compression:
             self._arenas = {i: (b, a) for i, (b, a) in self._arenas.items()
                             if any(self._home.get(k) is a for k in b.keys)}
         return arena
+
+    def gather(self, transport, flat, bucket, what):
+        """Every owner's block of the bucket's sums to every rank, in 16 bits.
+
+        Each owner rounds its block once (with error feedback, keeping what the
+        rounding lost for the next step's block), every rank gathers the 16-bit
+        blocks and widens them into ``flat``, the owners' own blocks too: every
+        rank then holds the same values, half the bytes of a float32 gather.
+
+        Args:
+            transport: the store's transport.
+            flat: the bucket's flat float32 sums (this rank's block summed), on the
+                host or a GPU (staged through the host).
+            bucket: its :class:`mpikv.core.fusion.Bucket` (counts, displs, keys).
+            what: ``(operation, keys)`` for the watchdog.
+
+        Returns:
+            bool: whether it gathered (False: not a 16-bit codec, or not float32;
+            the caller gathers in float32).
+        """
+        codec, ws = self.codec, self.ws
+        if not hasattr(codec, "kind") or flat.dtype != np.float32:
+            return False
+        if type(flat) is not np.ndarray:   # a GPU bucket: through host memory, as the push
+            host = ws.get("gather16 staged", flat.size, np.float32)
+            backends.copyto(host, flat)
+            self.gather(transport, host, bucket, what)
+            backends.copyto(flat, host)
+            return True
+        me = transport.rank
+        at, count = bucket.displs[me], bucket.counts[me]
+        wire = ws.get("gather16", flat.size, codec.wire_dtype)
+        residual = None
+        if codec.has_residual:
+            tag = tuple(bucket.keys)
+            residual = self._sum_residuals.get(tag)
+            if residual is None or residual.size != count:
+                residual = self._sum_residuals[tag] = self._loaded_sums(bucket, at, count)
+                self._sum_buckets[tag] = (bucket, at)
+        codec.encode(flat[at:at + count], residual, wire[at:at + count], ws)
+        transport.allgatherv_(wire, bucket.counts, bucket.displs, what)
+        codec.decode(wire, flat.size, ws, flat)
+        return True
+
+    def owed(self):
+        """What this rank's roundings have not yet sent, for a checkpoint.
+
+        Returns:
+            ``(senders, sums)``: ``{key: flat float32 copy}`` of its residual of
+            each key it pushed, and ``[(key, start, stop, float32 copy)]`` of
+            what its 16-bit gathers' sums lost, in the key's elements. Empty on a
+            ``device`` store (its residuals are per device, and not saved).
+        """
+        if self.per_device:
+            return {}, []
+        senders = {k: np.array(r, np.float32) for k, r in self._residuals.items()}
+        sums = []
+        for tag, residual in self._sum_residuals.items():
+            bucket, at = self._sum_buckets[tag]
+            for key, offset, size in _spans(bucket):
+                lo, hi = max(at, offset), min(at + residual.size, offset + size)
+                if lo < hi:
+                    sums.append((key, lo - offset, hi - offset,
+                                 residual[lo - at:hi - at].copy()))
+        return senders, sums
+
+    def restore(self, senders, sums):
+        """Replaces this rank's residuals with what a checkpoint held (:meth:`owed`).
+
+        Args:
+            senders: ``{key: flat float32}``, this rank's residual of each key;
+                keys not named start from zero.
+            sums: ``[(key, start, stop, float32)]``: what its gathers' sums lost,
+                taken by the next gather whose block holds those elements.
+        """
+        self._residuals = {k: np.array(v, np.float32).reshape(-1) for k, v in senders.items()}
+        self._home, self._arenas = {}, {}
+        self._sum_residuals, self._sum_buckets = {}, {}
+        self._sums_loaded = {}
+        for key, start, stop, values in sums:
+            self._sums_loaded.setdefault(key, {})[(start, stop)] = values
+
+    def _loaded_sums(self, bucket, at, count):
+        """A new gather residual of the block at ``at``: zeros, but where a loaded
+        checkpoint holds those elements' residual (taken once)."""
+        residual = np.zeros(count, np.float32)
+        if not self._sums_loaded:
+            return residual
+        for key, offset, size in _spans(bucket):
+            for (start, stop), values in list(self._sums_loaded.get(key, {}).items()):
+                lo, hi = max(at, offset + start), min(at + count, offset + stop)
+                if lo < hi:
+                    residual[lo - at:hi - at] = values[lo - offset - start:hi - offset - start]
+                    if lo == offset + start and hi == offset + stop:
+                        del self._sums_loaded[key][(start, stop)]
+        return residual
 
     def sum_devices(self, bucket, values_of, dst):
         """The device store's fill: ``dst`` becomes the sum over each key's device

@@ -19,6 +19,7 @@ import copy
 import numpy as np
 
 from ..arrays import backends
+from . import residuals
 from .. import dtypes, statefile
 from ..rows import tables as row_tables
 from .._version import __version__
@@ -87,7 +88,7 @@ def _key_list(entries):
             for key, e in sorted(entries.items(), key=lambda kv: sort_key(kv[0]))]
 
 
-def save(store, fname, kind, with_values, dump_optimizer, rows=None):
+def save(store, fname, kind, with_values, dump_optimizer, rows=None, local=None):
     """Writes the owners' states (and values) to ``fname``; collective.
 
     Args:
@@ -98,8 +99,11 @@ def save(store, fname, kind, with_values, dump_optimizer, rows=None):
         dump_optimizer: also record the optimizer's kind and hyperparameters.
         rows: the store's :class:`~mpikv.rows.tables.RowTables` (each owner writes
             its block), or None.
+        local: the store's :class:`~mpikv.state.local.LocalStates` (each rank writes
+            its own), or None.
     """
-    snap = Snapshot(store, fname, kind, with_values, dump_optimizer, rows, copy=False)
+    snap = Snapshot(store, fname, kind, with_values, dump_optimizer, rows, copy=False,
+                    local=local)
     snap.write()
     snap.finish()
 
@@ -187,15 +191,19 @@ class Snapshot:
     """
 
     def __init__(self, store, fname, kind, with_values, dump_optimizer, rows=None,
-                 copy=True):
+                 copy=True, local=None):
         t = self._transport = store.transport
         self.fname, self.kind = fname, kind
         self._what = (kind, [])
         self._generation = t.allgather_records(
             statefile.new_generation() if t.rank == 0 else None, self._what)[0]
         self._record, self._error, self._written = None, None, False
-        self._entries = owned_entries(store, with_values, _copy_on_host if copy else on_host,
-                                      rows)
+        take = _copy_on_host if copy else on_host
+        self._entries = owned_entries(store, with_values, take, rows)
+        if kind == "checkpoint":
+            self._entries += residuals.part_entries(store, take)
+        if local is not None:
+            self._entries += local.entries(t.rank)
         self.nbytes = sum(e[5].nbytes for e in self._entries)
         self._meta = manifest_meta(store, kind, dump_optimizer, rows)
 
@@ -250,7 +258,7 @@ class Snapshot:
         exchange(t, self._what, commit)
 
 
-def load(store, fname, kind, with_values, rows=None):
+def load(store, fname, kind, with_values, rows=None, states=None):
     """Restores what :func:`save` wrote, on any number of ranks; collective.
 
     Values and states are read for the element ranges this rank owns now;
@@ -318,14 +326,17 @@ def load(store, fname, kind, with_values, rows=None):
                     wanted.append((key, name, 0, 1))
                 else:
                     wanted.append((key, name, shard.start, shard.stop))
-        got = statefile.read_slices(man, wanted)
-        return got, meta, saved, new
+        owed = residuals.Loaded(store, man, plan) if kind == "checkpoint" else None
+        mine = states.wanted(man, t.rank, t.size) if states is not None else ([], None)
+        got = statefile.read_slices(man, wanted + (owed.wanted if owed else []) + mine[0])
+        return got, meta, saved, new, owed, mine + (man,)
 
     # Results stay local (large arrays); only success is exchanged.
     local = {}
 
     def read_local():
-        local["got"], local["meta"], local["saved"], new = read()
+        (local["got"], local["meta"], local["saved"], new, local["owed"],
+         local["mine"]) = read()
         local["prepared"] = _prepare(store, plan, local["got"], local["meta"], local["saved"],
                                      new, with_values)
         local["rows"] = [] if rows is None else row_tables.stage(
@@ -336,6 +347,10 @@ def load(store, fname, kind, with_values, rows=None):
     exchange(t, what, read_local)
     _apply(store, plan, local["prepared"], local["got"], local["meta"], local["saved"],
            with_values)
+    if local["owed"] is not None:
+        local["owed"].install(local["got"])
+    if states is not None:
+        states.give(local["got"], *local["mine"])
     if rows is not None:
         row_tables.install(rows, local["rows"])
 

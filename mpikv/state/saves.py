@@ -14,6 +14,7 @@ they were made.
 import threading
 
 from . import checkpoint
+from .local import LocalStates
 from .. import errors
 from ..calls.reader import Call
 
@@ -30,12 +31,15 @@ class Saves:
     def __init__(self, protocol, engine, rows):
         self.protocol, self.engine, self.rows = protocol, engine, rows
         self.pending = []   # background saves not yet committed, oldest first
+        #: per-rank states of the layers above, in every checkpoint
+        self.local = LocalStates()
 
     def save(self, fname):
         """``kv.save_checkpoint``: collective; earlier background saves commit first."""
         def save():
             self.finish()
-            checkpoint.save(self.engine, str(fname), "checkpoint", True, True, self.rows)
+            checkpoint.save(self.engine, str(fname), "checkpoint", True, True, self.rows,
+                            self.local)
         self.protocol.collective(Call("save_checkpoint", settings={"fname": str(fname)}), save)
 
     def save_async(self, fname, on_commit=None):
@@ -65,7 +69,7 @@ class Saves:
         def start():
             self.finish()
             handle = SaveHandle(checkpoint.Snapshot(self.engine, str(fname), "checkpoint",
-                                                    True, True, self.rows),
+                                                    True, True, self.rows, local=self.local),
                                 self.commit, on_commit)
             self.pending.append(handle)
             return handle
@@ -76,7 +80,7 @@ class Saves:
         """``kv.load_checkpoint``: collective; earlier background saves commit first."""
         def load():
             self.finish()
-            checkpoint.load(self.engine, str(fname), "checkpoint", True, self.rows)
+            checkpoint.load(self.engine, str(fname), "checkpoint", True, self.rows, self.local)
         self.protocol.collective(Call("load_checkpoint", settings={"fname": str(fname)}), load)
 
     def save_states(self, fname, dump_optimizer):

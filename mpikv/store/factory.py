@@ -18,7 +18,7 @@ from ..calls.agreement import format_ranks
 from ..core.fusion import sizes
 from .kvstore import KVStore
 from .protocol import next_store_number
-from ..transport import make_transport
+from ..transport import make_transport, world
 
 #: store type -> transport kind
 STORE_TYPES = {
@@ -101,6 +101,7 @@ def create(name="local", comm=None, timeout=None, bigarray_bound=None, abort_on_
             raise
         options, failure = config.Options(), str(exc)
     if kind == "mpi":
+        world.refuse_a_lone_rank()
         transport, device, table = _make_distributed(comm, options, failure, device)
     else:
         transport = make_transport(kind, comm, options)

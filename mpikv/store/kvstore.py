@@ -105,6 +105,14 @@ class KVStore(ClosesAfterWith):
         return self._engine.optimizer
 
     @property
+    def state_generation(self):
+        """A number that changes whenever the owners' optimizer states are replaced
+        rather than updated by a push (:meth:`set_optimizer`, :meth:`set_updater`, a
+        load of a checkpoint or of owned states); the same on every rank. A copy of
+        the states kept elsewhere is current while it stays."""
+        return self._engine.state_generation
+
+    @property
     def gradient_compression(self):
         """The parameters :meth:`set_gradient_compression` set (checked and
         completed: ``{'type': '2bit', 'threshold': 0.5}``), or None."""
@@ -417,6 +425,11 @@ class KVStore(ClosesAfterWith):
         """
         return self._saves.save_async(fname, on_commit)
 
+    def add_local_state(self, name, take, give):
+        """Keeps a state of this rank's own in every checkpoint (each rank's in its
+        part); not a call. See :meth:`mpikv.state.local.LocalStates.add`."""
+        return self._saves.local.add(name, take, give)
+
     def load_checkpoint(self, fname):
         """Restores a :meth:`save_checkpoint` save, on any number of ranks; collective.
 
@@ -454,8 +467,11 @@ class KVStore(ClosesAfterWith):
 
     def gather_gradients(self, keys):
         """Copies the owners' sums of a push of :meth:`gradient_buffers` into every
-        rank's buffers (one ``Allgatherv`` per bucket); collective. A key list with
-        no gradient buffers is a :class:`~mpikv.errors.ValueTypeError`."""
+        rank's buffers (one ``Allgatherv`` per bucket); collective. With fp16 or bf16
+        compression the sums travel in 16 bits, rounded once by their owner (with
+        error feedback where the compression has it) and widened on every rank, the
+        owner's own buffer too. A key list with no gradient buffers is a
+        :class:`~mpikv.errors.ValueTypeError`."""
         call = self._gather_call(keys)
         self._protocol.collective(call, lambda: self._engine.gather_grads(call.op, call.keys))
 

@@ -204,6 +204,8 @@ class Protocol:
                 it"), or None.
             exit: ``(activity, hint)`` for the end of the process in this
                 context (see below), or None: ``"ended its process"``, no hint.
+                Its hint also ends the message of a call of this rank's that
+                times out waiting for ranks that did not arrive.
 
         At the end of the process every store not closed makes one agreed
         "exit" call, so a rank still in a call of the others gets this error
@@ -211,10 +213,13 @@ class Protocol:
         """
         if activity is None:
             self.context = None
+            self.transport.late_hint = None
             return
         if exit is not None:
             exit = (str(exit[0]), None if exit[1] is None else str(exit[1]))
         self.context = (str(activity), None if hint is None else str(hint), exit)
+        # (the exit's hint: a rank that does not come is as one that ended its process)
+        self.transport.late_hint = None if exit is None else exit[1]
 
     def said(self):
         """``(activity, hint)`` of the context, for a record; or None."""

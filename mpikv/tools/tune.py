@@ -21,7 +21,7 @@ import sys
 
 from ..arrays import backends
 from ..store import config
-from ..tuning import table as tuning, compression as tuning_compression
+from ..tuning import rungs, table as tuning, compression as tuning_compression
 from ..transport import make_transport
 from ..tuning.compression import fmt_size as _fmt_size
 
@@ -144,6 +144,8 @@ def main(argv=None):
                   f"{ms:>9s}  {vs}")
         for line in tuning_compression.summary(paying):
             print(f"  {line}")
+    for line in rung_lines(table.times, key):
+        print(line)
     if args.no_write:
         print("not written (--no-write)")
     elif problem:
@@ -152,6 +154,25 @@ def main(argv=None):
     else:
         print(f"written to {path}")
     return 0
+
+
+#: models the rung lines are given for: (name, bytes, optimizer, seconds and state bytes
+#: per element of its update on one core of the project's test machine)
+RUNG_EXAMPLES = (("ResNet-18, SGD with momentum", 44_726_568, 1.5e-9, 4),
+                 ("BERT-base, Adam", 438_000_000, 3e-9, 8))
+
+
+def rung_lines(times, key):
+    """What a Trainer made without ``shard=`` would choose on this layout
+    (:func:`mpikv.tuning.rungs.choose`), for two example models."""
+    if not any(mode == "in_place" for mode, _ in times):
+        return []
+    out = ["the Trainer's default (shard=; it measures its own model at creation):"]
+    for name, nbytes, update, state in RUNG_EXAMPLES:
+        m = rungs.from_table(times, key["ranks"], len(key["hosts"]), nbytes, update, state)
+        shard, why = rungs.choose(m)
+        out.append(f"  {name} ({nbytes / 1e6:.0f} MB): shard={shard!r}: {why}")
+    return out
 
 
 def _every_rank_has_a_gpu(transport):

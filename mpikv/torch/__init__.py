@@ -12,10 +12,13 @@ Needs torch (``pip install mpikv[torch]``)::
 from .distributed import (DistributedDataParallel, DistributedOptimizer, DistributedSampler,
                           init_process_group, local_rank, rank, size)
 from .diloco import DiLoCo
+from . import process_group as _process_group
 from .embedding import ShardedEmbedding
 from .optimizers import MXNetRule, TorchAdam, TorchSGD
 from .torch_rules import TorchOptim
 from .trainer import Trainer
+
+_process_group.register()   # init_process_group("mpikv")
 
 __all__ = ["Trainer", "DistributedDataParallel", "DistributedOptimizer", "DistributedSampler",
            "init_process_group", "rank", "size", "local_rank", "ShardedEmbedding",

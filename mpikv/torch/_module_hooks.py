@@ -20,9 +20,12 @@ class ModuleHooks:
         buffers: the module's :class:`~.buffers.SharedBuffers`, or None.
         step: the :class:`~._step.StepState` (``share_next``, ``sender``, ``sync``).
         broadcast_buffers: share the buffers before a forward.
+        forward_module: the module whose forwards share the buffers (default
+            ``module``; a :class:`~.ddp.DistributedDataParallel` around it: as
+            DDP's, only the wrapper's forwards do, not ``model.module(x)``'s).
     """
 
-    def __init__(self, kv, module, buffers, step, broadcast_buffers):
+    def __init__(self, kv, module, buffers, step, broadcast_buffers, forward_module=None):
         self._buffers, self._step, self._module = buffers, step, module
         self._grad_hooks = []
         # torch's SyncBatchNorm sums over torch.distributed: here, over the store.
@@ -31,9 +34,12 @@ class ModuleHooks:
         # Once, at remove() or when a Trainer dropped without it is collected: an open
         # Trainer keeps torch's own SyncBatchNorm from training alone.
         self._detach_sync_bn = weakref.finalize(self, syncbn.detach, sync_bn)
-        self._forward_hooks = ([module.register_forward_pre_hook(_Hook(self.before_forward)),
-                                module.register_forward_hook(_Hook(self.after_forward))]
-                               if broadcast_buffers and buffers else [])
+        self._shares_buffers = bool(broadcast_buffers and buffers)
+        forward_module = module if forward_module is None else forward_module
+        self._forward_hooks = (
+            [forward_module.register_forward_pre_hook(_Hook(self.before_forward)),
+             forward_module.register_forward_hook(_Hook(self.after_forward))]
+            if broadcast_buffers and buffers else [])
 
     def watch_gradients(self, params, on_grad):
         """Calls ``on_grad(index)`` (a bound method, held weakly) once the gradient of
@@ -41,6 +47,11 @@ class ModuleHooks:
         method = weakref.WeakMethod(on_grad)
         self._grad_hooks += [p.register_post_accumulate_grad_hook(_grad_hook(method, i))
                              for i, p in enumerate(params)]
+
+    @property
+    def shares_buffers(self):
+        """Whether the module's buffers are shared before forwards (``broadcast_buffers``)."""
+        return self._shares_buffers
 
     @property
     def forward_hooks(self):
@@ -51,7 +62,7 @@ class ModuleHooks:
         """Every rank takes the sender's buffers, after a forward that was reduced."""
         del module, args
         if self._step.share_next:
-            self._buffers.share(self._step.sender)
+            self._buffers.share(self._step.sender, self._step.sender_last)
 
     def after_forward(self, module, args, output):
         """DDP's rule: the next forward shares the buffers when this one ran with

@@ -20,9 +20,11 @@ class TrainerOptions:
 
     Attributes:
         made: the arguments as given.
-        shard: ``"optimizer"``, ``"gradients"`` or ``"parameters"``.
-        averaging: backward leaves the averaged gradients in ``.grad`` (DDP's
-            guarantee; ``shard="optimizer"``).
+        shard: ``"optimizer"``, ``"none"``, ``"gradients"`` or ``"parameters"``
+            (without ``shard=``: ``"optimizer"``, or ``"gradients"`` with compression,
+            until the store's layout chose).
+        auto_shard: ``shard`` was not given: the layout chooses ``"none"`` or
+            ``shard`` (:mod:`.shard_choice`).
         error_unused: a parameter without a gradient is a GradientError.
         module: the model, or None (given named parameters only).
         broadcast_buffers: the module's buffers are shared before a forward.
@@ -45,17 +47,23 @@ class TrainerOptions:
         self.sync = made.get("sync")
         if self.sync is not None:
             shard = diloco.check_options(self.sync, made)
+        # Without shard= the store's layout decides (make_pieces) between "none" and
+        # "optimizer" (no compression) or "gradients" (16-bit compression).
+        kind = compression if isinstance(compression, str) else (
+            compression.get("type") if isinstance(compression, dict) else None)
+        self.auto_shard = (shard is None and self.sync is None
+                           and (compression is None or kind in ("fp16", "bf16")))
         if shard is None:
             shard = "optimizer" if compression is None else "gradients"
-        if shard not in ("optimizer", "gradients", "parameters"):
-            raise errors.InputError(f"shard must be 'optimizer', 'gradients' or 'parameters', "
-                                    f"not {shard!r}")
+        if shard not in ("optimizer", "gradients", "parameters", "none"):
+            raise errors.InputError(f"shard must be 'optimizer', 'none', 'gradients' or "
+                                    f"'parameters', not {shard!r}")
         if made["units"] is not None and shard != "parameters":
             raise errors.InputError("units= cuts the model for shard='parameters' only")
         if made["redundancy"] not in ("checkpoint", "memory"):
             raise errors.InputError(f"redundancy must be 'checkpoint' or 'memory', "
                                     f"not {made['redundancy']!r}")
-        self.shard, self.averaging = shard, shard == "optimizer"
+        self.shard = shard
         self.error_unused = made["unused_parameters"] == "error"
         self.copies = made["redundancy"] == "memory"
         named, self.hyper_groups = named_groups(params)

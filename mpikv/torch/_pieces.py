@@ -4,7 +4,7 @@ import dataclasses
 import weakref
 
 from .. import errors
-from . import _store, diloco, param_shards, sparse, tensors
+from . import _store, ddp, diloco, param_shards, replicas as _replicas, shard_choice, sparse, tensors
 from ._context import StoreContext
 from ._files import TrainerFile
 from ._module_hooks import ModuleHooks
@@ -40,6 +40,8 @@ class Pieces:
     file: TrainerFile
     optimizer: object        # OwnersOptimizer; with sync=DiLoCo, the inner optimizer
     sync: object = None      # the LocalSteps of sync=DiLoCo, or None
+    shard: str = "optimizer"   # the shard it runs (chosen here without shard=)
+    shard_reason: str = "shard= given"   # why
 
     def close(self, close_store):
         """Ends the pieces once the ranks agreed to close: hooks off, every weight
@@ -97,12 +99,18 @@ def make_pieces(options, kv, owner):
             kv.agree(repr(sync))
         optimizer_class, optimizer_params = sync.outer_optimizer()
         hyper_groups = [{} for _ in hyper_groups]
-    rule, groups, defaults = make_rule(
-        optimizer_class, optimizer_params, hyper_groups,
-        names + [n for n, _, _ in options.sparse_named],
-        options.group_of + [g for _, _, g in options.sparse_named],
-        bool(any(p.dtype in HALF for p in params) if multi is None else multi),
-        options.split_parameters)
+    rule_args = (optimizer_class, optimizer_params, hyper_groups,
+                 names + [n for n, _, _ in options.sparse_named],
+                 options.group_of + [g for _, _, g in options.sparse_named],
+                 bool(any(p.dtype in HALF for p in params) if multi is None else multi),
+                 options.split_parameters)
+    rule, groups, defaults = make_rule(*rule_args)
+    shard, shard_reason = options.shard, "shard= given"
+    why_not = _replicas.refuse(rule, params)
+    if shard == "none":   # refused on every rank if on any (a model may differ by rank)
+        if why_not is not None:
+            kv.fail_next_call(errors.InputError, why_not)
+        kv.barrier()
     kv.set_optimizer(rule)
     optimizer = OwnersOptimizer([
         {"params": [p for p, g in zip(params, options.group_of) if g == index], **hyper}
@@ -110,6 +118,11 @@ def make_pieces(options, kv, owner):
     if hasattr(rule, "bind"):
         rule.bind(optimizer.param_groups)
     wiring = ParamWiring(kv, names, params, made["bucket_bytes"])
+    if options.auto_shard:   # (every rank takes part, even one that cannot replicate)
+        chosen, shard_reason = shard_choice.choose(kv, params, optimizer_class,
+                                                   optimizer_params, hyper_groups[0],
+                                                   wiring, refused=why_not)
+        shard = "none" if chosen == "none" else options.shard
     step = StepState(len(params), len(wiring.buckets), rule)
     context = StoreContext(kv, launcher, step, wiring)
     helpers = SettledStore(kv, context.settled)   # the helpers' store: after the launcher
@@ -134,28 +147,36 @@ def make_pieces(options, kv, owner):
     # The module's buffers: shared before each forward, and in checkpoints.
     module = options.module
     buffers = SharedBuffers(helpers, module) if module is not None else None
-    hooks = ModuleHooks(helpers, module, buffers, step, options.broadcast_buffers)
+    hooks = ModuleHooks(helpers, module, buffers, step, options.broadcast_buffers,
+                        ddp.wrapper_around(module))
     # Weights on their owners only: gathered around each unit's forward and backward.
     shards = (param_shards.ParameterShards(wiring, context, module, made["units"])
               if options.shard == "parameters" else None)
     reduction = GradientReduction(context, wiring, step, StepStatus(helpers, names), rule,
-                                  half, shards, options.averaging, options.error_unused)
+                                  half, shards, shard in ("optimizer", "none"),
+                                  options.error_unused)
     if sync is None:
         file = TrainerFile(step, optimizer, buffers, rule, lr_scheduler)
     else:   # (the inner optimizer's hyperparameters and scheduler)
         file = diloco.SyncedFile(step, inner, buffers, rule, lr_scheduler)
+    replicas = None
+    if shard == "none":   # a second rule like the owners', for the parts others own
+        twin = make_rule(*rule_args)[0]
+        twin.bind(optimizer.param_groups)
+        replicas = _replicas.Replicas(context, wiring, twin)
     update = (OwnerUpdate if sync is None else diloco.SyncedUpdate)(
         context, reduction, wiring, step, rule, sparse_weights, hyper, shards, options.copies,
-        file.meta, optimizer)
+        file.meta, optimizer, **({"replicas": replicas} if replicas is not None else {}))
     hooks.watch_gradients(params, reduction.on_grad)
-    optimizer.serve(update, context, ShardedTorchState(wiring, rule, context, step, optimizer))
+    optimizer.serve(update, context, ShardedTorchState(wiring, rule, context, step, optimizer,
+                                                       replicas))
     local = None
     if sync is not None:
         local = diloco.LocalSteps(sync, inner, context, wiring, step, reduction, update, file)
         hooks.before_each_forward(local.before_forward)
     return Pieces(rule, wiring, step, context, reduction, update, hooks, shards,
                   sparse_weights, buffers, hyper, file, optimizer if inner is None else inner,
-                  local)
+                  local, shard, shard_reason)
 
 
 __all__ = ["Pieces", "make_pieces"]

@@ -206,7 +206,7 @@ class GradientReduction:
         verdict, error = self._status.read(self.averaging, self._error_unused)
         s.unused_everywhere = verdict.unused_everywhere
         s.joined_round = verdict.joined_round
-        s.sender = verdict.sender
+        s.sender = self._status.last_training_rank() if s.sender_last else verdict.sender
         # The same on every rank: from now on until a step with no rank joined.
         self._rule.hyper_agreed = not s.joined_round
         s.gathering = verdict.gathering

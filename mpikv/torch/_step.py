@@ -40,6 +40,8 @@ class StepState:
         scale: the gradient scale ``update`` set for ``optimizer.step``, or None.
         sparse_scale: the sparse rows' scale ``update`` set, or None.
         sender: the rank whose buffers the others take (the first training).
+        sender_last: the sender is the last (highest) rank still training instead,
+            as DDP's once its ``join()`` context was entered (:func:`.joined.like_ddp`).
         share_next: the next forward shares the buffers (DDP's rule).
         on_reset: called after each :meth:`reset` (the store context's words).
     """
@@ -53,6 +55,7 @@ class StepState:
         self.scale = None
         self.sparse_scale = None
         self.sender = 0
+        self.sender_last = False
         self.share_next = True
         self.on_reset = None
         self.reset()

@@ -1,5 +1,7 @@
 """The Trainer's store and launcher: made, or taken as given."""
 
+import os
+
 from .. import errors
 from ..store import factory
 from . import tensors
@@ -10,6 +12,14 @@ from .launcher import Launcher
 LAUNCH_HOST_BUCKETS = True
 #: a bigarray_bound no parameter reaches: every key on one owner
 WHOLE = 1 << 62
+#: the store's bigarray_bound where the Trainer makes it (MPIKV_BIGARRAY_BOUND, or a
+#: store passed in, rule instead): parameters of 128 Ki elements or more are cut over
+#: the owners, so each bucket's owners' blocks are near-equal. Across a link a bucket's
+#: reduce-scatter and allgather take as long as the largest block: at 2 hosts x 1 rank,
+#: 1 Gbit/s, ResNet-18's push took 294 ms with 1 Mi (some buckets split 6:3 MB), 204 ms
+#: with this, and 186 ms with this and scripts/env.sh's TCP eager limit (the link's
+#: bound: 179 ms; docs/performance.md, issue 39).
+SPLIT_BOUND = 1 << 17
 
 
 def launcher_for(kv, on_gpu):
@@ -43,6 +53,8 @@ def make_store(kvstore, params, compressed=False, whole=False, private=False,
     options = dict(options or {})
     if whole:
         options["bigarray_bound"] = WHOLE
+    elif "bigarray_bound" not in options and not os.environ.get("MPIKV_BIGARRAY_BOUND"):
+        options["bigarray_bound"] = SPLIT_BOUND
     if private:
         options["shared_memory"] = False
     if fault_tolerant is not None:

@@ -20,14 +20,17 @@ class OwnerUpdate:
         copies: ``redundancy="memory"``: keep a buddy copy after each step.
         meta: a callable giving the Trainer file's contents (for the copies).
         optimizer: ``trainer.optimizer`` (its ``param_groups``, read at each step).
+        replicas: ``shard="none"``: the :class:`~.replicas.Replicas` that update the
+            parts others own here, instead of gathering them; or None.
 
     Attributes:
         resumer: the :class:`~.resume.Resumer` of ``trainer.resume``, or None.
     """
 
     def __init__(self, context, reduction, wiring, step, rule, sparse, hyper, shards, copies,
-                 meta, optimizer):
+                 meta, optimizer, replicas=None):
         self._context, self._reduction, self._wiring = context, reduction, wiring
+        self.replicas = replicas
         self._step, self._rule, self._sparse = step, rule, sparse
         self._hyper, self._shards, self._copies, self._meta = hyper, shards, copies, meta
         self._optimizer = optimizer
@@ -64,8 +67,21 @@ class OwnerUpdate:
             self._hyper.share(scale)
             if s.gathering:
                 self.share_gradients()
-        self.update_owned(scale)
-        self.pull_weights()
+        replicas = self.replicas
+        if replicas is not None and replicas.current(s.joined_round):
+            skip = s.unused_everywhere
+            self.update_owned(scale)
+            replicas.update(scale, skip)   # the parts others own: here, not gathered
+            self._wiring.cuda_ready()
+        else:
+            self.update_owned(scale)
+            self.pull_weights()
+            if s.joined_round:
+                # A joined rank replays none of a copy: every rank drops its replicas
+                # (JoinedSteps too) and the first step with no rank joined copies.
+                self.drop_replicas()
+            elif replicas is not None:   # (first step, or after a load: follow from now)
+                replicas.copy_from_owners()
         if self._sparse is not None:   # the rows: pushed, updated on the owners, pulled
             self._sparse.apply(sparse_scale if sparse_scale is not None
                                else 1.0 / self._context.settled().num_workers)
@@ -75,6 +91,13 @@ class OwnerUpdate:
             self.resumer.after_step(*s.asked)   # (made at the next iteration's start)
         if self._copies:
             self.keep_copy()
+
+    def drop_replicas(self):
+        """``shard="none"``: forgets the replicas of the others' state (a round with
+        joined ranks, whose updates they did not follow); the next step with every
+        rank training copies them again. Nothing otherwise."""
+        if self.replicas is not None:
+            self.replicas.forget()
 
     def keep_copy(self):
         """redundancy="memory": this step's owned parts, copied and passed to the

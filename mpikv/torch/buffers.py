@@ -65,16 +65,16 @@ class SharedBuffers:
                 offset += raw.size
         return vector
 
-    def take(self, sender):
+    def take(self, sender, last=False):
         """After the sum: copies ``sender``'s buffers in.
 
         Returns:
             None, or (``sender`` has joined: nobody sent) the first rank
-            taking part, which sends in a second sum.
+            taking part (``last``: the last one), which sends in a second sum.
         """
         vector, n = self._vector, self._kv.num_workers
         if not vector[sender]:
-            return int(np.flatnonzero(vector[:n])[0])
+            return int(np.flatnonzero(vector[:n])[-1 if last else 0])
         offset = n
         with torch.no_grad():
             for _, b in self.buffers():
@@ -83,11 +83,12 @@ class SharedBuffers:
                 offset += size
         return None
 
-    def share(self, sender):
+    def share(self, sender, last=False):
         """A training rank's part: every rank takes ``sender``'s buffers (or, if
-        it has joined, those of the first rank still training); collective."""
+        it has joined, those of the first rank still training; ``last``: of the
+        last); collective."""
         self._kv.allreduce_(self.rows(sender), tag=TAG)
-        again = self.take(sender)
+        again = self.take(sender, last)
         if again is not None:
             self._kv.allreduce_(self.rows(again), tag=TAG)
             self.take(again)

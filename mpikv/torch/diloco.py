@@ -20,12 +20,20 @@ import math
 import numbers
 import weakref
 
+import numpy as np
 import torch
 
+from . import tensors
 from .. import errors
 from ._files import TrainerFile
 from ._update import OwnerUpdate
 from .half import HALF
+
+
+#: the name of the inner optimizer's state in the store's checkpoints
+INNER_STATE = "diloco_inner"
+#: marks a state that is a Python number, not a tensor (a step count, say)
+NUMBER = "#"
 
 
 class DiLoCo:
@@ -178,6 +186,9 @@ class LocalSteps:
         step.sync = False   # backward reduces nothing (no_sync, for good)
         self.last_sync = step.num_update
         update.after_pull, file.on_restore = self.pulled, self.restored
+        # The inner state of the last sync, in every checkpoint (each rank's own).
+        self._at_sync, self._loaded = None, None
+        self._kept = context.kv.add_local_state(INNER_STATE, self._take, self._give)
         # trainer.optimizer.step() is trainer.step(): the inner step, counted. (Held
         # weakly: the optimizer may outlive a Trainer dropped without close().)
         self._hooks = [inner.register_step_pre_hook(_weak(self.before_step)),
@@ -198,6 +209,7 @@ class LocalSteps:
             self._update.resumer.flush()
         self._context.settled()
         self._file.meta()
+        self._snapshot()
 
     def after_step(self, optimizer, args, kwargs):
         """After each inner step (its post-hook): counted; a sync after every ``every``."""
@@ -236,16 +248,57 @@ class LocalSteps:
         self.last_sync = self._step.num_update
         self._step.share_next = True   # the next forward takes rank 0's buffers
         self._file.synced()
+        self._at_sync = None
 
     def remove(self):
         """Takes the hooks off the inner optimizer (the Trainer closes, or is let go)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._kept.remove()
 
     def restored(self):
-        """After a load: the inner state starts afresh, as in a new run."""
+        """After a load: the inner state the checkpoint held (this rank's, or on another
+        number of ranks saved rank ``rank % saved``'s), else a fresh one."""
+        arrays, self._loaded = self._loaded, None
         self._inner.state.clear()
+        if arrays:
+            state = {}
+            for field, array in arrays.items():
+                index, name = field.split("/", 1)
+                value = tensors.from_native(np.array(array))
+                if name.endswith(NUMBER):
+                    name, value = name[:-len(NUMBER)], value.item()
+                state.setdefault(int(index), {})[name] = value
+            # (load_state_dict casts and moves each state to its parameter's dtype and device)
+            self._inner.load_state_dict({"state": state,
+                                         "param_groups": self._inner.state_dict()["param_groups"]})
+        self._at_sync = None
+
+    def _snapshot(self):
+        """The inner state of the last sync, copied before the first inner step after it."""
+        if self._at_sync is None:
+            self._at_sync = {i: {n: v.detach().clone() if torch.is_tensor(v) else v
+                                 for n, v in st.items()}
+                             for i, st in self._inner.state_dict()["state"].items()}
+
+    def _take(self):
+        """A checkpoint's arrays of this rank: the inner state of the last sync."""
+        self._snapshot()
+        out = {}
+        for index, st in self._at_sync.items():
+            for name, value in st.items():
+                if torch.is_tensor(value):
+                    out[f"{index}/{name}"] = tensors.host_copy(value)
+                elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+                    out[f"{index}/{name}{NUMBER}"] = np.asarray(value)
+        return out
+
+    def _give(self, arrays, same):
+        """A load's arrays of this rank (installed by :meth:`restored`, after the
+        Trainer file's hyperparameters)."""
+        del same
+        self._loaded = arrays
 
     def before_forward(self):
         """The file's contents of the last sync, before the first forward after it."""

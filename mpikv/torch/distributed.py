@@ -20,6 +20,8 @@ import weakref
 import torch
 
 from .. import errors
+from . import ddp, launch_check
+from .ddp import DistributedDataParallel
 from .trainer import Trainer
 
 #: keys of a torch param group that are not hyperparameters
@@ -110,8 +112,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, *, module=None, kvsto
             optimizer's order, which every rank must share.
         module: the model, for DDP's buffer broadcast and SyncBatchNorm
             (``broadcast_buffers`` then defaults to on, as in DDP); default: the
-            model :func:`DistributedDataParallel` was given, if it holds the
-            optimizer's parameters.
+            model a :class:`DistributedDataParallel` wraps, if it holds the
+            optimizer's parameters (its ``broadcast_buffers`` then, and
+            ``shard="none"`` where it can run: see :func:`.ddp.trainer_options`).
         kvstore: as the Trainer's.
         **options: the :class:`~mpikv.torch.Trainer`'s keyword arguments
             (``shard``, ``compression``, ``bucket_bytes``, ...).
@@ -123,7 +126,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, *, module=None, kvsto
     Raises:
         OptimizerError: not a torch optimizer, one already wrapped, or a
             parameter that ``named_parameters`` does not name.
+        LaunchError: a launch by torchrun.
     """
+    launch_check.refuse_torchrun()
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise errors.OptimizerError(f"DistributedOptimizer wraps a torch.optim.Optimizer, "
                                     f"not {type(optimizer).__name__}")
@@ -135,6 +140,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, *, module=None, kvsto
     if module is None:   # a model the script wrapped with DistributedDataParallel
         module, wrapped = _wrapped_model(optimizer)
         options = {**wrapped, **options}
+        if module is not None:   # DDP's memory and state_dict(), where it can run
+            options = ddp.trainer_options(cls, module, options)
     trainer = Trainer(groups, cls, {}, kvstore, module=module, **options)
     if held is not None:
         trainer.optimizer.load_state_dict(held)
@@ -152,51 +159,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, *, module=None, kvsto
     return optimizer
 
 
-#: id(parameter) -> (the model DistributedDataParallel was given, its options)
-_MODELS = {}
-#: DDP's arguments that mean nothing here: the gradients are averaged by the optimizer
-_DDP_IGNORED = ("device_ids", "output_device", "dim", "process_group", "bucket_cap_mb",
-                "find_unused_parameters", "gradient_as_bucket_view", "static_graph",
-                "init_sync")
-
-
-def DistributedDataParallel(module, *args, broadcast_buffers=True, **kwargs):
-    """DDP's wrapper, as a DDP script calls it: the model itself, marked for the
-    :func:`DistributedOptimizer` made later over its parameters.
-
-    The optimizer does the averaging (after backward, as DDP) and, as DDP,
-    takes rank 0's buffers before each training forward unless
-    ``broadcast_buffers=False``. DDP's other arguments (``device_ids``,
-    ``find_unused_parameters``, ``bucket_cap_mb``, ...) are accepted and change
-    nothing: unused parameters add zeros, the buckets are the Trainer's.
-
-    Raises:
-        InputError: an argument DDP does not take.
-    """
-    unknown = sorted(set(kwargs) - set(_DDP_IGNORED))
-    if unknown or len(args) > 3:   # (device_ids, output_device, dim: DDP's positional ones)
-        what = ", ".join(unknown) or "more positional arguments"
-        raise errors.InputError(f"DistributedDataParallel takes no {what}")
-    if not isinstance(module, torch.nn.Module):
-        raise errors.ValueTypeError(f"DistributedDataParallel wraps a torch.nn.Module, not "
-                                    f"{type(module).__name__}")
-    ref = weakref.ref(module)
-    for p in module.parameters():
-        _MODELS[id(p)] = (ref, {"broadcast_buffers": bool(broadcast_buffers)})
-    return module
-
-
 def _wrapped_model(optimizer):
-    """The model DistributedDataParallel marked whose parameters the optimizer holds,
-    and its options; or ``(None, {})``."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            found = _MODELS.get(id(p))
-            if found is not None and found[0]() is not None:
-                model = found[0]()
-                if any(q is p for q in model.parameters()):
-                    return model, found[1]
-    return None, {}
+    """The model a :class:`~.ddp.DistributedDataParallel` holds whose parameters the
+    optimizer holds, and the wrapper's options; or ``(None, {})``."""
+    wrapper = ddp.wrapper_of(p for group in optimizer.param_groups for p in group["params"])
+    if wrapper is None:
+        return None, {}
+    return wrapper.module, {"broadcast_buffers": wrapper.broadcast_buffers}
 
 
 @functools.lru_cache(maxsize=None)
@@ -263,6 +232,7 @@ def init_process_group(backend="gloo", **kwargs):
     from ..transport import world
     if dist.is_initialized():
         return
+    launch_check.refuse_torchrun()   # (torch 2.13 waited for ever for torchrun's store)
     one_host = world.on_one_host()
     addr = port = None
     if world.rank() == 0:

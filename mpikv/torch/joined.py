@@ -37,7 +37,7 @@ def join(pieces):
         # store must not replace the rule with a plain optimizer of the others'.
         # (on the parameters' GPU: the replayed calls zero its buffers there)
         with tensors.device_scope(devices[0] if len(devices) == 1 else None):
-            return context.settled().join(on_call=JoinedSteps(
+            last = context.settled().join(on_call=JoinedSteps(
                 pieces.reduction, pieces.update, step, pieces.wiring, pieces.buffers,
                 pieces.hyper), follow_optimizer=False)
     finally:
@@ -46,6 +46,24 @@ def join(pieces):
         # Every rank leaves join() here: the next forward shares the buffers on
         # every rank alike, whatever forwards ran while this rank waited.
         step.share_next = True
+    if pieces.hooks.shares_buffers:
+        # DDP's join ends by broadcasting the last joiner's model: its buffers
+        # (BatchNorm's statistics of its last batch) are every rank's from here.
+        pieces.buffers.share(last)
+    if pieces.update.replicas is not None:
+        # shard="none": the joined rounds dropped the replicas; every rank holds the
+        # whole state again from here (optimizer.state_dict() on one rank, say).
+        pieces.update.replicas.copy_from_owners()
+    return last
+
+
+def like_ddp(pieces):
+    """:meth:`mpikv.torch.Trainer.join_like_ddp` (see there), over the Trainer's
+    :class:`~._pieces.Pieces`; on every rank alike, between steps."""
+    step = pieces.step
+    step.sender_last = True
+    if not step.joined_round:   # every rank trains: the highest sends
+        step.sender = pieces.context.kv.num_workers - 1
 
 
 class JoinedSteps:
@@ -113,6 +131,7 @@ class JoinedSteps:
             return None
         if not self._sums:
             self._update.update_owned(self._scale)
+            self._update.drop_replicas()   # (as the training ranks drop theirs)
             s.num_update += 1
             s.reset()
             self._new_step()
@@ -124,7 +143,7 @@ class JoinedSteps:
         if not call.done:
             return self._buffers.rows(None)
         # None: taken; else the sender had joined, and this rank sends the next sum.
-        again = self._buffers.take(self._step.sender)
+        again = self._buffers.take(self._step.sender, self._step.sender_last)
         if again is not None:
             self._step.sender = again
         return None

@@ -66,7 +66,8 @@ class OwnersOptimizer(torch.optim.Optimizer):
                                  lambda: self._sharded.consolidate(to))
 
     def state_dict(self):
-        """The state :meth:`consolidate_state_dict` gathered, in torch's format.
+        """The state :meth:`consolidate_state_dict` gathered, in torch's format; with
+        ``shard="none"`` on any rank without it (every rank holds the whole state).
 
         ``{"state": {index: {...}}, "param_groups": [...]}`` as ``state_dict()``
         of the user's torch class over ``param_groups`` gives it (SGD's
@@ -76,7 +77,8 @@ class OwnersOptimizer(torch.optim.Optimizer):
         a float32 model. Not for classes run on whole parameters (Adafactor).
 
         Raises:
-            OptimizerError: on a rank other than ``to``, before a consolidation,
+            OptimizerError: (not with ``shard="none"`` after a step with every rank
+                training) on a rank other than ``to``, before a consolidation,
                 after a step since the last one (it would be stale), or for an
                 mpikv optimizer.
         """

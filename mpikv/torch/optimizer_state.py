@@ -52,12 +52,14 @@ class ShardedTorchState:
         context: the Trainer's :class:`~._context.StoreContext`.
         step: the Trainer's :class:`~._step.StepState` (``num_update``).
         optimizer: ``trainer.optimizer`` (its ``param_groups``).
+        replicas: ``shard="none"``: the :class:`~.replicas.Replicas` (every rank
+            then holds the whole state: :meth:`state_dict` needs no consolidation).
     """
 
-    def __init__(self, wiring, rule, context, step, optimizer):
+    def __init__(self, wiring, rule, context, step, optimizer, replicas=None):
         self._names, self._params = wiring.names, wiring.params
         self._rule, self._context, self._step = rule, context, step
-        self._optimizer = optimizer
+        self._optimizer, self._replicas = optimizer, replicas
         self._consolidated = None   # (state, trainer.num_update at consolidation), on `to`
         self._scalar_segments = set()   # (torch index, name) of the scalars being gathered
         self._to = None
@@ -134,30 +136,13 @@ class ShardedTorchState:
             raise OptimizerError("trainer.optimizer.consolidate_state_dict: ranks gave "
                                  "different `to`: " + ", ".join(
                                      f"rank {r}: {t}" for r, t in enumerate(targets)))
-        groups = self._optimizer.param_groups
-        # (torch index, state name, dtype, shape, first byte) of every array to gather.
-        segments, total = [], 0
-        self._scalar_segments = set()
-        for j, (i, g) in enumerate(order):
-            if head[j] < 1:   # never updated: torch holds no state for it
-                continue
-            key = self._names[i]
-            scalars = rule.torch_format(groups[g]).scalars
-            for name in self._names_of(rule, groups[g]):
-                # A scalar is kept as an array filled with it: its first element will do.
-                dtype, shape = ((np.dtype(np.float64), (1,)) if name in scalars else
-                                (self._state_dtype(rule, key), tuple(self._params[i].shape)))
-                if name in scalars:
-                    self._scalar_segments.add((j, name))
-                segments.append((j, name, dtype, shape, total))
-                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                total += -(-nbytes // 8) * 8   # int64 lanes: every array starts on one
+        segments, total = self._layout(rule, order, head)
         mine = rank == to
         out = {}
         if mine:
             for j, name, dtype, shape, _ in segments:
                 out[(j, name)] = np.empty(int(np.prod(shape, dtype=np.int64)), dtype)
-        pieces = self._owned_pieces(order, segments)
+        pieces = self._owned_pieces(order, segments, self._owned)
         for w0 in range(0, total, WINDOW_BYTES):
             w1 = min(total, w0 + WINDOW_BYTES)
             window = np.zeros((w1 - w0) // 8, np.int64)
@@ -176,6 +161,33 @@ class ShardedTorchState:
         self._to = int(to)
         if not mine:
             return
+        self._consolidated = (self._entries(rule, order, head, out), self._step.num_update)
+
+    def _layout(self, rule, order, head):
+        """``(segments, total bytes)``: (torch index, state name, dtype, shape, first
+        byte) of every array to gather, for the update counts ``head``."""
+        groups = self._optimizer.param_groups
+        segments, total = [], 0
+        self._scalar_segments = set()
+        for j, (i, g) in enumerate(order):
+            if head[j] < 1:   # never updated: torch holds no state for it
+                continue
+            key = self._names[i]
+            scalars = rule.torch_format(groups[g]).scalars
+            for name in self._names_of(rule, groups[g]):
+                # A scalar is kept as an array filled with it: its first element will do.
+                dtype, shape = ((np.dtype(np.float64), (1,)) if name in scalars else
+                                (self._state_dtype(rule, key), tuple(self._params[i].shape)))
+                if name in scalars:
+                    self._scalar_segments.add((j, name))
+                segments.append((j, name, dtype, shape, total))
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                total += -(-nbytes // 8) * 8   # int64 lanes: every array starts on one
+        return segments, total
+
+    def _entries(self, rule, order, head, out):
+        """torch's ``state`` (index -> entry) from the gathered arrays ``out``."""
+        groups = self._optimizer.param_groups
         state = {}
         for j, (i, g) in enumerate(order):
             p = self._params[i]
@@ -194,15 +206,41 @@ class ShardedTorchState:
                     entry[name] = tensors.from_native(out[(j, name)]).reshape(p.shape).to(
                         p.device)
             state[j] = entry
-        self._consolidated = (state, self._step.num_update)
+        return state
 
-    def _owned_pieces(self, order, segments):
-        """``[(first byte, end byte, bytes)]`` of the state this rank owns, in the
-        consolidation's buffer (host bytes, in the segment's dtype)."""
+    def _here(self, rule):
+        """``shard="none"``: the whole state from this rank's own parts and its
+        replicas of the others', with no communication; None where the replicas
+        do not follow the owners (before the first step with every rank training,
+        after a load or a join)."""
+        replicas = self._replicas
+        if replicas is None or not replicas.current(False):
+            return None
+        held = replicas.held()
+
+        def parts_of(key):
+            return self._owned(key) + held.get(key, [])
+        order = self._torch_order()
+        head = np.zeros(len(order), np.int64)
+        for j, (i, _) in enumerate(order):
+            for start, _, state, _ in parts_of(self._names[i]):
+                if start == 0 and state is not None:
+                    head[j] = int(state[COUNT].reshape(-1)[0])
+        segments, total = self._layout(rule, order, head)
+        raw = np.zeros(total, np.uint8)   # the consolidation's buffer, filled here alone
+        for lo, hi, source in self._owned_pieces(order, segments, parts_of):
+            raw[lo:hi] = source[:hi - lo]
+        out = {(j, name): raw[base:base + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize]
+               .view(dtype).copy() for j, name, dtype, shape, base in segments}
+        return self._entries(rule, order, head, out)
+
+    def _owned_pieces(self, order, segments, parts_of):
+        """``[(first byte, end byte, bytes)]`` of the state in ``parts_of(key)`` (this
+        rank's parts), in the consolidation's buffer (host bytes, in the segment's dtype)."""
         pieces = []
         for j, name, dtype, _, base in segments:
             i = order[j][0]
-            for start, stop, state, _ in self._owned(self._names[i]):
+            for start, stop, state, _ in parts_of(self._names[i]):
                 if state is None:
                     continue
                 if (j, name) in self._scalar_segments:   # a scalar, kept filled
@@ -225,6 +263,10 @@ class ShardedTorchState:
         """
         rule = self._checked_rule()
         num_update = self._step.num_update
+        here = self._here(rule) if self._consolidated is None or \
+            self._consolidated[1] != num_update else None
+        if here is not None:
+            return self._formatted(rule, here)
         if self._to is None:
             raise OptimizerError(
                 "trainer.optimizer's state lives on the owners, in parts (ZeRO-1): call "
@@ -240,6 +282,10 @@ class ShardedTorchState:
                 f"trainer.optimizer.consolidate_state_dict was called at update {at}, and the "
                 f"Trainer has made {num_update - at} more since: call it again (on "
                 f"every rank) before state_dict()")
+        return self._formatted(rule, state)
+
+    def _formatted(self, rule, state):
+        """torch's ``state_dict()``: ``state`` with the current hyperparameters."""
         groups, index = [], 0
         for group in self._optimizer.param_groups:
             cls = rule.torch_format(group).cls
@@ -287,6 +333,8 @@ class ShardedTorchState:
             group.update({k: v for k, v in saved.items()
                           if k not in ("params", "param_names") and k not in _FLAGS})
         self._consolidated, self._to = None, None
+        if self._replicas is not None:   # shard="none": every rank holds it whole again
+            self._replicas.copy_from_owners()
 
     def _read(self, rule, state_dict):
         """Checks ``state_dict`` against the Trainer; changes nothing.

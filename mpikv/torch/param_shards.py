@@ -132,6 +132,8 @@ class ParameterShards:
             self._hooks.append(u.module.register_forward_hook(self._hook(self._after, u)))
         self._hooks.append(module.register_forward_pre_hook(self._hook(self._before_root)))
         self._hooks.append(module.register_forward_hook(self._hook(self._after_root)))
+        for m in [module, *(u.module for u in self.units if u.module is not module)]:
+            self._hooks.append(m.register_state_dict_pre_hook(self._hook(self._before_state_dict)))
         self.release_all()
 
     def _hook(self, method, *bound):
@@ -200,6 +202,17 @@ class ParameterShards:
             self.gather(u)
 
     # -- the hooks --------------------------------------------------------------------------
+    def _before_state_dict(self, module, prefix, keep_vars):
+        """``model.state_dict()`` outside ``trainer.gathered()`` would hold mostly zeros
+        (the parts other ranks own): refused, on the rank that asks."""
+        del module, prefix, keep_vars
+        if any(u not in self._gathered for u in [self.root, *self.units]):
+            raise errors.InputError(
+                "model.state_dict() with shard='parameters' outside trainer.gathered(): "
+                "each rank holds only its parts of the weights (the others' read as "
+                "zeros); call it inside `with trainer.gathered():` on every rank (it is "
+                "collective), or save with trainer.save_checkpoint(path)")
+
     def _before_root(self, module, args):
         # (a backward that raised left these set)
         self._in_backward, self._left, self._seen = False, {}, set()

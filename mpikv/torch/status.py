@@ -82,6 +82,10 @@ class StepStatus:
         """The lowest rank that had not joined, by the last sum."""
         return int(np.flatnonzero(self._rows()[:, _JOIN] == 0)[0])
 
+    def last_training_rank(self):
+        """The highest rank that had not joined, by the last sum."""
+        return int(np.flatnonzero(self._rows()[:, _JOIN] == 0)[-1])
+
     def read(self, averaging, error_unused):
         """What the summed vector says (the same on every rank).
 
@@ -119,7 +123,8 @@ class StepStatus:
         if late:
             return verdict, errors.GradientError(
                 f"gradients were changed after their reduction started, on rank(s) "
-                f"{few(late)}; " + ("with shard='gradients' .grad must not change between "
+                f"{few(late)}; " + ("with shard='gradients' or 'parameters' (each gradient "
+                                    "reduced to its owners only) .grad must not change between "
                                     "backward() and step() (shard='optimizer', the default, "
                                     "leaves the averaged gradients in .grad); "
                                     if not averaging else "")

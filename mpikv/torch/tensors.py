@@ -91,6 +91,26 @@ def host_bytes(tensor):
     return flat.cpu().contiguous().view(torch.uint8).numpy()
 
 
+#: how MPI moves dtypes numpy (or MPI) lacks: as bits, or as pairs of reals
+_WIRE = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.bool: torch.uint8,
+         torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+
+def host_tensor(tensor):
+    """``tensor`` detached, on the host and contiguous: itself where it already is
+    (a copy of a GPU or strided tensor)."""
+    t = tensor.detach()
+    if t.is_cuda:
+        t = t.cpu()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def wire_array(tensor):
+    """A numpy view of a host contiguous tensor's memory for MPI: 16-bit floats as
+    int16 bits, bool as uint8, complex as pairs of reals (same bytes)."""
+    return (tensor.view(_WIRE[tensor.dtype]) if tensor.dtype in _WIRE else tensor).numpy()
+
+
 def from_host(array, like):
     """A tensor of ``array``'s values (numpy, host) on ``like``'s device (a copy there)."""
     return torch.from_numpy(np.ascontiguousarray(array)).to(like.device)

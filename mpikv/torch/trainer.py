@@ -15,11 +15,11 @@ import torch
 
 from ..closing import ClosesAfterWith
 from .. import errors
-from . import checkpoint
+from . import checkpoint, ddp
 from ._options import TrainerOptions
 from ._pieces import make_pieces
 from ._store import store_for
-from .joined import join
+from .joined import join, like_ddp
 from .optimizers import Deferred
 
 #: format tag of the Trainer's part of a checkpoint
@@ -66,17 +66,28 @@ class Trainer(ClosesAfterWith):
             (or the name alone), these two with error feedback (each rank
             keeps what rounding lost and sends it the next step; the owners
             sum in float32) unless ``"error_feedback": False``.
-            float32 parameters only; :meth:`allreduce_grads` gathers the
-            owners' sums uncompressed. Default: none.
-        shard: what lives on the owners only. ``"optimizer"`` (ZeRO-1; the
-            default without compression): the optimizer state; when
-            ``backward()`` returns, every ``.grad`` holds the gradient averaged
-            over the ranks, as with DDP, so a script may clip, scale or inspect
-            it before :meth:`step`. ``"gradients"`` (the default with
-            compression): each gradient is also reduced to its owners only (half
-            the traffic of an allreduce); ``.grad`` must then not be changed
-            between ``backward()`` and :meth:`step` (a :class:`mpikv.GradientError`
-            on every rank, nothing applied) and holds the average only where this
+            float32 parameters only. Where ``.grad`` gets the average
+            (``shard="none"`` or ``"optimizer"``, and :meth:`allreduce_grads`) a
+            16-bit codec gathers the owners' sums in 16 bits too, each owner
+            rounding its sums with a residual of its own; 2bit gathers float32.
+            Default: none.
+        shard: what lives on the owners only. ``"optimizer"`` (ZeRO-1): the
+            optimizer state; when ``backward()`` returns, every ``.grad`` holds the
+            gradient averaged over the ranks, as with DDP, so a script may clip,
+            scale or inspect it before :meth:`step`; the owners update their parts
+            and every rank gathers the weights (1.5 x DDP's bytes). ``"none"``: the
+            same ``.grad``, but every rank also updates the parts others own, with a
+            replica of their optimizer state, so nothing is gathered after the step
+            (DDP's bytes and memory; the same weights bit for bit; torch optimizer
+            classes, no 16-bit parameters). Without ``shard=`` or compression the
+            store's layout chooses between these two (:attr:`shard_reason` says
+            why): ``"optimizer"`` on one host, ``"none"`` across hosts where the
+            weights' gather would cost more than the update and the replicated
+            state fits in memory. ``"gradients"`` (the default with compression):
+            each gradient is also reduced to its owners only (half the traffic of
+            an allreduce); ``.grad`` must then not be changed between
+            ``backward()`` and :meth:`step` (a :class:`mpikv.GradientError` on
+            every rank, nothing applied) and holds the average only where this
             rank owns it, unless :meth:`allreduce_grads` gathers it.
         broadcast_buffers: as DDP's: before a forward, if the forward before
             it (or none) ran with gradients enabled and outside :meth:`no_sync`,
@@ -121,6 +132,8 @@ class Trainer(ClosesAfterWith):
             the owners.
         lr_scheduler: the scheduler made from ``lr_scheduler``, or None.
         num_update: the number of updates so far.
+        shard: the sharding it runs (as given, or as the layout chose).
+        shard_reason: why that sharding ("shard= given", or the measurement).
     """
 
     def __init__(self, params, optimizer, optimizer_params=None, kvstore=None, *,
@@ -151,6 +164,7 @@ class Trainer(ClosesAfterWith):
             elif owns_store:
                 store.abandon()
             raise
+        ddp.attach(self, self._wiring.params)   # a DDP wrapper's forward checks for it
 
     def _build(self, kv, owns_store):
         """Makes every piece on the store ``kv`` and puts them in place (at first, and
@@ -161,6 +175,7 @@ class Trainer(ClosesAfterWith):
                                                                     p.hooks, p.shards)
         self._sparse, self._file = p.sparse, p.file
         self._owns_store, self._closed, self.optimizer = owns_store, False, p.optimizer
+        self.shard, self.shard_reason = p.shard, p.shard_reason
 
     @property
     def rank(self):
@@ -332,12 +347,21 @@ class Trainer(ClosesAfterWith):
         themselves. Gradients are averaged over all ranks, joined or not (as
         DDP's ``Join`` does by default). It is the store's join, with this
         rank's part in each step (:class:`.joined.JoinedSteps`) as its ``on_call``.
+        When every rank has joined, every rank takes the module's buffers of the
+        rank returned (as DDP's join hook broadcasts that rank's model).
 
         Returns:
             int: the rank that joined last (of ranks that joined at the same
             step, the highest).
         """
         return join(self._pieces)
+
+    def join_like_ddp(self):
+        """From now on the buffers come from the highest rank still training, not the
+        lowest: DDP's choice once its ``join()`` context is entered (the
+        :class:`~mpikv.torch.DistributedDataParallel` wrapper's ``join()`` calls it).
+        Every rank calls it at the same point, between steps; it moves nothing."""
+        like_ddp(self._pieces)
 
     def zero_grad(self, set_to_none=None):
         """Zeroes every gradient in place (they stay the store's buffers).

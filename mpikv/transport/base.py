@@ -22,6 +22,9 @@ class Transport(ABC):
     library = "none"
     threaded = False   # whether data may move on a worker thread
     agreements = 0     # agreements so far (the same count on every rank)
+    #: what to do when this rank waits past the timeout for ranks that do not arrive
+    #: (the caller's words, from the store's context; :meth:`Protocol.set_context`)
+    late_hint = None
 
     @abstractmethod
     def agree(self, digest, has_error, what):

@@ -217,10 +217,17 @@ def query_mpi4py(mpi):
 
 
 def find_ompi_info(environ=None):
-    """The ``ompi_info`` of the library mpi4py loads: next to Python first, then on PATH."""
+    """The ``ompi_info`` of the library mpi4py loads: ``$OPAL_PREFIX/bin`` first, then
+    next to Python, then on PATH."""
     env = os.environ if environ is None else environ
+    # OPAL_PREFIX names the Open MPI installation a job runs on: scripts/mpirun.sh sets
+    # it for MPIKV_MPI_PREFIX (a CUDA-aware build beside the venv's wheel, whose own
+    # ompi_info would answer for the wrong library), and the wheel's mpiexec sets it to
+    # the venv.
+    prefix = env.get("OPAL_PREFIX")
+    found = shutil.which("ompi_info", path=os.path.join(prefix, "bin")) if prefix else None
     # A venv with the pip Open MPI wheel keeps ompi_info beside the interpreter.
-    return (shutil.which("ompi_info", path=os.path.dirname(sys.executable))
+    return (found or shutil.which("ompi_info", path=os.path.dirname(sys.executable))
             or shutil.which("ompi_info", path=env.get("PATH")))
 
 

@@ -288,8 +288,11 @@ class MPITransport(Transport):
     def _expire(self, what):
         ranks = self._missing()
         who = f"; rank(s) {', '.join(map(str, ranks))} did not arrive" if ranks else ""
+        # A rank that went on to other work (a torch.distributed call, say) is as
+        # one that ended its process: the caller's words say what to do.
+        hint = f" If a rank went on to other work: {self.late_hint}." if self.late_hint else ""
         abort(f"mpikv: rank {self.rank}: {format_what(what)} did not start within "
-              f"{self.timeout:g} s{who}; ending the job. create(timeout=) or "
+              f"{self.timeout:g} s{who}; ending the job.{hint} create(timeout=) or "
               f"MPIKV_TIMEOUT sets the limit.", TIMEOUT_EXIT_CODE)
 
     def _drain_announcements(self):

@@ -67,7 +67,17 @@ def job_facts(comm=None):
 # initialise MPI ------------------------------------------------------------------------
 def _comm(comm):
     from mpi4py import MPI
+    _heartbeats()
     return MPI.COMM_WORLD if comm is None else comm
+
+
+def _heartbeats():
+    # MPI may have started just now (the first MPI call of mpikv.torch's
+    # init_process_group, say): under --ft the detector watches this rank from here
+    # on, and a torch process group, a model and a DDP wrapper made before the first
+    # store took a rank for dead on a loaded machine (issue 40, item 7).
+    from . import ulfm
+    ulfm.heartbeat_for_launch()
 
 
 def rank(comm=None):
@@ -78,6 +88,36 @@ def rank(comm=None):
 def size(comm=None):
     """The number of ranks in ``comm`` (default ``MPI.COMM_WORLD``)."""
     return _comm(comm).Get_size()
+
+
+def refuse_a_lone_rank(environ=None):
+    """Raises LaunchError when ``mpikv run -n N`` (N > 1) started this process but MPI
+    gives it a job of one rank: the launcher's PMI and the MPI library did not meet,
+    and the N processes would each run alone. Nothing elsewhere.
+
+    Not collective: each such process is a job of its own. A process made by
+    ``MPI_Comm_spawn`` (its own ``COMM_WORLD``) is not asked.
+    """
+    import os
+    env = os.environ if environ is None else environ
+    try:
+        want = int(env.get("MPIKV_RUN_NP", "0"))
+    except ValueError:
+        return
+    if want <= 1:
+        return   # not launched by mpikv run: no MPI call
+    from mpi4py import MPI
+    from .. import errors
+    _heartbeats()
+    if MPI.COMM_WORLD.Get_size() != 1 or MPI.Comm.Get_parent() != MPI.COMM_NULL:
+        return
+    launcher = env.get("MPIKV_RUN_LAUNCHER", "the launcher")
+    raise errors.LaunchError(
+        f"mpikv run -n {want} started this process with {launcher}, but MPI sees a job of 1 "
+        f"rank: the {want} processes would each run alone. The launcher and the MPI library "
+        f"did not meet: with srun, a PMI the library speaks (Open MPI 5: --mpi=pmix); "
+        f"mpiexec and mpi4py from one MPI library (mpikv run checks both; python -m mpikv "
+        f"info names the library)")
 
 
 def local_rank(comm=None):

@@ -58,7 +58,8 @@ def finished_exactly(out):
     assert listed and "12" in listed.group(1).split(", "), out
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=["default", "parameters", "embedding"])
+@pytest.mark.parametrize("kind", KINDS + [{"SHARD": "none"}],
+                         ids=["default", "parameters", "embedding", "none"])
 def test_killed_ranks_cost_the_steps_since_the_checkpoint_and_the_weights_are_exact(tmp_path,
                                                                                    kind):
     out, died = run_job(tmp_path / "ckpt", "checkpoint", kind)

@@ -42,6 +42,10 @@ def test_direct_adds_the_device_buffer_baseline():
     # Staging's two ways are timed whatever the store does; the store stages nothing here.
     assert "mpikv staging Allreduce, 64 KiB pieces" in cases
     assert "mpikv pushpull in place, whole-buffer staging" not in cases
+    # the store staged beside the store direct, in the same run (issue 41)
+    assert cases[-6:] == ["mpikv pushpull(out=...)", "mpikv pushpull in place",
+                          "mpikv pushpull, zero-copy", "mpikv pushpull(out=...), staged",
+                          "mpikv pushpull in place, staged", "mpikv pushpull, zero-copy, staged"]
     raw = res["rows"][:2]
     fastest = min(raw, key=lambda r: r["ms"])
     assert fastest["vs raw mpi4py"] == 1.0  # ratios are against the fastest raw way

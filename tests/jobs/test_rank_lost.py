@@ -24,6 +24,8 @@ DETECTOR = 2.0
 #: machine delays the detector's heartbeats (bench ft measures the real delays)
 SEEN_WITHIN = DETECTOR + 20
 TIMEOUT = 90
+#: the detector's timeout of the jobs whose rank computes 3 x as long without MPI
+SLOW_DETECTOR = 6.0
 TCP = ["--mca", "btl", "tcp,self"]
 
 
@@ -45,8 +47,8 @@ def run_ft(n, case, launcher_args=(), ft=True, env=None):
     token = f"mpikv-ft-{uuid.uuid4().hex[:12]}"
     cmd = ["timeout", "-k", "5", str(TIMEOUT), str(MPIRUN), *(["--ft"] if ft else []),
            *launcher_args, "-n", str(n), sys.executable, SCRIPT, case, token]
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", MPIKV_FT_DETECTOR_TIMEOUT=str(DETECTOR),
-                    **(env or {}))
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", MPIKV_FT_DETECTOR_TIMEOUT=str(DETECTOR))
+    full_env.update(env or {})
     start = time.monotonic()
     rc, output = launch(cmd, full_env)
     seconds = time.monotonic() - start
@@ -174,11 +176,16 @@ def test_ft_launch_is_not_refused():
 @pytest.mark.parametrize("case", ["slow", "slow_plain", "slow_start"])
 def test_a_rank_computing_longer_than_the_detector_timeout_is_not_lost(case):
     """In a fault-tolerant store, in one made with fault_tolerant=False under --ft, and
-    before any store when MPI started before mpikv was imported: heartbeats go on."""
-    rc, out, seconds = run_ft(3, case)
+    before any store when MPI started before mpikv was imported: heartbeats go on.
+
+    A detector of 6 s (rank 2 computes 18 s): at 2 s, a loaded machine (the suite beside
+    other work) had a rank declared dead while it imported mpikv after MPI started, a
+    gap that is no computing of the script's, and at 4 s once at load average 11-12
+    (docs/fault-tolerance.md)."""
+    rc, out, seconds = run_ft(3, case, env={"MPIKV_FT_DETECTOR_TIMEOUT": str(SLOW_DETECTOR)})
     assert rc == 0, out
     assert sorted(re.findall(r"rank (\d): finished without a loss", out)) == ["0", "1", "2"], out
-    assert seconds > 6, out
+    assert seconds > 3 * SLOW_DETECTOR, out
 
 
 # -- survivors go on: a new store on the error's .comm ---------------------------------

@@ -25,6 +25,9 @@ def uninterrupted(tmp_path_factory):
     # The checkpoint holds the owners' parts whatever the level of sharding.
     ((4, "parameters"), (2, "optimizer")),
     ((3, "gradients"), (1, "parameters")),
+    # shard="none" (replicas of the owners' state) writes and reads the same format
+    ((2, "optimizer"), (4, "none")),   # (averaging modes: a power of 2 ranks, see the script)
+    ((4, "none"), (2, "gradients")),
 ], ids=lambda c: f"{c[0]}-{c[1]}")
 def test_trainer_resumes_on_another_number_of_ranks_and_level(tmp_path, uninterrupted, before,
                                                               after):

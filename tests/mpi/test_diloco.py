@@ -67,8 +67,8 @@ def diloco_reference(size, every, outer_lr, outer_momentum, steps, inner=None, s
     """One process: ``size`` replicas each stepping its inner optimizer on its own batches;
     every ``every`` steps the outer gradient (global minus local weights, averaged)
     through torch's SGD with Nesterov momentum on the global weights. ``switch``:
-    ``(step, size)``: from that step (a sync) on, that many replicas, their inner
-    optimizers new (as after a load)."""
+    ``(step, size)``: from that step (a sync) on, that many replicas, replica ``r``'s
+    inner state that of old replica ``r % old size`` (as a load on other ranks gives)."""
     cls, args = inner or (torch.optim.SGD, {"lr": 0.1})
     glob = make_net()
     m = outer_momentum
@@ -77,9 +77,11 @@ def diloco_reference(size, every, outer_lr, outer_momentum, steps, inner=None, s
     inners = [cls(r.parameters(), **args) for r in replicas]
     for i in range(steps):
         if switch is not None and i == switch[0]:
-            size = switch[1]
+            size, old = switch[1], inners
             replicas = [copy.deepcopy(glob) for _ in range(size)]
             inners = [cls(r.parameters(), **args) for r in replicas]
+            for r, opt in enumerate(inners):
+                opt.load_state_dict(copy.deepcopy(old[r % len(old)].state_dict()))
         for rank, (r, opt) in enumerate(zip(replicas, inners)):
             opt.zero_grad()
             loss_of(r, *batch(i, rank)).backward()
@@ -192,19 +194,25 @@ def test_buffers_come_from_rank_0_at_the_first_forward_after_a_sync(comm):
 
 # -- checkpoints: a save holds the last sync ------------------------------------------------
 
+@pytest.mark.parametrize("inner", [(torch.optim.SGD, {"lr": 0.1}),
+                                   (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1})],
+                         ids=["sgd", "adamw"])
 @pytest.mark.parametrize("save_after", [6, 8], ids=["mid-window", "at-a-sync"])
-def test_a_checkpoint_continues_to_the_uninterrupted_weights(comm, shared_dir, save_after):
+def test_a_checkpoint_continues_to_the_uninterrupted_weights(comm, shared_dir, save_after,
+                                                             inner):
+    # AdamW's moments and step count are each rank's own: in the checkpoint, as of the
+    # last sync, so the continuation is exact.
     sync, steps = DiLoCo(every=4), 16
-    want = train(comm.rank, comm.size, sync, steps)
+    want = train(comm.rank, comm.size, sync, steps, inner=inner)
     net = make_net()
-    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, sync=sync)
+    trainer = mpikv.torch.Trainer(net, *inner, sync=sync)
     run(trainer, net, comm.rank, range(save_after))
     path = f"{shared_dir}/ckpt"
     trainer.save_checkpoint(path)
     trainer.close()
     # Another start (other weights): the load decides.
     net = make_net(seed=7)
-    trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1}, sync=sync)
+    trainer = mpikv.torch.Trainer(net, *inner, sync=sync)
     trainer.load_checkpoint(path)
     assert trainer.num_update == 4 * (save_after // 4)   # the last sync's
     run(trainer, net, comm.rank, range(trainer.num_update, steps))
@@ -216,7 +224,7 @@ def test_a_checkpoint_continues_to_the_uninterrupted_weights(comm, shared_dir, s
 
 def test_a_checkpoint_loads_on_another_number_of_ranks(comm, shared_dir):
     """N -> 1 and 1 -> N: the last sync's weights and outer momentum, on any number
-    of ranks."""
+    of ranks, and rank ``r`` the inner state of saved rank ``r % saved``."""
     sync, path = DiLoCo(every=4), f"{shared_dir}/ckpt"
     inner = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.5})
     # N ranks save in the middle of the second window; rank 0 alone goes on.

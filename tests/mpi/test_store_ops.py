@@ -71,3 +71,45 @@ def test_agree_is_a_call_every_rank_makes(comm):
         assert "Trainer.close" in message
     kv.close()
     kv.agree("Trainer.close")   # closed: nothing
+
+
+def test_local_states_come_back_to_their_ranks(comm, shared_dir):
+    """Each rank's own arrays in the checkpoint: its own back on the same ranks, saved
+    rank ``r % P``'s on other ranks, None from a file without them, none after remove."""
+    path = f"{shared_dir}/local"
+    kv = _store()
+    mine = {"m": np.full((2, 3), comm.rank, np.float64), "step": np.array(comm.rank + 7)}
+    handle = kv.add_local_state("layer", lambda: mine, lambda *a: None)
+    kv.save_checkpoint(path)
+    handle.remove()
+    kv.save_checkpoint(f"{path}-without")
+    kv.close()
+    got = []
+
+    def give(arrays, same):
+        got.append((arrays, same))
+
+    other = mpikv.create("dist_sync", timeout=TEST_TIMEOUT, bigarray_bound=10)
+    other.add_local_state("layer", lambda: {}, give)
+    other.load_checkpoint(path)
+    other.load_checkpoint(f"{path}-without")
+    other.close()
+    (arrays, same), (none, _) = got
+    assert same is True and none is None
+    assert arrays["m"].shape == (2, 3) and arrays["m"].dtype == np.float64
+    np.testing.assert_array_equal(arrays["m"], mine["m"])
+    assert arrays["step"].shape == () and int(arrays["step"]) == comm.rank + 7
+    # On one rank fewer (one rank: the same one): rank r takes saved rank r % P's.
+    m = max(1, comm.size - 1)
+    sub = comm.Split(0 if comm.rank < m else 1, comm.rank)
+    if comm.rank < m:
+        got.clear()
+        fewer = mpikv.create("dist_sync", comm=sub, timeout=TEST_TIMEOUT, bigarray_bound=10)
+        fewer.add_local_state("layer", lambda: {}, give)
+        fewer.load_checkpoint(path)
+        fewer.close()
+        (arrays, same), = got
+        assert same is (m == comm.size)
+        assert int(arrays["step"]) == comm.rank % comm.size + 7
+    sub.Free()
+    comm.Barrier()

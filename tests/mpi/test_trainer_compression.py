@@ -75,20 +75,40 @@ def _exact(grads, residuals):
     return sum(grads[1:], grads[0].copy())
 
 
+#: 16-bit kinds with error feedback: a gather of the owners' sums (allreduce_grads) sends
+#: them in 16 bits too, each owner rounding its sums with a residual of its own
+GATHERED16 = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16, "bf16-name": ml_dtypes.bfloat16}
+
+
+def _gathered(kind, total, owner_residual):
+    """What a gather of the owners' sums leaves on every rank (the owners' too)."""
+    dtype = GATHERED16.get(kind)
+    if dtype is None:   # float32, or sums already rounded once (exact in 16 bits)
+        return total
+    x = (total + owner_residual).astype(np.float32)
+    sent = x.astype(dtype).astype(np.float32)
+    owner_residual[...] = x - sent
+    return sent
+
+
 RULES = {None: _exact, "fp16": _feedback(np.float16), "bf16": _feedback(ml_dtypes.bfloat16),
          "fp16-cast": _sixteen(np.float16), "bf16-cast": _sixteen(ml_dtypes.bfloat16),
          "bf16-name": _feedback(ml_dtypes.bfloat16), "2bit": _two_bit}
 
 
-def reference(kind, n):
-    """The weights after each step: plain SGD on the compressed sums averaged over ``n`` ranks."""
+def reference(kind, n, gathered=False):
+    """The weights after each step: plain SGD on the compressed sums averaged over ``n``
+    ranks (``gathered``: the sums as a gather of them left them)."""
     net = Linear()
     weights = {k: getattr(net, k).detach().numpy().copy() for k in SIZES}
     residuals = {k: [np.zeros(m, np.float32) for _ in range(n)] for k, m in SIZES.items()}
+    owners = {k: np.zeros(m, np.float32) for k, m in SIZES.items()}
     after = []
     for step in range(STEPS):
         for k in SIZES:
             total = RULES[kind]([coefficients(r, step)[k] for r in range(n)], residuals[k])
+            if gathered:
+                total = _gathered(kind, total, owners[k])
             weights[k] = weights[k] - np.float32(LR) * (total * np.float32(1.0 / n))
         after.append({k: w.copy() for k, w in weights.items()})
     return after
@@ -97,8 +117,10 @@ def reference(kind, n):
 def _average(kind, step, key, n):
     """What allreduce_grads leaves in ``.grad`` at ``step`` (replays the residuals)."""
     residuals = [np.zeros(SIZES[key], np.float32) for _ in range(n)]
+    owner = np.zeros(SIZES[key], np.float32)
     for s in range(step + 1):
-        total = RULES[kind]([coefficients(r, s)[key] for r in range(n)], residuals)
+        total = _gathered(kind, RULES[kind]([coefficients(r, s)[key] for r in range(n)],
+                                            residuals), owner)
     return total * np.float32(1.0 / n)
 
 
@@ -119,12 +141,12 @@ def test_trainer_weights_follow_the_compression_rule(comm, kind, split):
     trainer = mpikv_torch.Trainer(net, torch.optim.SGD, {"lr": LR}, compression=_params(kind))
     if kind is not None:   # a dist store even at one rank: a local one does not compress
         assert trainer.kvstore.type == "dist_sync"
-    want = reference(kind, comm.size)
+    want = reference(kind, comm.size, gathered=split)
     for step in range(STEPS):
         c = {k: torch.from_numpy(v) for k, v in coefficients(comm.rank, step).items()}
         net(c).backward()
         if split:
-            trainer.allreduce_grads()   # the owners' compressed sums, gathered as they are
+            trainer.allreduce_grads()   # the owners' sums, gathered (16-bit: in 16 bits)
             for k in SIZES:   # .grad: the average of the compressed sum, on every rank
                 np.testing.assert_allclose(
                     getattr(net, k).grad.numpy(), _average(kind, step, k, comm.size),
@@ -137,6 +159,32 @@ def test_trainer_weights_follow_the_compression_rule(comm, kind, split):
             np.testing.assert_allclose(getattr(net, k).detach().numpy(), want[step][k],
                                        rtol=1e-6, atol=1e-7, err_msg=f"{kind} step {step} {k}")
     trainer.close()   # (and the store it made)
+
+
+@pytest.mark.parametrize("shard", ["none", "optimizer"])
+@pytest.mark.parametrize("kind", ["bf16", "fp16", "bf16-cast", "2bit"])
+def test_averaging_levels_gather_the_compressed_sums_into_grad_and_step_on_them(comm, kind,
+                                                                                 shard):
+    # shard="none" (every rank updates every part) and "optimizer": backward leaves the
+    # averaged sums in .grad, gathered in 16 bits with a 16-bit codec (each owner's
+    # rounding with its own residual), and the step uses exactly those.
+    net = Linear()
+    trainer = mpikv_torch.Trainer(net, torch.optim.SGD, {"lr": LR}, compression=_params(kind),
+                                  shard=shard)
+    assert trainer.shard == shard
+    want = reference(kind, comm.size, gathered=True)
+    for step in range(STEPS):
+        c = {k: torch.from_numpy(v) for k, v in coefficients(comm.rank, step).items()}
+        net(c).backward()
+        for k in SIZES:
+            np.testing.assert_allclose(getattr(net, k).grad.numpy(),
+                                       _average(kind, step, k, comm.size), rtol=1e-6, atol=1e-7)
+        trainer.step()
+        trainer.optimizer.zero_grad()
+        for k in SIZES:
+            np.testing.assert_allclose(getattr(net, k).detach().numpy(), want[step][k],
+                                       rtol=1e-6, atol=1e-7, err_msg=f"{kind} step {step} {k}")
+    trainer.close()
 
 
 def test_two_bit_holds_small_gradients_back_until_they_cross_the_threshold(comm):

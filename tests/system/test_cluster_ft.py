@@ -89,5 +89,7 @@ def test_a_lost_host_daemon_ends_the_job_cleanly(cluster, tmp_path):  # noqa: F8
     # Rank 2 kills its host's daemon (prted on h2) and itself: PRRTE ends the job.
     cluster("up", "--hosts", "2")
     _, out = job(TRAIN, tmp_path / "ckpt", "2@7", "memory", KILL_PARENT="1")
-    assert "PRTE has lost communication with a remote daemon" in out, out
+    # PRRTE names the lost daemon one of two ways, as its own timing falls (both seen).
+    assert ("PRTE has lost communication with a remote daemon" in out
+            or "A daemon failed to report back" in out), out
     assert "finished" not in out, out

@@ -22,6 +22,8 @@ JOBS = {
     "n3": (["-n", "3"], {}),
     # The job script with a wrong PMI plugin: its size check must fail the job.
     "srun_none": (["-n", "2"], {"MPIKV_LAUNCHERS": "srun", "MPIKV_SRUN_MPI": "none"}),
+    # mpikv run inside the allocation: its size from SLURM_NTASKS, by mpiexec and by srun.
+    "mpikv_run": (["-n", "3"], {"MPIKV_LAUNCHERS": "mpikv-run mpikv-srun"}),
 }
 
 
@@ -65,6 +67,28 @@ def test_single_node_job_passes_with_mpiexec_and_srun(jobs, slurm_cluster, n):
     for launcher, text in parts.items():
         assert f"== {launcher}: exit code 0" in text, out
         assert_check_passed(text, n, [slurm_cluster] * n)
+
+
+def test_mpikv_run_in_a_job_by_mpiexec_and_srun(jobs, slurm_cluster):
+    rc, out, seconds = jobs("mpikv_run")
+    assert rc == 0, f"sbatch --wait rc={rc} after {seconds:.1f} s:\n{out}"
+    parts = sections(out)
+    assert set(parts) == {"mpikv-run", "mpikv-srun"}, out
+    for launcher, text in parts.items():
+        assert f"== {launcher}: exit code 0" in text, out
+        assert_check_passed(text, 3, [slurm_cluster] * 3)
+
+
+def test_mpikv_run_refuses_a_lone_rank_under_a_wrong_pmi(slurm_cluster):
+    """srun --mpi=none (given after mpikv run's own --mpi=pmix, so it wins) starts two
+    singletons: each store's creation is a LaunchError, not two jobs that pass."""
+    env = job_env()
+    cmd = [sys.executable, "-m", "mpikv", "run", "--launcher", "srun", "-n", "2",
+           "--mpi-args=--mpi=none", "tests/system/scripts/make_a_store.py"]
+    rc, out, _ = run(cmd, timeout=60, env=env)
+    assert rc != 0 and "MADE" not in out, out
+    assert out.count("LaunchError: mpikv run -n 2 started this process with srun, but MPI "
+                     "sees a job of 1 rank") == 2, out
 
 
 def test_job_with_srun_mpi_none_fails_the_size_check(jobs):

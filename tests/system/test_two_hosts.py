@@ -42,25 +42,33 @@ def test_check_job_across_two_hosts(hosts):
     assert "mpikv-check PASSED n=2 hosts=h1,h2" in out
 
 
+def comm(pid):
+    """The command name of a process, or None once it has gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
 def test_teardown_kills_only_what_runs_in_the_namespaces(hosts):
     outside = subprocess.Popen(["sleep", "60"])
     job = subprocess.Popen(["timeout", "-k", "5", "60", str(NETNS), "run", "sleep", "50"],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 20  # until the rank on h2 runs
-        while time.monotonic() < deadline:
-            pids = run(["ip", "netns", "pids", "mpikv_h2"], timeout=10)[1].split()
-            if any(Path(f"/proc/{p}/comm").read_text().strip() == "sleep"
-                   for p in pids if Path(f"/proc/{p}/comm").exists()):
+        # Wait for the state itself (the rank on h2 running), bounded only by the job's own
+        # timeout: under load the launch across the namespaces can take longer than any guess.
+        while job.poll() is None:
+            pids = run(["ip", "netns", "pids", "mpikv_h2"], timeout=30)[1].split()
+            if "sleep" in (comm(p) for p in pids):
                 break
             time.sleep(0.1)
         else:
-            pytest.fail("the job's rank on h2 did not start")
-        start = time.monotonic()
+            pytest.fail(f"the job ended (rc {job.returncode}) before its rank on h2 ran:\n"
+                        f"{job.stdout.read()}")
         rc, out, _ = run([NETNS, "down"], timeout=60)
         assert rc == 0, out
-        assert job.wait(timeout=30) != 0  # its ranks were killed
-        assert time.monotonic() - start < 20
+        # Killed by the teardown: not sleep's own end (0) nor the job's timeout (124).
+        assert job.wait(timeout=30) not in (0, 124)
         assert not namespaces() & set(NAMESPACES)
         assert outside.poll() is None, "a process outside the namespaces was killed"
     finally:

@@ -197,6 +197,19 @@ def test_find_ompi_info_with_empty_path():
     assert found == beside
 
 
+def test_find_ompi_info_prefers_opal_prefix(tmp_path):
+    # scripts/mpirun.sh sets OPAL_PREFIX for MPIKV_MPI_PREFIX: that library's ompi_info
+    # answers, not the venv's wheel beside the interpreter.
+    tool = tmp_path / "bin" / "ompi_info"
+    tool.parent.mkdir()
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    assert cuda.find_ompi_info({"PATH": "", "OPAL_PREFIX": str(tmp_path)}) == str(tool)
+    # a prefix without one falls back as before
+    empty = {"PATH": "", "OPAL_PREFIX": str(tmp_path / "none")}
+    assert cuda.find_ompi_info(empty) == cuda.find_ompi_info({"PATH": ""})
+
+
 # -- MVAPICH2 and the default --------------------------------------------------
 def test_mvapich_env():
     got = cuda.detect(environ={"MV2_USE_CUDA": "1"}, mpi=FakeMPI(library=MVAPICH))

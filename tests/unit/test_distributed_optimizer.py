@@ -110,10 +110,14 @@ def test_rank_size_and_sampler_without_a_process_group():
 def test_ddps_wrapper_gives_the_model_back_for_the_optimizer_to_find(monkeypatch):
     made = torch_pieces.record(monkeypatch)
     net = cases.Net()
-    assert mpikv.torch.DistributedDataParallel(net, device_ids=None, broadcast_buffers=False,
-                                               find_unused_parameters=True) is net
-    opt = mpikv.torch.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+    wrapped = mpikv.torch.DistributedDataParallel(net, device_ids=None, broadcast_buffers=False,
+                                                  find_unused_parameters=True)
+    assert wrapped.module is net
+    assert [n for n, _ in wrapped.named_parameters()] == [
+        f"module.{n}" for n, _ in net.named_parameters()]
+    opt = mpikv.torch.DistributedOptimizer(torch.optim.SGD(wrapped.parameters(), lr=0.1),
                                            net.named_parameters(), kvstore="local")
+    assert wrapped.trainer is opt.trainer
     buffers = made[-1].buffers   # the module's: the model was found
     assert [b for _, b in buffers.buffers()] == [b for _, b in net.named_buffers()]
     assert made[-1].hooks.forward_hooks == 0   # broadcast_buffers=False, as given to DDP
@@ -128,3 +132,49 @@ def test_ddps_wrapper_refuses_what_ddp_does_not_take(kwargs, error, match):
         mpikv.torch.DistributedDataParallel(cases.Net(), **kwargs)
     with pytest.raises(mpikv.ValueTypeError, match="wraps a torch.nn.Module"):
         mpikv.torch.DistributedDataParallel(object())
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda m: m.join(divide_by_initial_world_size=False), mpikv.InputError,
+     r"join\(divide_by_initial_world_size=False\) is not supported"),
+    (lambda m: m.join(throw_on_early_termination=True), mpikv.InputError,
+     r"join\(throw_on_early_termination=True\) is not supported"),
+    (lambda m: m.join_hook(), mpikv.InputError, "use `with model.join\\(\\):`"),
+])
+def test_ddps_join_options_it_does_not_run_are_refused(call, error, match):
+    with pytest.raises(error, match=match):
+        call(mpikv.torch.DistributedDataParallel(cases.Net()))
+
+
+def test_a_wrapper_without_an_optimizer_fails_at_its_first_training_forward():
+    net = cases.Net()
+    model = mpikv.torch.DistributedDataParallel(net)
+    x, _ = cases.data(0, 0)
+    with torch.no_grad():   # an evaluation is not training: no check
+        before = model(x, False)
+    with model.no_sync():   # (nothing to accumulate into: the forward fails, not this)
+        with pytest.raises(mpikv.OptimizerError, match="has no DistributedOptimizer over its "
+                                                       "parameters"):
+            model(x, False)
+    with pytest.raises(mpikv.OptimizerError, match="has no DistributedOptimizer"):
+        with model.join():
+            pass
+    torch.testing.assert_close(net(x, False), before)   # the model itself is untouched
+
+
+@pytest.mark.parametrize("env,said", [({"WORLD_SIZE": "4"}, "WORLD_SIZE=4"),
+                                      ({"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "1"},
+                                       "LOCAL_WORLD_SIZE=2")])
+def test_torchrun_s_environment_on_one_mpi_rank_is_refused_by_each_of_the_three_lines(
+        monkeypatch, env, said):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    n = max(int(v) for v in env.values())
+    calls = [lambda: mpikv.torch.init_process_group("gloo"),
+             lambda: mpikv.torch.DistributedDataParallel(cases.Net()),
+             lambda: mpikv.torch.DistributedOptimizer(
+                 torch.optim.SGD(cases.Net().parameters(), lr=0.1), kvstore="local")]
+    for call in calls:
+        with pytest.raises(mpikv.LaunchError, match=rf"started by torchrun \({said}\) but MPI "
+                                                    rf"sees 1 rank.*mpiexec -n {n} python"):
+            call()

@@ -168,7 +168,7 @@ LAYERS = [
     ("store", {"store"}),
     ("public names", {"__init__"}),
     ("frameworks", {"torch", "mxnet"}),
-    ("tools", {"tools", "__main__"}),
+    ("tools", {"tools", "launch", "__main__"}),
 ]
 #: (importer, imported) module pairs allowed against the order, with the reason.
 LAYER_EXCEPTIONS = {

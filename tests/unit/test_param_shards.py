@@ -92,7 +92,7 @@ def test_the_weights_are_whole_only_inside_gathered_and_close_gives_them_back(mo
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"shard": "params"}, "shard must be 'optimizer', 'gradients' or 'parameters'"),
+    ({"shard": "params"}, "shard must be 'optimizer', 'none', 'gradients' or 'parameters'"),
     ({"units": []}, "units= cuts the model for shard='parameters' only"),
 ])
 def test_bad_sharding_arguments_are_refused(kwargs, match):

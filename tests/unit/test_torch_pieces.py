@@ -37,8 +37,11 @@ class _Rule:
 def test_options_fill_in_the_defaults_and_find_the_parameters():
     model = torch.nn.Linear(3, 2)
     opts = TrainerOptions(_made(params=model))
-    assert (opts.shard, opts.averaging, opts.error_unused, opts.copies) == (
+    # Without shard=: "optimizer" until the store's layout chooses ("none" or it).
+    assert (opts.shard, opts.auto_shard, opts.error_unused, opts.copies) == (
         "optimizer", True, False, False)
+    assert TrainerOptions(_made(params=model, shard="optimizer")).auto_shard is False
+    assert TrainerOptions(_made(params=model, compression="2bit")).auto_shard is False
     assert opts.module is model and opts.broadcast_buffers is True
     assert opts.names == ["weight", "bias"] and opts.params == [model.weight, model.bias]
     assert opts.split_parameters is True

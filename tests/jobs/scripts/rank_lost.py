@@ -13,12 +13,12 @@ CASE says where rank 1 dies while the others go on calling the store:
   none       nobody dies: every rank finishes (and MPI_Finalize ends the job)
   at_exit    rank 1 dies after the last call; the others end their processes
              (the store's agreed "exit" call at the interpreter's end)
-  slow       nobody dies; rank 2 computes (sleeps) 6 s, 3 x the detector's timeout,
+  slow       nobody dies; rank 2 computes (sleeps) 3 x the detector's timeout,
              between two calls: it must not be taken for dead
   refuse     nobody dies: the store's creation must be refused (no ULFM launch)
   slow_plain as slow, with a store made with fault_tolerant=False: the launch's
              detector watches it all the same
-  slow_start nobody dies; MPI starts before mpikv is imported, and rank 2 sleeps 6 s
+  slow_start nobody dies; MPI starts before mpikv is imported, and rank 2 sleeps as long
              before the first store is made
 TOKEN is ignored: it marks the processes, for the test's look for leftovers.
 
@@ -39,6 +39,8 @@ if sys.argv[1:2] == ["slow_start"]:
 import mpikv  # noqa: E402
 
 STEPS, DIE_AT = 200, 20
+#: the slow cases' computing: 3 x the detector's timeout (scripts/mpirun.sh --ft)
+SLOW = 3 * float(os.environ.get("MPIKV_FT_DETECTOR_TIMEOUT", "10"))
 KEYS = ["a", "b", "c", "w"]
 
 
@@ -52,7 +54,7 @@ def main(case):
         print("created: not refused", flush=True)
         return
     if case == "slow_start" and MPI.COMM_WORLD.Get_rank() == 2:
-        time.sleep(6.0)
+        time.sleep(SLOW)
     kv = mpikv.create("dist_sync", fault_tolerant=case != "slow_plain", timeout=60,
                       autotune=False)
     rank = kv.rank
@@ -78,7 +80,7 @@ def main(case):
             if case in ("agreement", "sigkill") and i == DIE_AT and rank == 1:
                 die(signal.SIGKILL if case == "sigkill" else None)
             if case in ("slow", "slow_plain") and i == DIE_AT and rank == 2:
-                time.sleep(6.0)
+                time.sleep(SLOW)
             grads = [np.full(1000, rank + 1.0) for _ in KEYS]
             if case == "async":
                 kv.pushpull_async(KEYS, grads).wait()
