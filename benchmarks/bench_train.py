@@ -42,6 +42,9 @@ Variants:
   (its defaults: 25 MiB buckets, gradients copied into them) + the same optimizer
   on every rank.
 - ``ddp-zero-adam``: DDP + ``ZeroRedundancyOptimizer`` (Adam state sharded).
+- ``ddpmpikv-X``, ``fsdp2mpikv-X``: the same DDP and FSDP2, unchanged, on a group of
+  mpikv's ``"mpikv"`` torch.distributed backend (``dist.new_group(backend="mpikv")``,
+  every rank) instead of gloo: the backend's own benchmark against gloo (issue 42).
 - ``fsdp2-sgd``, ``fsdp2-adam``, ``fsdp2-adamw``: torch's FSDP2
   (``torch.distributed.fsdp.fully_shard``) on each BERT encoder layer, or each
   residual block of a ResNet, then on the root, over gloo on a CPU device mesh
@@ -79,7 +82,7 @@ compute-alone step time.
 SGD: lr 0.05, momentum 0.9, weight decay 5e-4; Adam: lr 1e-4; AdamW: lr 1e-4,
 weight decay 0.01.
 
-The goals of issues 11 and 22 (:data:`GOALS`) that a run measured close the output;
+The goals of issues 11, 22 and 42 (:data:`GOALS`) that a run measured close the output;
 a goal against "the better of" two variants divides by the smaller figure.
 
 Two measurements, each in fresh jobs of the same size that the launched
@@ -148,7 +151,11 @@ VARIANTS = ("trainer-sgd", "trainer-adam", "trainer-adamw", "shardgrads-sgd", "s
             "shardgrads-adamw", "shardparams-sgd", "shardparams-adam", "shardparams-adamw",
             "ddp-sgd", "ddp-adam", "ddp-adamw", "ddp-zero-adam", "fsdp2-sgd", "fsdp2-adam",
             "fsdp2-adamw", "horovod-sgd", "horovod-adam", "default-sgd", "default-adam",
-            "replicas-sgd", "replicas-adam", "diloco-sgd", "diloco-adamw")
+            "replicas-sgd", "replicas-adam", "diloco-sgd", "diloco-adamw", "ddpmpikv-sgd",
+            "ddpmpikv-adam", "ddpmpikv-adamw", "fsdp2mpikv-sgd", "fsdp2mpikv-adam",
+            "fsdp2mpikv-adamw")
+#: Variants of torch's own DDP and FSDP2 on the "mpikv" backend: kind -> torch's kind
+ON_MPIKV = {"ddpmpikv": "ddp", "fsdp2mpikv": "fsdp2"}
 #: The Trainer's variants: the name's first part -> ``shard=`` (``default``: none given,
 #: the store's layout chooses; ``diloco``: ``sync=DiLoCo(every=8)``, the inner optimizer X).
 TRAINER_SHARD = {"trainer": "optimizer", "shardgrads": "gradients", "shardparams": "parameters",
@@ -182,7 +189,11 @@ GOALS = [(11, "resnet18", "step time", "trainer-sgd", "ddp-sgd", 0.8, None),
          (22, "bert", "step time", "shardparams-adamw", ("ddp-adamw", "fsdp2-adamw"), 1.0, None),
          (22, "bert", "peak RSS", "shardgrads-adamw", "ddp-adamw", 0.6, 2),
          (22, "bert", "step time", "shardgrads-adamw", "ddp-adamw", 1.0, None),
-         (22, "resnet18", "step time", "trainer-sgd", "ddp-sgd", 0.8, 2)]
+         (22, "resnet18", "step time", "trainer-sgd", "ddp-sgd", 0.8, 2),
+         (42, "resnet18", "step time", "ddpmpikv-sgd", "ddp-sgd", 0.8, None),
+         (42, "bert", "step time", "ddpmpikv-adamw", "ddp-adamw", 0.8, None),
+         (42, "resnet18", "step time", "fsdp2mpikv-sgd", "fsdp2-sgd", 0.9, None),
+         (42, "bert", "step time", "fsdp2mpikv-adamw", "fsdp2-adamw", 0.9, None)]
 
 
 #: A test makes the job of this variant fail on its last rank ("VARIANT" raises,
@@ -247,12 +258,12 @@ def split_variant(variant):
         return "local", name.partition("-")[2], None
     if alone and (alone != "comm"
                   or name.startswith(("horovod-", "ddp-zero", "shardparams-", "fsdp2-",
-                                      "diloco-"))
+                                      "diloco-", "ddpmpikv-", "fsdp2mpikv-"))
                   or (name.startswith("ddp-") and comp)):
         raise ValueError(variant)
     kind, _, opt = name.partition("-")
     known = (TRAINER_COMPRESSION if kind in COMPRESSIBLE
-             else DDP_HOOKS if kind == "ddp" and opt != "zero-adam" else ())
+             else DDP_HOOKS if kind in ("ddp", "ddpmpikv") and opt != "zero-adam" else ())
     if name not in VARIANTS or (comp and comp not in known):
         raise ValueError(variant)
     return kind, opt, comp or None
@@ -260,12 +271,12 @@ def split_variant(variant):
 
 def unavailable(variant):
     """Why ``variant`` cannot run here, or None."""
-    if variant.endswith("+bf16") and variant.startswith("ddp-") and not torch.cuda.is_available():
+    if variant.endswith("+bf16") and variant.startswith("ddp") and not torch.cuda.is_available():
         return "torch's bf16_compress_hook needs CUDA and NCCL"
-    if variant.partition("-")[0] in TRAINER_SHARD and importlib.util.find_spec(
+    if variant.partition("-")[0] in (*TRAINER_SHARD, *ON_MPIKV) and importlib.util.find_spec(
             "mpikv.torch") is None:
         return "mpikv.torch is not there yet"
-    if variant.startswith("fsdp2-"):
+    if variant.startswith(("fsdp2-", "fsdp2mpikv-")):
         try:
             from torch.distributed.fsdp import fully_shard  # noqa: F401
         except ImportError as exc:
@@ -303,6 +314,19 @@ def init_process_group(comm):
                             world_size=comm.size)
 
 
+_mpikv_groups = []
+
+
+def mpikv_group(comm):
+    """One group of every rank on mpikv's ``"mpikv"`` backend, shared by the variants."""
+    import torch.distributed as dist
+    import mpikv.torch  # noqa: F401 - registers the backend
+    init_process_group(comm)
+    if not _mpikv_groups:
+        _mpikv_groups.append(dist.new_group(backend="mpikv"))
+    return _mpikv_groups[0]
+
+
 def make_variant(variant, net, loss_fn, comm):
     """Wraps ``net`` (the variant's own copy) for ``variant``; returns ``step(batch)``."""
     kind, opt, comp = split_variant(variant)
@@ -326,8 +350,10 @@ def make_variant(variant, net, loss_fn, comm):
         if kind == "shardparams":   # the weights live on their owners: gathered to be read
             step.weights = lambda: _flat_in(trainer.gathered(), net)
         return step
+    group = mpikv_group(comm) if kind in ON_MPIKV else None
+    kind = ON_MPIKV.get(kind, kind)
     if kind == "fsdp2":
-        return _fsdp2_step(net, opt, loss_fn, comm)
+        return _fsdp2_step(net, opt, loss_fn, comm, group)
     if kind == "local":   # no communication: the compute alone
         cls, kwargs = OPTIMIZERS[opt]
         optimizer = cls(net.parameters(), **kwargs)
@@ -351,7 +377,7 @@ def make_variant(variant, net, loss_fn, comm):
     else:
         from torch.nn.parallel import DistributedDataParallel
         init_process_group(comm)
-        wrapped = DistributedDataParallel(net)
+        wrapped = DistributedDataParallel(net, process_group=group)
         if comp is not None:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             wrapped.register_comm_hook(None, getattr(default_hooks, f"{comp}_compress_hook"))
@@ -387,14 +413,15 @@ def fsdp2_units(net):
             for block in getattr(net, name)]
 
 
-def _fsdp2_step(net, opt, loss_fn, comm):
+def _fsdp2_step(net, opt, loss_fn, comm, group=None):
     """FSDP2: ``fully_shard`` on each unit of :func:`fsdp2_units`, then on the root, over
-    gloo on the CPU (its defaults: resharded after forward, gradients averaged); the
-    optimizer on the sharded parameters (DTensors) of every rank."""
-    from torch.distributed.device_mesh import init_device_mesh
+    gloo (or ``group``) on the CPU (its defaults: resharded after forward, gradients
+    averaged); the optimizer on the sharded parameters (DTensors) of every rank."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
     init_process_group(comm)
-    mesh = init_device_mesh("cpu", (comm.size,))
+    mesh = (init_device_mesh("cpu", (comm.size,)) if group is None
+            else DeviceMesh.from_group(group, "cpu"))
     for unit in fsdp2_units(net):
         fully_shard(unit, mesh=mesh)
     fully_shard(net, mesh=mesh)
@@ -507,7 +534,7 @@ def memory_child(args, comm):
     model, variant = args.model, args.variants
     if variant.partition("-")[0] in TRAINER_SHARD:
         import mpikv.torch  # noqa: F401 - its import is part of the start, not of the model
-    if variant.startswith(("ddp-", "fsdp2-")):
+    if variant.startswith(("ddp", "fsdp2")):
         init_process_group(comm)
     start = _status_mib("VmRSS")
     net = build(model, args)
@@ -952,7 +979,7 @@ def _ratios(info):
 
 
 def goals(out):
-    """The goals of issues 11 and 22 that this run measured (a goal with a tuple of
+    """The goals of issues 11, 22 and 42 that this run measured (a goal with a tuple of
     denominators needs them all measured, and is against the smallest)."""
     res = []
     for issue, model, what, num, den, bound, ranks in GOALS:

@@ -70,7 +70,8 @@ def test_every_variant_reports_step_time_and_peak_rss():
 
 #: the variants of the tests below, timed in one run (each job's start costs seconds)
 TIMED = ["ddp-sgd", "ddp-sgd+fp16", "ddp-sgd+bf16", "trainer-sgd", "trainer-sgd+bf16",
-         "trainer-sgd+2bit", "local-sgd", "ddp-sgd/comm", "trainer-sgd/comm", "shardparams-sgd"]
+         "trainer-sgd+2bit", "local-sgd", "ddp-sgd/comm", "trainer-sgd/comm", "shardparams-sgd",
+         "ddpmpikv-sgd", "ddpmpikv-sgd+fp16"]
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +100,19 @@ def test_compression_variants_and_their_reference(timed):
         assert row["max_abs_diff_vs_rank0"] == 0.0, name
     for name in variants[1:]:  # rounded gradients: not DDP's weights, but near them
         assert 0 < rows[name]["max_abs_diff_vs_ddp"] < 1.0, name
+
+
+def test_ddp_on_the_mpikv_backend_trains_ddps_weights(timed):
+    """``ddpmpikv-X``: torch's DDP, unchanged, on a group of the "mpikv" backend. At 2
+    ranks its sums are gloo's bit for bit, with DDP's fp16 hook as well."""
+    if importlib.util.find_spec("mpikv.torch") is None:
+        pytest.skip("needs mpikv.torch")
+    _, rows = timed
+    assert rows["ddpmpikv-sgd"]["max_abs_diff_vs_ddp"] == 0.0
+    hooked, ref = rows["ddpmpikv-sgd+fp16"], rows["ddp-sgd+fp16"]
+    assert hooked["max_abs_diff_vs_ddp"] == ref["max_abs_diff_vs_ddp"] > 0
+    for name in ("ddpmpikv-sgd", "ddpmpikv-sgd+fp16"):
+        assert rows[name]["max_abs_diff_vs_rank0"] == 0.0, name
 
 
 def test_ddp_bf16_hook_is_skipped_without_cuda(timed):
@@ -227,7 +241,7 @@ def test_fsdp2_and_shardparams_train_resnet18_as_ddp():
     """ResNet-18 (BatchNorm buffers, FSDP2 on each residual block): DDP's weights."""
     variants = ["ddp-sgd", "fsdp2-sgd"]
     if importlib.util.find_spec("mpikv.torch") is not None:
-        variants.append("shardparams-sgd")
+        variants += ["shardparams-sgd", "fsdp2mpikv-sgd", "ddpmpikv-sgd"]
     rc, out, _ = run_job(2, "-m", "mpikv", "bench", "train", "--model", "resnet18",
                          "--resnet-batch", "2", "--resnet-image", "16", "--warmup", "1",
                          "--steps", "2", "--time", "--variants", ",".join(variants), "--json",
@@ -239,6 +253,14 @@ def test_fsdp2_and_shardparams_train_resnet18_as_ddp():
         row = res["variants"][name]
         assert row["step_ms"] > 0 and row["max_abs_diff_vs_rank0"] == 0.0, name
         assert row["max_abs_diff_vs_ddp"] < 1e-4, (name, row["max_abs_diff_vs_ddp"])
+    if "ddpmpikv-sgd" in variants:   # issue 42's goals, measured on ResNet-18
+        goals = {g["goal"]: g for g in json.loads(next(
+            line for line in out.splitlines() if line.startswith("{")))["goals"]}
+        g = goals["resnet18 fsdp2mpikv-sgd step time / fsdp2-sgd step time"]
+        assert g["issue"] == 42 and g["bound"] == 0.9
+        assert g["value"] == pytest.approx(res["variants"]["fsdp2mpikv-sgd"]["step_ms"]
+                                           / res["variants"]["fsdp2-sgd"]["step_ms"])
+        assert goals["resnet18 ddpmpikv-sgd step time / ddp-sgd step time"]["bound"] == 0.8
 
 
 def test_shardparams_on_a_one_layer_bert_trains_as_ddp(timed):

@@ -26,21 +26,34 @@ def _entry_point_installed():
     return any(e.name == "mpikv" for e in entry_points(group="torch.backends"))
 
 
+#: torch's own teardown of a gloo group (a worker thread still holding a finished
+#: work at interpreter exit: std::terminate, SIGABRT; pytorch/pytorch#56297 and
+#: #179291), seen in the gloo reference runs of the unchanged DDP tutorial now and then
+TORCH_GLOO_TEARDOWN = "terminate called without an active exception"
+#: tries of a gloo reference run that ended so (the "mpikv" run gets one)
+GLOO_TRIES = 3
+
+
 def run_as(tmp_path, program, backend, n=2):
     """``program`` with ``init_process_group("gloo")`` made ``(backend)``, under mpikv run;
-    returns (its output, its output directory)."""
+    returns (its output, its output directory). The gloo reference is run again where
+    torch's gloo teardown aborted it (its result may be unwritten then: the other
+    rank's abort ends the job); the "mpikv" run must pass the first time."""
     text = PROGRAMS[program].read_text()
     assert text.count('init_process_group("gloo")') == 1
     script = tmp_path / f"{program}_{backend}.py"
     script.write_text(text.replace('init_process_group("gloo")', f'init_process_group("{backend}")'))
-    out = tmp_path / f"out_{program}_{backend}"
-    out.mkdir()
-    target = out / "weights.pt" if program == "ddp" else out
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("MPIKV_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
     env.update(PYTHONUNBUFFERED="1", MPIKV_AUTOTUNE="0")
-    rc, output = launch(["timeout", "-k", "5", "240", sys.executable, "-m", "mpikv", "run",
-                         "-n", str(n), str(script), str(target)], env)
+    for attempt in range(GLOO_TRIES if backend == "gloo" else 1):
+        out = tmp_path / f"out_{program}_{backend}_{attempt}"
+        out.mkdir()
+        target = out / "weights.pt" if program == "ddp" else out
+        rc, output = launch(["timeout", "-k", "5", "240", sys.executable, "-m", "mpikv",
+                             "run", "-n", str(n), str(script), str(target)], env)
+        if rc == 0 or TORCH_GLOO_TEARDOWN not in output:
+            break
     assert rc == 0, output
     return output, out
 

@@ -48,6 +48,11 @@ def main(directory):
     if rank == 0:
         print(f"LOADED same={same} weight={model.module.weight.flatten()[:3].tolist()} "
               f"momentum={moment.flatten()[:3].tolist()}", flush=True)
+    # The DDP models go before their group: a gloo group whose last reference is a
+    # Reducer's is destroyed holding the GIL, and joins a worker thread that waits for
+    # the GIL to free a finished work's tensors (pytorch/pytorch#56297); seen here as a
+    # rank that never exits.
+    del model, again
     dist.destroy_process_group()
 
 
