@@ -1,6 +1,7 @@
 """The DDP drop-in's table (tests/ddp_traps.py), its cases that are whole jobs: the
 ported tutorial (examples/ddp_tutorial/ported.py) started by torchrun is the same
-clear error in every process, at once, instead of N one-rank trainings; a script
+clear error in each process that starts before torchrun ends the others, instead of
+N one-rank trainings; a script
 whose job must end (uneven data meeting a torch.distributed call) ends within the
 store's timeout, saying what to do."""
 
@@ -37,9 +38,14 @@ def test_a_torchrun_launch_is_one_error_in_every_process(trap, n, tmp_path):
     assert rc not in (0, 124, 137), out   # failed, and not by the timeout
     pattern = re.compile(trap.match.replace("{n}", str(n)))
     said = [line for line in out.splitlines() if f"{trap.error.__name__}:" in line]
-    assert len(said) >= n and all(pattern.search(line) for line in said), out
-    ranks = {m.group(1) for m in re.finditer(r"\[default(\d+)\]:.*" + trap.error.__name__, out)}
-    assert ranks == {str(r) for r in range(n)}, out
+    assert said and all(pattern.search(line) for line in said), out
+    # Each process raises as soon as it starts; but torchrun ends the others (SIGTERM)
+    # once one has failed, and under load a process may still be importing torch then.
+    # So: at least one process said it, each that said it said it once, none trained.
+    ranks = [m.group(1) for m in re.finditer(
+        r"\[default(\d+)\]:[\w.]*" + trap.error.__name__ + ":", out)]
+    assert ranks and len(ranks) == len(set(ranks)) <= n, out
+    assert set(ranks) <= {str(r) for r in range(n)}, out
     assert "Start running basic DDP example" not in out   # no rank trained alone
     assert not (tmp_path / "weights.pt").exists()
 
