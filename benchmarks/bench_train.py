@@ -435,12 +435,7 @@ def _fsdp2_step(net, opt, loss_fn, comm, group=None):
     step.keep = optimizer
 
     def weights():
-        # Each parameter is a DTensor sharded on dim 0: the ranks' shards in rank order
-        # are the whole tensor. (Not full_tensor(): torch's functional collectives do
-        # not reach a group written in Python, torch 2.13; and with such a group in the
-        # job, gloo's own DTensors' full_tensor() failed the same way at 3 ranks.)
-        return torch.cat([torch.cat([torch.from_numpy(part) for part in comm.allgather(
-            p.to_local().detach().numpy())]).reshape(-1) for p in net.parameters()])
+        return torch.cat([p.full_tensor().detach().reshape(-1) for p in net.parameters()])
     step.weights = weights
     return step
 

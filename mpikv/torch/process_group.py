@@ -317,12 +317,14 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
                                     f"{self.size()} x {tensor.numel()} {tensor.dtype} "
                                     f"elements, not {output.numel()} {output.dtype}")
 
-        def run():
-            host = _host(output)
-            self.wire.allgather(_buffer(_host(tensor)), _buffer(host))
-            if host.data_ptr() != output.data_ptr():
-                output.copy_(host.view(output.shape))
-        return self._run(("allgather_into_tensor", _shape(tensor)), run, [output])
+        return self._run(("allgather_into_tensor", _shape(tensor)),
+                         lambda: self._allgather_into(output, tensor), [output])
+
+    def _allgather_into(self, output, tensor):
+        host = _host(output)
+        self.wire.allgather(_buffer(_host(tensor)), _buffer(host))
+        if host.data_ptr() != output.data_ptr():
+            output.copy_(host.view(output.shape))
 
     allgather_into_tensor = all_gather_single = _allgather_base
 
@@ -349,14 +351,44 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
         mpi_op = self._reduce_op(op, output.dtype)
 
         def run():
-            src = _host(stacked)
-            src = src.float() if src.dtype in _SIXTEEN else src
-            mine = torch.empty(output.numel(), dtype=src.dtype)
-            self.wire.reduce_scatter_block(_buffer(src).reshape(-1), _buffer(mine), mpi_op)
-            if _kind(op) == dist.ReduceOp.AVG:
-                mine.div_(self.size())
-            output.copy_(mine.view(output.shape))
+            self._reduce_scatter_into(output, stacked, mpi_op, _kind(op) == dist.ReduceOp.AVG)
         return self._run(("reduce_scatter", _shape(output), str(_kind(op))), run, result)
+
+    def _reduce_scatter_into(self, output, stacked, mpi_op, average):
+        src = _host(stacked)
+        src = src.float() if src.dtype in _SIXTEEN else src
+        mine = torch.empty(output.numel(), dtype=src.dtype)
+        self.wire.reduce_scatter_block(_buffer(src).reshape(-1), _buffer(mine), mpi_op)
+        if average:
+            mine.div_(self.size())
+        output.copy_(mine.view(output.shape))
+
+    # torch's functional collectives (DTensor's full_tensor() and redistribute, a
+    # resharding checkpoint load) call these two, with one pair or several.
+    @_agreed
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        self._check_pairs("all_gather_into_tensor", outputs, inputs,
+                          lambda o, i: o.numel() == i.numel() * self.size())
+
+        def run():
+            for output, tensor in zip(outputs, inputs):
+                self._allgather_into(output, tensor)
+        return self._run(("allgather_into_tensor_coalesced",
+                          tuple(_shape(t) for t in inputs)), run, outputs)
+
+    @_agreed
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        self._check_pairs("reduce_scatter_tensor", outputs, inputs,
+                          lambda o, i: i.numel() == o.numel() * self.size())
+        op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
+        mpi_ops = [self._reduce_op(op, t.dtype) for t in outputs]
+        average = _kind(op) == dist.ReduceOp.AVG
+
+        def run():
+            for output, tensor, mpi_op in zip(outputs, inputs, mpi_ops):
+                self._reduce_scatter_into(output, tensor, mpi_op, average)
+        return self._run(("reduce_scatter_tensor_coalesced", tuple(_shape(t) for t in outputs),
+                          str(_kind(op))), run, outputs)
 
     @_agreed
     def gather(self, output_tensors, input_tensors, opts=None):
@@ -464,6 +496,13 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
         self.wire.free()
 
     abort = shutdown
+
+    def _check_pairs(self, op, outputs, inputs, sized):
+        if len(outputs) != len(inputs) or any(
+                o.dtype != i.dtype or not sized(o, i) for o, i in zip(outputs, inputs)):
+            raise errors.InputError(f"{op}: outputs {[_shape(t) for t in outputs]} do not "
+                                    f"match inputs {[_shape(t) for t in inputs]} at "
+                                    f"{self.size()} ranks")
 
     def _check_list(self, op, tensors, like):
         if len(tensors) != self.size() or any(

@@ -61,6 +61,15 @@ def format_what(what):
     return f"{op} (key{'s' if len(keys) > 1 else ''} {shown}{more})"
 
 
+def _write(text):
+    """Writes ``text`` to the process's standard error, now. A process that ends here
+    never returns to an excepthook that wraps mpikv's: torch's puts a buffer in
+    ``sys.stderr`` and prints it only once the hook it wraps returns."""
+    out = sys.__stderr__ if sys.__stderr__ is not None else sys.stderr
+    out.write(text)
+    out.flush()
+
+
 def abort(message, code, linger=0.0):
     """Prints ``message``, shows every rank's flight recorder, and aborts the job.
 
@@ -75,15 +84,13 @@ def abort(message, code, linger=0.0):
     if not _aborting.acquire(blocking=False):
         time.sleep(ANSWER_WAIT + 5)   # another thread of this rank is ending the job
         world.Abort(code)
-    sys.stderr.write(message.rstrip("\n") + "\n")
-    sys.stderr.flush()
+    _write(message.rstrip("\n") + "\n")
     time.sleep(linger)
     try:
         text = _last_calls(world, message.split("\n", 1)[0])
     except Exception as exc:  # noqa: BLE001 - the report must never stop the abort
         text = f"mpikv: (the flight recorder could not be shown: {exc!r})"
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
+    _write(text + "\n")
     world.Abort(code)
 
 
@@ -96,7 +103,7 @@ def _lost_a_rank():
 def _end_as_survivor(message, code):
     """After a lost rank: the message, then this process ends with the other survivors."""
     from .ulfm import end_survivor
-    sys.stderr.write(message.rstrip("\n") + "\n")
+    _write(message.rstrip("\n") + "\n")
     end_survivor(code)
 
 
@@ -109,13 +116,12 @@ def _show_ring(rank, reason):
     if directory:
         try:
             path = flight.write(directory, rank, calls, reason)
-            sys.stderr.write(f"[rank {rank}] mpikv: flight recorder written to {path}\n")
+            _write(f"[rank {rank}] mpikv: flight recorder written to {path}\n")
         except OSError as exc:
-            sys.stderr.write(f"[rank {rank}] mpikv: cannot write the flight recorder "
-                             f"under {directory}: {exc}\n{flight.format_ring(rank, calls)}\n")
+            _write(f"[rank {rank}] mpikv: cannot write the flight recorder "
+                   f"under {directory}: {exc}\n{flight.format_ring(rank, calls)}\n")
     else:
-        sys.stderr.write(flight.format_ring(rank, calls) + "\n")
-    sys.stderr.flush()
+        _write(flight.format_ring(rank, calls) + "\n")
     return calls
 
 
@@ -287,8 +293,7 @@ def exit_failed(exc, abort_job=True):
     from mpi4py import MPI
     line = headline(exc)
     if not abort_job:
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
+        _write(line + "\n")
         os._exit(EXCEPTION_EXIT_CODE)
     if _wait_for_first(exc, MPI.COMM_WORLD.Get_rank()):
         time.sleep(_LINGER + ANSWER_WAIT + 5)   # its MPI_Abort ends this process
@@ -344,8 +349,7 @@ def install_exception_hook(abort_on_exception=None):
             abort(uncaught + lines, EXCEPTION_EXIT_CODE)
         if _wait_for_first(exc, rank):
             time.sleep(HEADLINE_WAIT)   # the reporting rank's headline comes first
-            sys.stderr.write(lines)
-            sys.stderr.flush()
+            _write(lines)
             time.sleep(_LINGER + ANSWER_WAIT + 5)   # its MPI_Abort ends this process
             abort(f"{headline(exc)}\n{uncaught}", EXCEPTION_EXIT_CODE)   # it did not
         abort(f"{headline(exc)}\n{uncaught}{lines}", EXCEPTION_EXIT_CODE, linger=_LINGER)

@@ -1,5 +1,6 @@
 """Unchanged torch programs on the "mpikv" backend (issue 42, part 2): PyTorch's DDP
-tutorial, an FSDP2 script and a torch.distributed.checkpoint save and load, each run
+tutorial, an FSDP2 script, a torch.distributed.checkpoint save and load, and one that
+reshards (FSDP2's DTensors saved, loaded whole; full_tensor()), each run
 through ``mpikv run`` as it is (gloo) and with only the backend's name changed to
 "mpikv": nothing imports mpikv (``import torch`` registers the backend, the
 ``torch.backends`` entry point), and ``mpikv run`` gives torch's ``env://`` its
@@ -18,7 +19,8 @@ torch = pytest.importorskip("torch")
 
 PROGRAMS = {"ddp": ROOT / "examples" / "ddp_tutorial" / "ddp.py",
             "fsdp2": ROOT / "tests" / "jobs" / "scripts" / "fsdp2_steps.py",
-            "dcp": ROOT / "tests" / "jobs" / "scripts" / "dcp_roundtrip.py"}
+            "dcp": ROOT / "tests" / "jobs" / "scripts" / "dcp_roundtrip.py",
+            "dcp_reshard": ROOT / "tests" / "jobs" / "scripts" / "dcp_reshard.py"}
 
 
 def _entry_point_installed():
@@ -86,3 +88,18 @@ def test_a_checkpoint_saved_and_loaded(tmp_path):
         said[backend] = found[0]
         assert (out / ".metadata").exists()
     assert said["gloo"] == said["mpikv"]
+
+
+def test_a_sharded_checkpoint_loaded_whole(tmp_path):
+    said, whole = {}, {}
+    for backend in ("gloo", "mpikv"):
+        output, out = run_as(tmp_path, "dcp_reshard", backend)
+        found = sorted(re.findall(r"^RESHARDED .*$", output, flags=re.M))
+        assert [line.split()[1] for line in found] == ["rank=0", "rank=1"], output
+        assert all("same=True steps=[2]" in line for line in found), output
+        said[backend] = [line.split(" ", 2)[2] for line in found]
+        whole[backend] = torch.load(out / "whole.pt")
+    assert said["gloo"] == said["mpikv"]
+    assert whole["gloo"].keys() == whole["mpikv"].keys()
+    for key, value in whole["gloo"].items():
+        assert torch.equal(value, whole["mpikv"][key]), key

@@ -261,6 +261,131 @@ def test_a_premul_sum_is_refused_on_every_rank(pg, comm):
                       lambda: dist.all_reduce(torch.ones(2), op=op, group=pg))
 
 
+# -- torch's functional collectives (DTensor's) on the backend ---------------------------
+# Each reaches the group through torch's C++ (torch.ops._c10d_functional), which calls the
+# Python group's methods; a case returns (got, want) as numpy arrays.
+
+def fcase_all_reduce(fc, pg, comm, dtype):
+    got = fc.all_reduce(values(comm.rank, 5, dtype), "sum", pg)
+    return got, sum(numpy_of(values(r, 5, dtype)) for r in range(comm.size))
+
+
+def fcase_all_gather_single(fc, pg, comm, dtype):
+    got = fc.all_gather_single(values(comm.rank, 6, dtype).view(2, 3), 0, pg)
+    return got, np.concatenate([numpy_of(values(r, 6, dtype).view(2, 3))
+                                for r in range(comm.size)])
+
+
+def fcase_all_gather_single_coalesced(fc, pg, comm, dtype):
+    got = fc.all_gather_single_coalesced([values(comm.rank, 2, dtype),
+                                          values(comm.rank, 3, dtype, salt=1)], pg)
+    return torch.cat(got), np.concatenate(
+        [np.concatenate([numpy_of(values(r, 2, dtype)) for r in range(comm.size)]),
+         np.concatenate([numpy_of(values(r, 3, dtype, salt=1)) for r in range(comm.size)])])
+
+
+def fcase_all_reduce_coalesced(fc, pg, comm, dtype):
+    got = fc.all_reduce_coalesced([values(comm.rank, 2, dtype), values(comm.rank, 3, dtype, 1)],
+                                  "sum", pg)
+    return torch.cat(got), np.concatenate(
+        [sum(numpy_of(values(r, 2, dtype)) for r in range(comm.size)),
+         sum(numpy_of(values(r, 3, dtype, 1)) for r in range(comm.size))])
+
+
+def fcase_reduce_scatter_single(fc, pg, comm, dtype):
+    got = fc.reduce_scatter_single(values(comm.rank, 2 * comm.size, dtype), "sum", 0, pg)
+    every = sum(numpy_of(values(r, 2 * comm.size, dtype)) for r in range(comm.size))
+    return got, every[2 * comm.rank:2 * comm.rank + 2]
+
+
+def fcase_reduce_scatter_single_coalesced(fc, pg, comm, dtype):
+    p = comm.size
+    got = fc.reduce_scatter_single_coalesced(
+        [values(comm.rank, p, dtype), values(comm.rank, 3 * p, dtype, salt=1)],
+        "sum", [0, 0], pg)
+    one = sum(numpy_of(values(r, p, dtype)) for r in range(p))
+    three = sum(numpy_of(values(r, 3 * p, dtype, salt=1)) for r in range(p))
+    return torch.cat(got), np.concatenate([one[comm.rank:comm.rank + 1],
+                                           three[3 * comm.rank:3 * comm.rank + 3]])
+
+
+def fcase_broadcast(fc, pg, comm, dtype):
+    return fc.broadcast(values(comm.rank, 4, dtype), comm.size - 1, pg), numpy_of(
+        values(comm.size - 1, 4, dtype))
+
+
+def fcase_all_to_all_single(fc, pg, comm, dtype):
+    send = torch.tensor([10 * comm.rank + s for s in range(comm.size)]).to(dtype)
+    got = fc.all_to_all_single(send, None, None, pg)
+    return got, np.array([10 * r + comm.rank for r in range(comm.size)], np.float64)
+
+
+FCASES = [fcase_all_reduce, fcase_all_reduce_coalesced, fcase_all_gather_single,
+          fcase_all_gather_single_coalesced, fcase_reduce_scatter_single,
+          fcase_reduce_scatter_single_coalesced,
+          fcase_broadcast, fcase_all_to_all_single]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", FCASES, ids=lambda c: c.__name__[6:])
+def test_functional_collective(pg, comm, case, dtype):
+    import torch.distributed._functional_collectives as fc
+    got, want = case(fc, pg, comm, dtype)
+    got = got.wait() if hasattr(got, "wait") else got   # (an AsyncCollectiveTensor)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(numpy_of(got), want)
+
+
+def test_a_functional_collective_of_other_shapes_is_a_mismatch_on_every_rank(pg, comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    import torch.distributed._functional_collectives as fc
+    t = torch.ones(3 if comm.rank == 0 else 4)
+    raises_everywhere(comm, errors.MismatchError,
+                      lambda: fc.wait_tensor(fc.all_gather_single(t, 0, pg)))
+    np.testing.assert_array_equal(fc.wait_tensor(fc.all_reduce(torch.ones(2), "sum", pg)),
+                                  np.full(2, comm.size))   # and the group goes on
+
+
+@pytest.fixture(params=["backend", "gloo"])
+def mesh(request, pg):
+    """A 1-D CPU device mesh over the backend's group, or over gloo's beside it."""
+    from torch.distributed.device_mesh import DeviceMesh
+    return DeviceMesh.from_group(pg if request.param == "backend" else dist.group.WORLD, "cpu")
+
+
+def test_dtensor_full_tensor_redistribute_and_partial_sums(mesh, comm):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    whole = torch.arange(7 * 5, dtype=torch.float64).view(7, 5) % 11   # 7 rows: uneven
+    rows = distribute_tensor(whole, mesh, [Shard(0)])
+    torch.testing.assert_close(rows.full_tensor(), whole, rtol=0, atol=0)
+    torch.testing.assert_close(rows.redistribute(mesh, [Shard(1)]).full_tensor(), whole,
+                               rtol=0, atol=0)
+    # a product of a column and a row sharding: Partial sums, then all_reduce or
+    # reduce_scatter (small integers: exact in any order)
+    prod = distribute_tensor(whole, mesh, [Shard(1)]) @ distribute_tensor(
+        whole.T.contiguous(), mesh, [Shard(0)])
+    torch.testing.assert_close(prod.redistribute(mesh, [Replicate()]).to_local(),
+                               whole @ whole.T, rtol=0, atol=0)
+    torch.testing.assert_close(prod.redistribute(mesh, [Shard(0)]).full_tensor(),
+                               whole @ whole.T, rtol=0, atol=0)
+
+
+def test_fsdp2_full_state_dict_is_the_initial_model(mesh, comm):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+    want = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    for m in net:
+        fully_shard(m, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    got = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True))
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+
+
 # -- DDP on the backend, against DDP on gloo in the same job -----------------------------
 
 def _ddp_weights(group, hook, comm, steps=4):

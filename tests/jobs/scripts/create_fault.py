@@ -9,6 +9,8 @@ Cases (rank 1 is the odd one; the others make a store and use it):
     stuck_before: rank 1 never comes (sleeps); the others' creation meets the timeout.
     ddp: rank 1 gives mpikv.torch.DistributedDataParallel an argument DDP does not
         take; the others go on to DistributedOptimizer, which makes the store.
+    torch_group: every rank makes the "mpikv" torch.distributed group (torch wraps the
+        exception hook then), rank 1 raises, the others wait in a barrier.
 """
 
 import sys
@@ -24,6 +26,8 @@ def main(case):
     odd = MPI.COMM_WORLD.Get_rank() == 1
     if case == "ddp":
         return ddp(odd)
+    if case == "torch_group":
+        return torch_group(odd)
     comm = None
     if odd and case == "raise_before":
         raise RuntimeError("boom before any store")
@@ -48,6 +52,16 @@ def ddp(odd):
     model(torch.ones(3, 4)).sum().backward()
     opt.step()
     print(f"rank {MPI.COMM_WORLD.Get_rank()}: finished", flush=True)
+
+
+def torch_group(odd):
+    import torch.distributed as dist
+    import mpikv.torch as mt
+    mt.init_process_group("mpikv")
+    if odd:
+        raise RuntimeError("boom after init_process_group")
+    dist.barrier()
+    print(f"rank {dist.get_rank()}: finished", flush=True)
 
 
 if __name__ == "__main__":
