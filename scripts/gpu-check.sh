@@ -218,6 +218,10 @@ if [ -f tests/mpi/test_trainer_device.py ]; then
   step trainer-direct-2 150 2 "MPIKV_EXPECT_CUDA_AWARE=1 ${mpirun[*]} -n 2 ${pytest[*]} --with-mpi tests/mpi/test_trainer_device.py"
 fi
 
+# 3c. the "mpikv" torch.distributed backend on CUDA tensors at 2 ranks, direct (staged:
+#     in mpi-device-rest)
+step backend-direct-2 120 2 "MPIKV_EXPECT_CUDA_AWARE=1 ${mpirun[*]} -n 2 ${pytest[*]} --with-mpi tests/mpi/test_process_group.py -k 'cuda and not stand-in'"
+
 # 4. the stream-race stress: 256 MiB, 50 queued kernels before each pushpull(_async)
 step stream-race-2 150 1 "MPIKV_CUDA_AWARE=0 ${mpirun[*]} -n 2 ${pytest[*]} --with-mpi tests/gpu/test_stream_race.py"
 

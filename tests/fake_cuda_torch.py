@@ -39,7 +39,8 @@ from . import fakecupy
 
 #: the adapter's functions this double replaces
 REPLACED = ("is_device", "device_index", "device_scope", "to_native", "from_native", "address",
-            "host_copy", "host_bytes", "from_host", "torch_before_store", "store_before_torch")
+            "host_copy", "host_bytes", "from_host", "torch_before_store", "store_before_torch",
+            "wait_gpu")
 
 
 def _device_array(host, device):
@@ -145,6 +146,13 @@ class FakeCudaTorch:
     def store_before_torch(self, index):
         if index is not None:
             self._count("store_before_torch")
+            _torch_waits_for_store(index)
+
+    def wait_gpu(self, index):
+        # torch's current stream is the legacy default stream here: waiting for it
+        # on the host waits for the store's work queued there too
+        if index is not None:
+            self._count("wait_gpu")
             _torch_waits_for_store(index)
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import config
 from .. import errors
+from ..arrays.backends import is_device
 from ..reducers import Chooser
 from ..transport import make_transport
 from ..tuning import table as tuning
@@ -59,9 +60,12 @@ class GroupSums:
         return self.table.choose(nbytes, True)
 
     def allreduce_(self, buf, what):
-        """Every rank's ``buf`` (a contiguous host array) becomes the sum over the ranks."""
+        """Every rank's ``buf`` (a contiguous numpy or cupy array) becomes the sum over
+        the ranks; a GPU buffer goes to MPI direct or staged, as a store's
+        (:class:`~mpikv.reducers.staged.StagedReducer`)."""
         flat = buf.reshape(-1)
-        self.chooser.get(None, flat.nbytes, True).allreduce(flat, None, what)
+        self.chooser.get(None, flat.nbytes, True, device=is_device(flat)).allreduce(
+            flat, None, what)
 
     def close(self):
         """Frees the transport's communicators (collective)."""

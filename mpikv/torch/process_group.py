@@ -27,93 +27,29 @@ through the store's strategies and its tuning table
 as a store's buckets); the other reduce ops and collectives are MPI's
 (``MPI_SUM`` and the other reduce ops); 16-bit floats are summed in float32 and
 rounded once (as the store does: MPI has no 16-bit float type).
-CUDA tensors are staged through host memory. Point to point (``send``,
-``recv``) is not agreed (nothing to agree between two ranks before a match).
+CUDA tensors go to a CUDA-aware MPI as they are, else through host memory, as a
+store's device buffers (:mod:`mpikv.torch.pg_buffers`). torch's functional
+collectives (DTensor's) reach the group through its ``*_coalesced`` methods.
+Point to point (``send``, ``recv``) is not agreed (nothing to agree between two
+ranks before a match).
 """
 
 import concurrent.futures
-import functools
 import hashlib
 import threading
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import tensors
 from .. import errors, flight
 from ..store import config
 from ..transport.watchdog import Watchdog
+from .pg_buffers import Buffers
+from .pg_work import Work, agreed, kind, reduce_ops, say, shape, splits
 
 NAME = "mpikv"
 
 _SIXTEEN = (torch.float16, torch.bfloat16)
-
-
-def _ops():
-    R = dist.ReduceOp
-    return {R.SUM: "sum", R.AVG: "sum", R.PRODUCT: "prod", R.MIN: "min", R.MAX: "max",
-            R.BAND: "band", R.BOR: "bor", R.BXOR: "bxor"}
-
-
-class Work(dist.Work):
-    """A collective in flight: :meth:`wait` blocks until it is done (raising its
-    error), :meth:`get_future` completes on the group's thread."""
-
-    def __init__(self, future, result):
-        super().__init__()
-        self._future, self._result = future, result
-
-    def wait(self, timeout=None):
-        del timeout   # (the store's watchdog bounds a hang, not a wait here)
-        self._future.wait()
-        return True
-
-    def is_completed(self):
-        return self._future.done()
-
-    def is_success(self):
-        if not self._future.done():
-            return False
-        try:
-            self._future.value()
-        except Exception:  # noqa: BLE001 - the answer is whether it failed
-            return False
-        return True
-
-    def exception(self):
-        try:
-            self._future.value()
-        except Exception as exc:  # noqa: BLE001
-            return exc
-        return None
-
-    def get_future(self):
-        return self._future
-
-    def result(self):
-        self.wait()
-        return self._result
-
-
-_host = tensors.host_tensor
-_buffer = tensors.wire_array
-
-
-def _agreed(method):
-    """A collective whose argument checks (an InputError) become the agreed refusal of
-    the call on every rank: no rank raises before the ranks agree."""
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        opts = [a for a in (*args, *kwargs.values()) if hasattr(a, "asyncOp")]
-        self._blocking.value = bool(opts) and not opts[-1].asyncOp
-        try:
-            return method(self, *args, **kwargs)
-        except errors.InputError as exc:
-            return self._run((method.__name__, "refused"), lambda: None, None, problem=str(exc))
-        finally:
-            self._blocking.value = False
-    return call
 
 
 class ProcessGroupMPIKV(dist.ProcessGroup):
@@ -123,13 +59,17 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
         wire: the group's :class:`~mpikv.transport.group.GroupComm` (its ranks, in
             group order).
         timeout: the group's timeout (a ``datetime.timedelta``), kept for torch.
+        sums: the store's strategies for all_reduce's sums (a
+            :class:`~mpikv.store.group_sums.GroupSums`), or None: MPI's.
+        buffers: how tensors reach MPI (default: a :class:`~mpikv.torch.pg_buffers.Buffers`
+            of the group's own).
     """
 
-    def __init__(self, wire, timeout=None, sums=None):
+    def __init__(self, wire, timeout=None, sums=None, buffers=None):
         super().__init__(wire.rank, wire.size)
         self.wire = wire
-        #: the store's strategies for all_reduce's sums (a GroupSums), or None: MPI's
         self.sums = sums
+        self.buffers = Buffers() if buffers is None else buffers
         self.timeout = timeout
         # A rank that never comes ends the job after the store's timeout (MPIKV_TIMEOUT,
         # 600 s), naming the collective, as a store's call does; never a silent wait.
@@ -138,11 +78,12 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
         self._lock = threading.Lock()
         self._closed = False
         self._calls = 0
-        # A blocking call with nothing queued runs on the caller's thread (no handoff to
-        # the group's thread to wait for). One thread at a time calls MPI on the group's
-        # communicator (_mpi), in the order the calls were made.
-        self._blocking = threading.local()
-        self._blocking.value = False
+        #: per thread: whether the call being made is blocking (:func:`~.pg_work.agreed`).
+        #: A blocking call with nothing queued runs on the caller's thread (no handoff to
+        #: the group's thread to wait for). One thread at a time calls MPI on the group's
+        #: communicator (_mpi), in the order the calls were made.
+        self.blocking = threading.local()
+        self.blocking.value = False
         self._mpi = threading.Lock()
         self._queued = 0
 
@@ -172,10 +113,12 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
 
     # -- running ------------------------------------------------------------------
 
-    def _run(self, description, action, result=None, problem=None):
+    def _run(self, description, action, result=None, problem=None, moved=()):
         """``action()`` on the group's thread after the ranks agreed on ``description``
-        (None: not agreed); returns its :class:`Work`. ``problem``: why this rank
-        refuses the call, raised (as every rank's) on every rank instead."""
+        (None: not agreed); returns its :class:`~.pg_work.Work`. ``problem``: why this
+        rank refuses the call, raised (as every rank's) on every rank instead.
+        ``moved``: the tensors the action reads or writes (their GPUs' queued work
+        comes first)."""
         future = torch.futures.Future()
 
         op = description[0] if description else "point to point"
@@ -201,16 +144,21 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
                 with self._lock:
                     self._queued -= 1
 
+        self.buffers.ordered([t for t in moved if t is not None])
         with self._lock:
             if self._closed:
                 raise errors.InputError("the mpikv process group is shut down")
             self._queued += 1
-            inline = self._queued == 1 and getattr(self._blocking, "value", False)
+            inline = self._queued == 1 and getattr(self.blocking, "value", False)
             if not inline:
                 self._pool.submit(run)
         if inline:
             run()
         return Work(future, result)
+
+    def refuse(self, op, problem):
+        """``op`` refused on this rank for ``problem``: every rank's call raises."""
+        return self._run((op, "refused"), lambda: None, None, problem=problem)
 
     def _agree(self, description, problem=None):
         digest = int.from_bytes(hashlib.blake2b(repr(description).encode(), digest_size=7)
@@ -222,121 +170,112 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
         if same:
             return
         calls = self.wire.allgather_object(description)
-        listed = "; ".join(f"rank {r}: {_say(c)}" for r, c in enumerate(calls))
+        listed = "; ".join(f"rank {r}: {say(c)}" for r, c in enumerate(calls))
         raise errors.MismatchError(f"the ranks of the mpikv process group made different "
                                    f"collective calls ({listed})")
 
     def _reduce_op(self, op, dtype):
-        op = getattr(op, "op", op)   # (options hold a ReduceOp, whose .op is the RedOpType)
-        if op not in _ops():
+        op = kind(op)   # (options hold a ReduceOp, whose .op is the RedOpType)
+        if op not in reduce_ops():
             raise errors.InputError(f"the mpikv backend does not take {op}")
-        if _kind(op) == dist.ReduceOp.AVG and not dtype.is_floating_point:
+        if op == dist.ReduceOp.AVG and not dtype.is_floating_point:
             raise errors.InputError("ReduceOp.AVG needs a floating point tensor")
         if dtype == torch.bool or dtype.is_complex:
             raise errors.InputError(f"the mpikv backend does not reduce {dtype} tensors")
-        return _ops()[op]
+        return reduce_ops()[op]
 
-    # -- collectives (each @_agreed: a bad argument on one rank is refused on all) ---
+    # -- collectives (each @agreed: a bad argument on one rank is refused on all) ----
 
-    @_agreed
+    @agreed
     def allreduce(self, tensors, opts=None):
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         (tensor,) = tensors
         mpi_op = self._reduce_op(op, tensor.dtype)
-
-        def run():
-            self._allreduce_into(tensor, mpi_op, _kind(op) == dist.ReduceOp.AVG)
-        return self._run(("allreduce", _shape(tensor), str(_kind(op))), run, tensors)
+        return self._run(("allreduce", shape(tensor), str(kind(op))),
+                         lambda: self._allreduce_into(tensor, mpi_op,
+                                                      kind(op) == dist.ReduceOp.AVG),
+                         tensors, moved=tensors)
 
     def _allreduce_into(self, tensor, mpi_op, average):
-        host = _host(tensor)
-        work = host.float() if tensor.dtype in _SIXTEEN else host
-        buf = _buffer(work)
-        if mpi_op == "sum" and self.sums is not None and self.sums.takes(buf):
+        work = (tensor.float() if tensor.dtype in _SIXTEEN else tensor).contiguous()
+        buf = self.buffers.view(work) if mpi_op == "sum" and self.sums is not None else None
+        if buf is not None and self.sums.takes(buf):
+            # (the store's transport moves a GPU buffer direct or staged itself)
             self.sums.allreduce_(buf, ("torch.distributed all_reduce", []))
         else:
-            self.wire.allreduce_(buf, mpi_op)
+            self.buffers.run(lambda b, _: self.wire.allreduce_(b, mpi_op), work)
+        self._finish(tensor, work, average)
+
+    def _finish(self, tensor, work, average):
         if average:
             work.div_(self.size())
-        if work is not host:
-            host.copy_(work)
-        if host.data_ptr() != tensor.data_ptr():
-            tensor.copy_(host)
+        if work is not tensor:
+            tensor.copy_(work)
+        self.buffers.settle([tensor])
 
     def allreduce_coalesced(self, tensors, opts=None):
         works = [self.allreduce([t], opts) for t in tensors]
         return works[-1] if works else self.barrier()
 
-    @_agreed
+    @agreed
     def broadcast(self, tensors, opts=None):
         (tensor,) = tensors
         root = 0 if opts is None else opts.rootRank
+        return self._run(("broadcast", shape(tensor), root),
+                         lambda: self.buffers.run(lambda b, _: self.wire.bcast_(b, root), tensor),
+                         tensors, moved=tensors)
 
-        def run():
-            host = _host(tensor)
-            self.wire.bcast_(_buffer(host), root)
-            if host.data_ptr() != tensor.data_ptr():
-                tensor.copy_(host)
-        return self._run(("broadcast", _shape(tensor), root), run, tensors)
-
-    @_agreed
+    @agreed
     def reduce(self, tensors, opts=None):
         (tensor,) = tensors
         op, root = (dist.ReduceOp.SUM, 0) if opts is None else (opts.reduceOp, opts.rootRank)
         mpi_op = self._reduce_op(op, tensor.dtype)
 
         def run():
-            host = _host(tensor)
-            work = host.float() if tensor.dtype in _SIXTEEN else host
-            self.wire.reduce_(_buffer(work), mpi_op, root)
+            work = (tensor.float() if tensor.dtype in _SIXTEEN else tensor).contiguous()
+            self.buffers.run(lambda b, _: self.wire.reduce_(b, mpi_op, root), work)
             if self.wire.rank == root:
-                if _kind(op) == dist.ReduceOp.AVG:
-                    work.div_(self.size())
-                if work is not host:
-                    host.copy_(work)
-                if host.data_ptr() != tensor.data_ptr():
-                    tensor.copy_(host)
-        return self._run(("reduce", _shape(tensor), str(_kind(op)), root), run, tensors)
+                self._finish(tensor, work, kind(op) == dist.ReduceOp.AVG)
+        return self._run(("reduce", shape(tensor), str(kind(op)), root), run, tensors,
+                         moved=tensors)
 
-    @_agreed
+    @agreed
     def allgather(self, output_tensors, input_tensors, opts=None):
         (outs,), (tensor,) = output_tensors, input_tensors
         self._check_list("allgather", outs, tensor)
 
         def run():
-            gathered = torch.empty((self.size(),) + tuple(tensor.shape), dtype=tensor.dtype)
-            self.wire.allgather(_buffer(_host(tensor)), _buffer(gathered))
+            gathered = tensor.new_empty((self.size(),) + tuple(tensor.shape))
+            self._allgather_into(gathered, tensor)
             for out, part in zip(outs, gathered):
                 out.copy_(part)
-        return self._run(("allgather", _shape(tensor)), run, output_tensors)
+            self.buffers.settle(outs)
+        return self._run(("allgather", shape(tensor)), run, output_tensors,
+                         moved=[tensor, *outs])
 
-    @_agreed
+    @agreed
     def _allgather_base(self, output, tensor, opts=None):
         if output.numel() != tensor.numel() * self.size() or output.dtype != tensor.dtype:
             raise errors.InputError(f"all_gather_into_tensor: the output must hold "
                                     f"{self.size()} x {tensor.numel()} {tensor.dtype} "
                                     f"elements, not {output.numel()} {output.dtype}")
-
-        return self._run(("allgather_into_tensor", _shape(tensor)),
-                         lambda: self._allgather_into(output, tensor), [output])
+        return self._run(("allgather_into_tensor", shape(tensor)),
+                         lambda: self._allgather_into(output, tensor), [output],
+                         moved=[output, tensor])
 
     def _allgather_into(self, output, tensor):
-        host = _host(output)
-        self.wire.allgather(_buffer(_host(tensor)), _buffer(host))
-        if host.data_ptr() != output.data_ptr():
-            output.copy_(host.view(output.shape))
+        self.buffers.run(lambda d, s: self.wire.allgather(s, d), output, tensor, copy_in=False)
 
     allgather_into_tensor = all_gather_single = _allgather_base
 
-    @_agreed
+    @agreed
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         (out,), (ins,) = output_tensors, input_tensors
         self._check_list("reduce_scatter", ins, out)
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
-        return self._reduce_scatter(out, torch.stack([_host(t) for t in ins]), op,
-                                    output_tensors)
+        return self._reduce_scatter(out, ins, op, output_tensors)
 
-    @_agreed
+    @agreed
     def _reduce_scatter_base(self, output, tensor, opts=None):
         if tensor.numel() != output.numel() * self.size() or output.dtype != tensor.dtype:
             raise errors.InputError(f"reduce_scatter_tensor: the input must hold "
@@ -347,25 +286,27 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
 
     reduce_scatter_tensor = reduce_scatter_single = _reduce_scatter_base
 
-    def _reduce_scatter(self, output, stacked, op, result):
+    def _reduce_scatter(self, output, inputs, op, result):
+        """``inputs``: one tensor of ranks x ``output``, or a list of one per rank."""
         mpi_op = self._reduce_op(op, output.dtype)
+        parts = inputs if isinstance(inputs, (list, tuple)) else [inputs]
 
         def run():
-            self._reduce_scatter_into(output, stacked, mpi_op, _kind(op) == dist.ReduceOp.AVG)
-        return self._run(("reduce_scatter", _shape(output), str(_kind(op))), run, result)
+            stacked = torch.stack(list(parts)) if len(parts) > 1 else parts[0]
+            self._reduce_scatter_into(output, stacked, mpi_op, kind(op) == dist.ReduceOp.AVG)
+        return self._run(("reduce_scatter", shape(output), str(kind(op))), run, result,
+                         moved=[output, *parts])
 
     def _reduce_scatter_into(self, output, stacked, mpi_op, average):
-        src = _host(stacked)
-        src = src.float() if src.dtype in _SIXTEEN else src
-        mine = torch.empty(output.numel(), dtype=src.dtype)
-        self.wire.reduce_scatter_block(_buffer(src).reshape(-1), _buffer(mine), mpi_op)
-        if average:
-            mine.div_(self.size())
-        output.copy_(mine.view(output.shape))
+        src = stacked.float() if stacked.dtype in _SIXTEEN else stacked
+        mine = src.new_empty(output.numel())
+        self.buffers.run(lambda d, s: self.wire.reduce_scatter_block(s.reshape(-1), d, mpi_op),
+                         mine, src, copy_in=False)
+        self._finish(output, mine.view(output.shape), average)
 
     # torch's functional collectives (DTensor's full_tensor() and redistribute, a
     # resharding checkpoint load) call these two, with one pair or several.
-    @_agreed
+    @agreed
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         self._check_pairs("all_gather_into_tensor", outputs, inputs,
                           lambda o, i: o.numel() == i.numel() * self.size())
@@ -374,112 +315,125 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
             for output, tensor in zip(outputs, inputs):
                 self._allgather_into(output, tensor)
         return self._run(("allgather_into_tensor_coalesced",
-                          tuple(_shape(t) for t in inputs)), run, outputs)
+                          tuple(shape(t) for t in inputs)), run, outputs,
+                         moved=[*outputs, *inputs])
 
-    @_agreed
+    @agreed
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         self._check_pairs("reduce_scatter_tensor", outputs, inputs,
                           lambda o, i: i.numel() == o.numel() * self.size())
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         mpi_ops = [self._reduce_op(op, t.dtype) for t in outputs]
-        average = _kind(op) == dist.ReduceOp.AVG
+        average = kind(op) == dist.ReduceOp.AVG
 
         def run():
             for output, tensor, mpi_op in zip(outputs, inputs, mpi_ops):
                 self._reduce_scatter_into(output, tensor, mpi_op, average)
-        return self._run(("reduce_scatter_tensor_coalesced", tuple(_shape(t) for t in outputs),
-                          str(_kind(op))), run, outputs)
+        return self._run(("reduce_scatter_tensor_coalesced", tuple(shape(t) for t in outputs),
+                          str(kind(op))), run, outputs, moved=[*outputs, *inputs])
 
-    @_agreed
+    @agreed
     def gather(self, output_tensors, input_tensors, opts=None):
         (tensor,) = input_tensors
         root = 0 if opts is None else opts.rootRank
         mine = self.wire.rank == root
+        outs = output_tensors[0] if mine else []
         if mine:
-            self._check_list("gather", output_tensors[0], tensor)
+            self._check_list("gather", outs, tensor)
 
         def run():
-            gathered = (torch.empty((self.size(),) + tuple(tensor.shape), dtype=tensor.dtype)
-                        if mine else None)
-            self.wire.gather(_buffer(_host(tensor)), _buffer(gathered) if mine else None, root)
+            gathered = tensor.new_empty((self.size(),) + tuple(tensor.shape)) if mine else None
             if mine:
-                for out, part in zip(output_tensors[0], gathered):
+                self.buffers.run(lambda d, s: self.wire.gather(s, d, root), gathered, tensor,
+                                 copy_in=False)
+                for out, part in zip(outs, gathered):
                     out.copy_(part)
-        return self._run(("gather", _shape(tensor), root), run, output_tensors)
+                self.buffers.settle(outs)
+            else:
+                self.buffers.run(lambda s, _: self.wire.gather(s, None, root), tensor)
+        return self._run(("gather", shape(tensor), root), run, output_tensors,
+                         moved=[tensor, *outs])
 
-    @_agreed
+    @agreed
     def scatter(self, output_tensors, input_tensors, opts=None):
         (out,) = output_tensors
         root = 0 if opts is None else opts.rootRank
         mine = self.wire.rank == root
+        ins = input_tensors[0] if mine else []
         if mine:
-            self._check_list("scatter", input_tensors[0], out)
+            self._check_list("scatter", ins, out)
 
         def run():
-            src = torch.stack([_host(t) for t in input_tensors[0]]) if mine else None
-            host = torch.empty_like(out, device="cpu").contiguous()
-            self.wire.scatter(_buffer(src) if mine else None, _buffer(host), root)
-            out.copy_(host)
-        return self._run(("scatter", _shape(out), root), run, output_tensors)
+            if mine:
+                self.buffers.run(lambda d, s: self.wire.scatter(s, d, root), out,
+                                 torch.stack(list(ins)), copy_in=False)
+            else:
+                self.buffers.run(lambda d, _: self.wire.scatter(None, d, root), out,
+                                 copy_in=False)
+        return self._run(("scatter", shape(out), root), run, output_tensors,
+                         moved=[out, *ins])
 
-    @_agreed
+    @agreed
     def all_to_all_single(self, output, tensor, output_split_sizes, input_split_sizes,
                           opts=None):
         p = self.size()
-        rows_in = _splits(input_split_sizes, tensor, p, "input")
-        rows_out = _splits(output_split_sizes, output, p, "output")
+        rows_in = splits(input_split_sizes, tensor, p, "input")
+        rows_out = splits(output_split_sizes, output, p, "output")
         row = tensor[0].numel() if tensor.dim() and tensor.shape[0] else 0
         row = row or (output[0].numel() if output.dim() and output.shape[0] else 1)
+        send = [int(r) * row for r in rows_in]
+        recv = [int(r) * row for r in rows_out]
 
         def run():
-            host = _host(output)
-            send = [int(r) * row for r in rows_in]
-            recv = [int(r) * row for r in rows_out]
-            self.wire.alltoallv(_buffer(_host(tensor)).reshape(-1), send,
-                                _buffer(host).reshape(-1), recv)
-            if host.data_ptr() != output.data_ptr():
-                output.copy_(host)
+            self.buffers.run(lambda d, s: self.wire.alltoallv(s.reshape(-1), send,
+                                                              d.reshape(-1), recv),
+                             output, tensor, copy_in=False)
         # The splits differ between ranks by design: only their dtype and row shape agree.
         return self._run(("all_to_all_single", str(tensor.dtype), tuple(tensor.shape[1:])),
-                         run, [output])
+                         run, [output], moved=[output, tensor])
 
     alltoall_base = all_to_all_single
 
-    @_agreed
+    @agreed
     def alltoall(self, output_tensors, input_tensors, opts=None):
         def run():
             me = self.wire.rank
-            hosts = [_host(out) for out in output_tensors]
-            self.wire.exchange([_buffer(_host(src)) for src in input_tensors],
-                               [_buffer(h) for h in hosts])
-            for r, (out, host) in enumerate(zip(output_tensors, hosts)):
-                out.copy_(input_tensors[r] if r == me else host)
+            # (through host memory: one MPI call per pair of ranks, nonblocking)
+            hosts = [self.buffers.host_buffer(out) for out in output_tensors]
+            self.wire.exchange([self.buffers.host_array(t) for t in input_tensors],
+                               [array for _, array in hosts])
+            for r, (out, (host, _)) in enumerate(zip(output_tensors, hosts)):
+                if r == me:
+                    out.copy_(input_tensors[r])
+                else:
+                    self.buffers.written(host, out)
+            self.buffers.settle(output_tensors)
         dtypes = {str(t.dtype) for t in input_tensors}
-        return self._run(("all_to_all", tuple(sorted(dtypes))), run, output_tensors)
+        return self._run(("all_to_all", tuple(sorted(dtypes))), run, output_tensors,
+                         moved=[*output_tensors, *input_tensors])
 
-    @_agreed
+    @agreed
     def barrier(self, opts=None):
         return self._run(("barrier",), self.wire.barrier, [])
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         return self.barrier()
 
-    # -- point to point --------------------------------------------------------------
+    # -- point to point (staged through host memory) --------------------------------
 
     def send(self, tensors, dst, tag):
         (tensor,) = tensors
-        return self._run(None, lambda: self.wire.send(_buffer(_host(tensor)), dst, tag),
-                         tensors)
+        array = self.buffers.host_array(tensor)   # (the values at the call)
+        return self._run(None, lambda: self.wire.send(array, dst, tag), tensors)
 
     def recv(self, tensors, src, tag):
         (tensor,) = tensors
 
         def run():
-            host = _host(tensor)
-            self.wire.recv(_buffer(host), src, tag)
-            if host.data_ptr() != tensor.data_ptr():
-                tensor.copy_(host)
-        return self._run(None, run, tensors)
+            host, array = self.buffers.host_buffer(tensor)
+            self.wire.recv(array, src, tag)
+            self.buffers.written(host, tensor)
+        return self._run(None, run, tensors, moved=tensors)
 
     # -- the end ---------------------------------------------------------------------
 
@@ -500,8 +454,8 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
     def _check_pairs(self, op, outputs, inputs, sized):
         if len(outputs) != len(inputs) or any(
                 o.dtype != i.dtype or not sized(o, i) for o, i in zip(outputs, inputs)):
-            raise errors.InputError(f"{op}: outputs {[_shape(t) for t in outputs]} do not "
-                                    f"match inputs {[_shape(t) for t in inputs]} at "
+            raise errors.InputError(f"{op}: outputs {[shape(t) for t in outputs]} do not "
+                                    f"match inputs {[shape(t) for t in inputs]} at "
                                     f"{self.size()} ranks")
 
     def _check_list(self, op, tensors, like):
@@ -509,31 +463,6 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
                 t.shape != like.shape or t.dtype != like.dtype for t in tensors):
             raise errors.InputError(f"{op}: needs {self.size()} tensors of {like.dtype} "
                                     f"{tuple(like.shape)}, one per rank")
-
-
-def _kind(op):
-    return getattr(op, "op", op)
-
-
-def _shape(tensor):
-    return (str(tensor.dtype), tuple(tensor.shape))
-
-
-def _say(description):
-    op, *rest = description
-    return f"{op}{tuple(rest)}"
-
-
-def _splits(sizes, tensor, p, what):
-    if not sizes:
-        if tensor.shape[0] % p:
-            raise errors.InputError(f"all_to_all_single: the {what}'s first dimension "
-                                    f"{tensor.shape[0]} does not divide by {p} ranks")
-        return [tensor.shape[0] // p] * p
-    if len(sizes) != p or sum(sizes) != tensor.shape[0]:
-        raise errors.InputError(f"all_to_all_single: {what} split sizes {list(sizes)} do not "
-                                f"cover the {what}'s {tensor.shape[0]} rows in {p} parts")
-    return list(sizes)
 
 
 def create(opts, backend_options=None):

@@ -105,10 +105,15 @@ def host_tensor(tensor):
     return t if t.is_contiguous() else t.contiguous()
 
 
+def wire_view(tensor):
+    """``tensor`` (contiguous) as a dtype MPI moves, on its device: 16-bit floats as
+    int16 bits, bool as uint8, complex as pairs of reals (the same bytes)."""
+    return tensor.view(_WIRE[tensor.dtype]) if tensor.dtype in _WIRE else tensor
+
+
 def wire_array(tensor):
-    """A numpy view of a host contiguous tensor's memory for MPI: 16-bit floats as
-    int16 bits, bool as uint8, complex as pairs of reals (same bytes)."""
-    return (tensor.view(_WIRE[tensor.dtype]) if tensor.dtype in _WIRE else tensor).numpy()
+    """A numpy view of a host contiguous tensor's memory for MPI (:func:`wire_view`)."""
+    return wire_view(tensor).numpy()
 
 
 def from_host(array, like):
@@ -139,6 +144,13 @@ def store_before_torch(index):
     _order(index, torch_first=False)
 
 
+def wait_gpu(index):
+    """Waits on the host for torch's work queued so far on GPU ``index``'s current
+    stream of this thread (nothing for a host tensor, ``index`` None)."""
+    if index is not None:
+        torch.cuda.current_stream(index).synchronize()
+
+
 def _order(index, torch_first):
     """An event on one stream of GPU ``index`` (torch's current one, or cupy's
     default), waited on by the other; nothing where they are the same stream."""
@@ -157,4 +169,5 @@ def _order(index, torch_first):
 
 
 __all__ = ["is_device", "device_index", "device_scope", "to_native", "from_native", "address",
-           "host_copy", "host_bytes", "from_host", "torch_before_store", "store_before_torch"]
+           "host_copy", "host_bytes", "from_host", "torch_before_store", "store_before_torch",
+           "wait_gpu", "wire_array", "wire_view"]

@@ -13,7 +13,7 @@ from .conftest import ROOT
 
 SCRIPT = ROOT / "scripts" / "gpu-check.sh"
 STEPS = ["probe", "unit-real-cupy", "store-staged-2", "store-direct-2", "trainer-cuda-2",
-         "trainer-direct-2", "stream-race-2", "bf16-casts", "bench-gpu-2", "bench-gpu-1",
+         "trainer-direct-2", "backend-direct-2", "stream-race-2", "bf16-casts", "bench-gpu-2", "bench-gpu-1",
          "bench-gpu-direct-2", "bench-gpu-smcuda-2", "mpi-device-rest"]
 
 
@@ -38,14 +38,16 @@ def test_dry_run_lists_every_step_in_order(tmp_path):
     assert rows[-1][1] == "0"
     logs = sorted(p.name for p in out.glob("*.log"))
     assert logs == [f"{i:02d}-{name}.log" for i, name in enumerate(STEPS, 1)]
-    stress = (out / "07-stream-race-2.log").read_text()
+    stress = (out / "08-stream-race-2.log").read_text()
     assert "MPIKV_CUDA_AWARE=0" in stress and "tests/gpu/test_stream_race.py" in stress
     assert "--with-mpi" in stress and "-n 2" in stress
     # the direct steps leave the path to the detection, and insist it says CUDA-aware
     direct = (out / "04-store-direct-2.log").read_text()
     assert "MPIKV_CUDA_AWARE=0" not in direct and "MPIKV_EXPECT_CUDA_AWARE=1" in direct
     assert "tests/gpu/test_cuda_aware_mpi.py" in direct
-    assert "OMPI_MCA_btl=smcuda,self" in (out / "12-bench-gpu-smcuda-2.log").read_text()
+    assert "OMPI_MCA_btl=smcuda,self" in (out / "13-bench-gpu-smcuda-2.log").read_text()
+    backend = (out / "07-backend-direct-2.log").read_text()
+    assert "MPIKV_EXPECT_CUDA_AWARE=1" in backend and "test_process_group.py" in backend
 
 
 def test_a_prefix_without_mpiexec_is_not_used(tmp_path):

@@ -1,7 +1,11 @@
 """The ``"mpikv"`` torch.distributed backend at 1-4 ranks: every collective against
-numpy, in every dtype, blocking and ``async_op=True``; mismatched calls and bad
-arguments on one rank refused on every rank; DDP (and its fp16 hook) on it equal
-to DDP on gloo in the same job."""
+numpy, in every dtype, blocking and ``async_op=True``, on host tensors and on CUDA
+ones (the stand-in GPU of ``tests/fake_cuda_torch.py``, staged and direct);
+torch's functional collectives and DTensor; mismatched calls and bad arguments on
+one rank refused on every rank; DDP (and its fp16 hook) and FSDP2 on it equal to
+them on gloo in the same job."""
+
+import os
 
 import numpy as np
 import pytest
@@ -13,6 +17,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E
 
 from mpikv import errors, reducers  # noqa: E402
 from mpikv.torch import process_group  # noqa: E402
+from mpikv.transport import cuda  # noqa: E402
+
+from .. import fake_cuda_torch, fakecupy  # noqa: E402
 
 from .conftest import raises_everywhere  # noqa: E402
 
@@ -36,13 +43,15 @@ def pg(gloo):
 
 
 def values(rank, n, dtype, salt=0):
-    """Small integers (1-3), exact in every dtype, their sums and products too."""
+    """Small integers (1-3), exact in every dtype, their sums and products too (on
+    torch's default device: a GPU in the ``cuda`` cases)."""
     rng = np.random.default_rng(100 * rank + salt)
-    return torch.from_numpy(rng.integers(1, 4, n).astype(np.int64)).to(dtype)
+    return torch.from_numpy(rng.integers(1, 4, n).astype(np.int64)).to(
+        device=torch.get_default_device(), dtype=dtype)
 
 
 def numpy_of(t):
-    return t.to(torch.float64).numpy()
+    return t.detach().cpu().to(torch.float64).numpy()
 
 
 def run(call, asynchronous):
@@ -384,6 +393,79 @@ def test_fsdp2_full_state_dict_is_the_initial_model(mesh, comm):
     assert got.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+
+
+# -- CUDA tensors: the stand-in GPU, staged (MPIKV_CUDA_AWARE=0) and direct (=1) ------
+@pytest.fixture(scope="module")
+def device_groups(gloo):
+    """A group for each way, made at its first test (its decision is made at its first
+    GPU tensor), destroyed at the module's end."""
+    made = {}
+    yield made
+    for group in made.values():
+        dist.destroy_process_group(group)
+
+
+@pytest.fixture(params=["cuda", "stand-in-staged", "stand-in-direct"])
+def device_pg(request, device_groups, comm, monkeypatch):
+    """(a group, the fake or None) where the cases' tensors are CUDA tensors: torch's
+    on GPU ``rank % count`` (the GPU check: ``MPIKV_CUDA_AWARE`` as it sets it), or
+    every tensor one of the stand-in GPU ``rank % 2`` (``tests/fake_cuda_torch.py``),
+    MPIKV_CUDA_AWARE=0 (staged) or 1 (direct)."""
+    way = request.param
+    fake = None
+    if way == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("torch without CUDA")
+        torch.set_default_device(f"cuda:{comm.rank % torch.cuda.device_count()}")
+        request.addfinalizer(lambda: torch.set_default_device(None))
+    else:
+        monkeypatch.setenv(cuda.ENV, "0" if way == "stand-in-staged" else "1")
+        monkeypatch.setattr(cuda, "FALLBACK", cuda.Fallback())
+        fake = fake_cuda_torch.install(monkeypatch, device=comm.rank % 2)
+    if way not in device_groups:
+        device_groups[way] = dist.new_group(backend="mpikv")
+    group = device_groups[way]
+    yield group, fake
+    if fake is None:
+        # the GPU check says which path it runs (MPIKV_CUDA_AWARE=0 staged; a
+        # CUDA-aware Open MPI, MPIKV_EXPECT_CUDA_AWARE=1, direct)
+        path = process_group.backend_of(group).buffers.path()
+        if os.environ.get(cuda.ENV) == "0":
+            assert path == "staged"
+        if os.environ.get("MPIKV_EXPECT_CUDA_AWARE") == "1":
+            assert path == "direct"
+    else:
+        assert process_group.backend_of(group).buffers.path() == way[len("stand-in-"):]
+        assert not cuda.FALLBACK.happened   # (MPI took the stand-in's buffers: no fallback)
+        assert fakecupy.races() == []
+
+
+@pytest.mark.parametrize("a", [False, True], ids=["blocking", "async"])
+@pytest.mark.parametrize("case, dtype", [
+    (c, d) for c in [case_all_reduce, *CASES] for d in (torch.float32, torch.bfloat16)],
+    ids=lambda x: x.__name__[5:] if callable(x) else str(x))
+def test_collective_on_cuda_tensors(device_pg, comm, case, dtype, a):
+    group, fake = device_pg
+    if case is case_all_reduce:
+        case(group, comm, dtype, a, dist.ReduceOp.AVG)
+    else:
+        case(group, comm, dtype, a)
+    if fake is None:
+        return
+    if case in (case_all_to_all, case_send_recv):
+        # (through host memory: copies of the GPU tensors)
+        assert fake.calls["host_copy"] > 0 or comm.size == 1
+    elif case is not case_barrier:
+        assert fake.calls["to_native"] > 0   # the tensors went as device arrays
+
+
+@pytest.mark.parametrize("case", FCASES, ids=lambda c: c.__name__[6:])
+def test_functional_collective_on_cuda_tensors(device_pg, comm, case):
+    import torch.distributed._functional_collectives as fc
+    group, _ = device_pg
+    got, want = case(fc, group, comm, torch.float32)
+    np.testing.assert_array_equal(numpy_of(got.wait() if hasattr(got, "wait") else got), want)
 
 
 # -- DDP on the backend, against DDP on gloo in the same job -----------------------------

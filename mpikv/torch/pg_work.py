@@ -1,0 +1,104 @@
+"""The works and the call descriptions of the ``"mpikv"`` backend
+(:mod:`mpikv.torch.process_group`)."""
+
+import functools
+
+import torch.distributed as dist
+
+from .. import errors
+
+
+def reduce_ops():
+    """torch's reduce ops -> :class:`~mpikv.transport.group.GroupComm`'s names."""
+    R = dist.ReduceOp
+    return {R.SUM: "sum", R.AVG: "sum", R.PRODUCT: "prod", R.MIN: "min", R.MAX: "max",
+            R.BAND: "band", R.BOR: "bor", R.BXOR: "bxor"}
+
+
+class Work(dist.Work):
+    """A collective in flight: :meth:`wait` blocks until it is done (raising its
+    error), :meth:`get_future` completes on the group's thread."""
+
+    def __init__(self, future, result):
+        super().__init__()
+        self._future, self._result = future, result
+
+    def wait(self, timeout=None):
+        del timeout   # (the store's watchdog bounds a hang, not a wait here)
+        self._future.wait()
+        return True
+
+    def is_completed(self):
+        return self._future.done()
+
+    def is_success(self):
+        if not self._future.done():
+            return False
+        try:
+            self._future.value()
+        except Exception:  # noqa: BLE001 - the answer is whether it failed
+            return False
+        return True
+
+    def exception(self):
+        try:
+            self._future.value()
+        except Exception as exc:  # noqa: BLE001
+            return exc
+        return None
+
+    def get_future(self):
+        return self._future
+
+    def result(self):
+        self.wait()
+        return self._result
+
+
+def agreed(method):
+    """A collective whose argument checks (an InputError) become the agreed refusal of
+    the call on every rank: no rank raises before the ranks agree. The group runs a
+    blocking call (``asyncOp`` false) with nothing queued on the caller's thread."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        opts = [a for a in (*args, *kwargs.values()) if hasattr(a, "asyncOp")]
+        self.blocking.value = bool(opts) and not opts[-1].asyncOp
+        try:
+            return method(self, *args, **kwargs)
+        except errors.InputError as exc:
+            return self.refuse(method.__name__, str(exc))
+        finally:
+            self.blocking.value = False
+    return call
+
+
+def kind(op):
+    """The RedOpType of a ReduceOp (or of the RedOpType itself)."""
+    return getattr(op, "op", op)
+
+
+def shape(tensor):
+    """What the ranks agree on of a tensor: its dtype and shape."""
+    return (str(tensor.dtype), tuple(tensor.shape))
+
+
+def say(description):
+    """A call's description as the mismatch error names it."""
+    op, *rest = description
+    return f"{op}{tuple(rest)}"
+
+
+def splits(sizes, tensor, p, what):
+    """``all_to_all_single``'s row counts per rank: ``sizes``, or even."""
+    if not sizes:
+        if tensor.shape[0] % p:
+            raise errors.InputError(f"all_to_all_single: the {what}'s first dimension "
+                                    f"{tensor.shape[0]} does not divide by {p} ranks")
+        return [tensor.shape[0] // p] * p
+    if len(sizes) != p or sum(sizes) != tensor.shape[0]:
+        raise errors.InputError(f"all_to_all_single: {what} split sizes {list(sizes)} do not "
+                                f"cover the {what}'s {tensor.shape[0]} rows in {p} parts")
+    return list(sizes)
+
+
+__all__ = ["Work", "agreed", "kind", "reduce_ops", "say", "shape", "splits"]
