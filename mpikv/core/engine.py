@@ -81,6 +81,14 @@ class Engine:
         """The :class:`mpikv.reducers.compressed.Compression` once set, else None."""
         return self.chooser.compression
 
+    def gradient_residual(self, key, device=None):
+        """This rank's compression residual of ``key`` (its ``device``-th value's), a
+        float32 copy shaped like the key, or None (see
+        :meth:`mpikv.reducers.compressed.Compression.residual`)."""
+        comp = self.compression
+        found = None if comp is None else comp.residual(key, device)
+        return None if found is None else found.reshape(self.entries[key].array.shape).copy()
+
     @property
     def on_gpu(self):
         """Whether any stored value lives on a GPU."""

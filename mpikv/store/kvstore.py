@@ -11,7 +11,8 @@ piece that owns the concern) and hands it to the protocol
 (:mod:`mpikv.store.protocol`). Its pieces: :class:`~mpikv.core.engine.Engine` (where values
 live), :class:`~mpikv.rows.tables.RowTables`, :class:`~mpikv.state.saves.Saves`
 (checkpoints), :class:`~mpikv.elastic.mirror.Copies` (buddy copies),
-:class:`~mpikv.store.join.Joiner`. :func:`mpikv.store.factory.create` makes it.
+:class:`~mpikv.store.join.Joiner`, :class:`~mpikv.store.buffer_calls.BufferCalls`
+(zero-copy buffers). :func:`mpikv.store.factory.create` makes it.
 """
 
 
@@ -23,9 +24,11 @@ import numpy as np
 from ..calls import reader as calls
 from .. import errors
 from ..closing import ClosesAfterWith
+from .buffer_calls import BufferCalls
 from .executor import Handle
 from .protocol import Protocol
-from ..calls.reader import Call, CallReader
+from ..calls.reader import Call
+from .reading import Reading
 from ..core.engine import Engine
 from .join import Joiner, ReplayedCall
 from ..state.owned import OwnedStates
@@ -47,10 +50,12 @@ class KVStore(ClosesAfterWith):
                               table=table, device_buckets=device_buckets)
         self._protocol = Protocol(transport, self._engine)
         self._joiner = Joiner(self._protocol)
-        self._reader = CallReader(self._engine.lookup, lambda: self._engine.key_type)
+        self._reading = Reading(self._engine, self._protocol.routes)
         self._rows = RowTables(transport)
         self._saves = Saves(self._protocol, self._engine, self._rows)
         self._copies = Copies(self._protocol, self._engine, self._rows)
+        self._buffers = BufferCalls(self._protocol, self._engine, self._reading.read,
+                                    options.shared_memory)
         # (handed in by mpikv.store.factory, which imports this module)
         self._remake, self._on_release = remake, on_release
 
@@ -106,10 +111,9 @@ class KVStore(ClosesAfterWith):
 
     @property
     def state_generation(self):
-        """A number that changes whenever the owners' optimizer states are replaced
-        rather than updated by a push (:meth:`set_optimizer`, :meth:`set_updater`, a
-        load of a checkpoint or of owned states); the same on every rank. A copy of
-        the states kept elsewhere is current while it stays."""
+        """A number, the same on every rank, that changes whenever the owners'
+        optimizer states are replaced rather than updated by a push (a new optimizer
+        or updater, a load): a copy of the states is current while it stays."""
         return self._engine.state_generation
 
     @property
@@ -125,11 +129,7 @@ class KVStore(ClosesAfterWith):
         compressed push and for 16-bit compression without error feedback. See
         :meth:`mpikv.reducers.compressed.Compression.residual`.
         """
-        comp = self._engine.compression
-        found = None if comp is None else comp.residual(key, device)
-        if found is None:
-            return None
-        return found.reshape(self._engine.entries[key].array.shape).copy()
+        return self._engine.gradient_residual(key, device)
 
     @contextlib.contextmanager
     def count_bytes(self):
@@ -145,9 +145,7 @@ class KVStore(ClosesAfterWith):
 
     def fail_next_call(self, exc_class, message):
         """Makes this rank's next collective call fail on every rank with
-        ``exc_class(message)``, nothing applied (for adapters' own checks). See
-        :meth:`mpikv.store.protocol.Protocol.fail_next_call`.
-        """
+        ``exc_class(message)``, nothing applied (for adapters' own checks)."""
         if not (isinstance(exc_class, type) and issubclass(exc_class, errors.MPIKVError)):
             raise TypeError(f"exc_class must be an MPIKVError subclass, not {exc_class!r}")
         self._protocol.fail_next_call(exc_class, message)
@@ -168,7 +166,7 @@ class KVStore(ClosesAfterWith):
             key: a key (int or str) or a list of keys.
             value: an array per key (a list of arrays: the first is used).
         """
-        call = self._read("init", key, value, new_keys=True, need_values=True)
+        call = self._reading.read("init", key, value, new_keys=True, need_values=True)
         self._rows.refuse_tables(call)
         self._protocol.collective(call, lambda: self._engine.init(call.op, call.items))
 
@@ -186,8 +184,8 @@ class KVStore(ClosesAfterWith):
             self._protocol.collective(*self._rows.push_call(key, value, self._engine, priority))
             return
         if not self._protocol.one_key("push", key, value, None, priority,
-                                      lambda: self._push_call("push", key, value, priority)):
-            self._protocol.run(self._push_call("push", key, value, priority), push=True,
+                                      lambda: self._reading.push("push", key, value, priority)):
+            self._protocol.run(self._reading.push("push", key, value, priority), push=True,
                                remember=(key, None))
 
     def push_async(self, key, value, priority=0):
@@ -196,7 +194,7 @@ class KVStore(ClosesAfterWith):
         Errors in the call are raised here, on every rank. Do not change
         ``value`` until :meth:`wait` returns for the handle.
         """
-        return self._protocol.submit(self._push_call("push", key, value, priority), push=True)
+        return self._protocol.submit(self._reading.push("push", key, value, priority), push=True)
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         """Copies stored values into ``out``.
@@ -209,13 +207,13 @@ class KVStore(ClosesAfterWith):
         """
         del ignore_sparse
         if not self._protocol.one_key("pull", key, None, out, priority,
-                                      lambda: self._pull_call(key, out, priority)):
-            self._protocol.run(self._pull_call(key, out, priority), pull=True,
+                                      lambda: self._reading.pull(key, out, priority)):
+            self._protocol.run(self._reading.pull(key, out, priority), pull=True,
                                remember=(key, out))
 
     def pull_async(self, key, out=None, priority=0):
         """:meth:`pull` in the background; ``out`` is filled when :meth:`wait` returns."""
-        return self._protocol.submit(self._pull_call(key, out, priority), pull=True)
+        return self._protocol.submit(self._reading.pull(key, out, priority), pull=True)
 
     def pushpull(self, key, value, out=None, priority=0):
         """:meth:`push` then :meth:`pull` in one collective call.
@@ -224,13 +222,13 @@ class KVStore(ClosesAfterWith):
         """
         if not self._protocol.one_key(
                 "pushpull", key, value, value if out is None else out, priority,
-                lambda: self._push_call("pushpull", key, value, priority, out)):
-            self._protocol.run(self._push_call("pushpull", key, value, priority, out),
+                lambda: self._reading.push("pushpull", key, value, priority, out)):
+            self._protocol.run(self._reading.push("pushpull", key, value, priority, out),
                                push=True, pull=True, remember=(key, out))
 
     def pushpull_async(self, key, value, out=None, priority=0):
         """:meth:`pushpull` in the background; returns a :class:`Handle`."""
-        return self._protocol.submit(self._push_call("pushpull", key, value, priority, out),
+        return self._protocol.submit(self._reading.push("pushpull", key, value, priority, out),
                                      push=True, pull=True)
 
     # -- row tables ------------------------------------------------------
@@ -257,7 +255,7 @@ class KVStore(ClosesAfterWith):
 
     def broadcast(self, key, value, out, priority=0):
         """:meth:`init` with rank 0's ``value``, then :meth:`pull` into ``out``."""
-        call = self._read("broadcast", key, value, out, new_keys=True, need_values=True,
+        call = self._reading.read("broadcast", key, value, out, new_keys=True, need_values=True,
                           need_outs=True, settings={"priority": priority})
         self._rows.refuse_tables(call)
         def run():
@@ -279,11 +277,8 @@ class KVStore(ClosesAfterWith):
     _barrier = barrier
 
     def close(self):
-        """Ends the store on every rank (collective, as ``MPI_Comm_free``): its background
-        saves commit, the ranks agree, its threads, communicators and buffers are released
-        (arrays handed out stay valid); any later call raises on every rank. See
-        :meth:`mpikv.store.protocol.Protocol.close`.
-        """
+        """Ends the store on every rank (collective, as ``MPI_Comm_free``); arrays handed
+        out stay valid, later calls raise. See :meth:`mpikv.store.protocol.Protocol.close`."""
         self._saves.close()
         self._protocol.close(self._release)
 
@@ -372,10 +367,8 @@ class KVStore(ClosesAfterWith):
                    self._remake, redundancy)
 
     def abandon(self):
-        """Lets a store that lost a rank go, on this rank alone (no collective call):
-        its background checkpoint writes end, never committed. See
-        :meth:`mpikv.state.saves.Saves.abandon`.
-        """
+        """Lets a store that lost a rank go, on this rank alone: its background
+        checkpoint writes end, never committed. See :meth:`mpikv.state.saves.Saves.abandon`."""
         self._saves.abandon()
 
     @property
@@ -392,9 +385,8 @@ class KVStore(ClosesAfterWith):
         return bool(getattr(self._transport, "fault_tolerant", False))
 
     def keep_copy(self, step, extra=None):
-        """Copies what this rank owns after ``step`` steps and passes the copy to the
-        next rank (``redundancy="memory"``); collective. See :meth:`mpikv.elastic.mirror.Copies.keep`.
-        """
+        """Copies what this rank owns after ``step`` steps to the next rank
+        (``redundancy="memory"``); collective. See :meth:`mpikv.elastic.mirror.Copies.keep`."""
         self._copies.keep(step, extra)
 
     @property
@@ -447,69 +439,25 @@ class KVStore(ClosesAfterWith):
         """Zero-copy gradients: views into the store's buckets (one per key), to write
         gradients into and push; collective. See
         :meth:`mpikv.core.zero_copy.ZeroCopy.gradient_buffers`."""
-        single = not isinstance(keys, (list, tuple))
-        key_list = [keys] if single else list(keys)
-        call = calls.check_buffers(self._read("gradient_buffers", key_list, settings={
-            "shared": self._options.shared_memory}), self._engine.lookup)
-        views = self._protocol.collective(call, lambda: self._engine.gradient_buffers(
-            call.keys, self._options.shared_memory))
-        out = [views[k] for k in call.user_keys]
-        return out[0] if single else out
+        return self._buffers.gradient_buffers(keys)
 
     def value_buffers(self, keys):
         """Zero-copy values: the stored values themselves (one per key), written only
         through the store; collective. See :meth:`mpikv.core.zero_copy.ZeroCopy.value_views`."""
-        single = not isinstance(keys, (list, tuple))
-        call = self._read("value_buffers", [keys] if single else list(keys))
-        views = self._protocol.collective(call, lambda: self._engine.value_views(call.keys))
-        out = [views[k] for k in call.user_keys]
-        return out[0] if single else out
+        return self._buffers.value_buffers(keys)
 
     def gather_gradients(self, keys):
         """Copies the owners' sums of a push of :meth:`gradient_buffers` into every
-        rank's buffers (one ``Allgatherv`` per bucket); collective. With fp16 or bf16
-        compression the sums travel in 16 bits, rounded once by their owner (with
-        error feedback where the compression has it) and widened on every rank, the
-        owner's own buffer too. A key list with no gradient buffers is a
-        :class:`~mpikv.errors.ValueTypeError`."""
-        call = self._gather_call(keys)
-        self._protocol.collective(call, lambda: self._engine.gather_grads(call.op, call.keys))
+        rank's buffers (one ``Allgatherv`` per bucket; in 16 bits under fp16 or bf16
+        compression); collective. See :mod:`mpikv.store.buffer_calls`."""
+        self._buffers.gather(keys)
 
     def gather_gradients_async(self, keys):
-        """:meth:`gather_gradients` in the background, after the calls made before
-        it (the push it gathers); returns a :class:`Handle`. Errors are raised
-        here, on every rank."""
-        call = self._gather_call(keys)
-        return self._protocol.submit(
-            call, action=lambda: self._engine.gather_grads(call.op, call.keys))
-
-    def _gather_call(self, keys):
-        key_list = list(keys) if isinstance(keys, (list, tuple)) else [keys]
-        return calls.check_gather(self._read("gather_gradients", key_list), self._engine)
+        """:meth:`gather_gradients` in the background, after the calls made before it;
+        returns a :class:`Handle` (errors are raised here, on every rank)."""
+        return self._buffers.gather_async(keys)
 
     # -- internals -------------------------------------------------------
-    def _read(self, op, key, values=None, outs=None, **kw):
-        return self._reader.read(op, key, values, outs, **kw)
-
-    def _push_call(self, op, key, value, priority, out=None):
-        settings = calls.push_settings(self._engine, priority)
-        routes = self._protocol.routes
-        call = (routes.zero_copy_call(op, key, value, settings)
-                if out is None and type(priority) is int else None)
-        remember = call is None and out is None
-        if call is None:
-            call = self._read(op, key, value, out, need_values=True,
-                              need_outs=op == "pushpull" and out is not None,
-                              outs_default_values=op == "pushpull", settings=settings)
-        calls.check_push(call, self._engine)
-        if remember:
-            routes.remember_zero_copy(op, key, value, call)
-        return call
-
-    def _pull_call(self, key, out, priority):
-        return self._read("pull", key, outs=out, need_outs=True,
-                          settings={"priority": priority})
-
     def __repr__(self):
         return (f"<mpikv.KVStore type={self._type!r} rank={self.rank} "
                 f"num_workers={self.num_workers} keys={len(self._engine.entries)}>")
