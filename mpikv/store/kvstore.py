@@ -81,6 +81,10 @@ class KVStore(ClosesAfterWith):
         :func:`create`), or None for a local store."""
         return getattr(self._transport, "comm", None)
 
+    def describe(self):
+        """What the store runs on: its transport's facts (MPI library, CUDA paths, ...)."""
+        return self._transport.describe()
+
     @property
     def tuning_table(self):
         """The :class:`mpikv.tuning.table.Table` that picks each bucket's reduction strategy."""
@@ -88,10 +92,8 @@ class KVStore(ClosesAfterWith):
 
     def outdate(self, keys):
         """Marks this rank's copies of ``keys`` as no longer the owners' values: the next
-        ``pull`` of each gathers it from its owners (the Trainer's ``shard="parameters"``
-        reuses that memory). Local, but every rank must call it alike, with no pull of
-        these keys in flight.
-        """
+        ``pull`` of each gathers it from its owners. Local, but every rank must call it
+        alike, with no pull of these keys in flight."""
         self._engine.outdate(list(keys))
 
     def uses_shared_memory(self, keys):
@@ -134,8 +136,7 @@ class KVStore(ClosesAfterWith):
     @contextlib.contextmanager
     def count_bytes(self):
         """Counts the bytes this store's collectives bring to this rank inside the block:
-        yields a counter with ``.bytes`` and ``.calls`` (background calls waited for on
-        entry and exit)."""
+        yields a counter (``.bytes``, ``.calls``); background calls are waited for."""
         self._protocol.wait()
         with self._transport.count_bytes() as counter:
             try:

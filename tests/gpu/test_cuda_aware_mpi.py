@@ -71,7 +71,7 @@ def test_the_store_takes_the_direct_path(cp, aware):
     n, r = comm.size, comm.rank
     kv = mpikv.create("dist_sync_device", timeout=120)
     try:
-        facts = kv._transport.describe()
+        facts = kv.describe()
         assert facts["cuda_paths"] == {"reduce": "direct", "pull": "direct"}, facts
         kv.init("w", cp.zeros(3 * 2**20, cp.float32))
         kv.init("b", cp.zeros(1000, cp.float32))
@@ -83,7 +83,7 @@ def test_the_store_takes_the_direct_path(cp, aware):
             out = cp.empty(1000, cp.float32)
             kv.pushpull("b", small, out=out)
             assert int((out != n * (n - 1) // 2).sum().get()) == 0
-        after = kv._transport.describe()["cuda"]
+        after = kv.describe()["cuda"]
         # no MPI error on a device buffer made the process fall back to staging
         assert after["device_path"] == "direct" and after["device_fallback"] is False, after
     finally:
@@ -99,7 +99,7 @@ def test_a_rank_that_stages_makes_every_rank_stage(cp, aware, monkeypatch):
         monkeypatch.setenv(cuda.ENV, "0")
     kv = mpikv.create("dist_sync_device", timeout=120)
     try:
-        assert kv._transport.describe()["cuda_paths"] == {"reduce": "staged", "pull": "staged"}
+        assert kv.describe()["cuda_paths"] == {"reduce": "staged", "pull": "staged"}
         kv.init("w", cp.zeros(2**20, cp.float32))
         g = cp.full(2**20, comm.rank + 1, cp.float32)
         kv.pushpull("w", g)

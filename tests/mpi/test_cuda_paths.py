@@ -56,6 +56,9 @@ def test_pull_only_stages_reductions_and_not_pulls(make_store, make_transport, f
     facts = t.describe()
     assert facts["cuda_paths"] == {"reduce": "staged", "pull": "direct"}
     n, r = comm.size, comm.rank
+    said = kv.describe()   # the store's own transport says the same
+    assert (said["rank"], said["size"], said["cuda_paths"]) == (r, n, facts["cuda_paths"])
+    assert said["mpi_library"] == facts["mpi_library"]
     kv.init("w", cp.full(6, 7, cp.float32))
     kv.broadcast("b", cp.full(5, r + 3, cp.float32), out=cp.empty(5, cp.float32))
     out = cp.empty(6, cp.float32)

@@ -33,6 +33,7 @@ def test_create_and_properties():
         mpikv.create("local", comm=object())
     with pytest.raises(ValueError, match="timeout"):
         mpikv.create("local", timeout="soon")
+    assert kv.describe() == {"transport": "LocalTransport", "rank": 0, "size": 1}
 
 
 def test_seed_tutorial_values(kv, capsys):

@@ -22,10 +22,6 @@ FACES = {"mpikv/store/kvstore.py": "KVStore", "mpikv/torch/trainer.py": "Trainer
 
 # (test file, private name): why it stays.
 REACHES = {
-    ("tests/gpu/test_cuda_aware_mpi.py", "_transport"):
-        "which path the store's CUDA detection chose on every rank (direct or staged, and "
-        "no fallback after a device-buffer error): no public inspection of the transport "
-        "yet (KVStore is at its 500-line bound)",
     ("tests/mpi/test_compression.py", "_engine"):
         "fault injection: sets compression on one rank only, a disagreement no public "
         "call can make (set_gradient_compression is agreed)",
