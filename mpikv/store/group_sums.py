@@ -1,8 +1,8 @@
 """A process group's sums through the store's strategies and tuner (issue 42).
 
 The ``"mpikv"`` torch backend (:mod:`mpikv.torch.process_group`) sums
-``all_reduce``'s float32, float64, int32 and int64 tensors as a store sums a
-bucket: a transport of its own over the group's ranks, the tuning table (cached
+``all_reduce``'s (and ``reduce_scatter``'s) float32, float64, int32 and int64
+tensors as a store sums a bucket (or sums one to its owners): a transport of its own over the group's ranks, the tuning table (cached
 per layout, probed once where none is cached, ``MPIKV_AUTOTUNE``), and the
 strategy the table names for the size (ring, hierarchical, shared memory, MPI's
 own ``Allreduce``, each in pieces). Other dtypes and reduce ops go through MPI's
@@ -18,6 +18,7 @@ from . import config
 from .. import errors
 from ..arrays.backends import is_device
 from ..reducers import Chooser
+from ..reducers.base import Blocks
 from ..transport import make_transport
 from ..tuning import table as tuning
 
@@ -66,6 +67,21 @@ class GroupSums:
         flat = buf.reshape(-1)
         self.chooser.get(None, flat.nbytes, True, device=is_device(flat)).allreduce(
             flat, None, what)
+
+    def strategy_to_owners(self, nbytes):
+        """The name of the strategy that reduce-scatters ``nbytes``."""
+        return self.table.choose(nbytes, True, True)
+
+    def reduce_scatter(self, dst, src, what):
+        """Rank r's block r of ``dst`` (``dst.size / ranks`` elements each, in rank order)
+        becomes the sum over the ranks of that block of ``src`` (which is only read);
+        ``dst``'s other blocks are left undefined. Both contiguous numpy or cupy arrays
+        of one dtype and size; a GPU buffer goes direct or staged, as a store's."""
+        p = self.transport.size
+        n = dst.size // p
+        blocks = Blocks((n,) * p, tuple(range(0, n * p, n)))
+        self.chooser.get(None, dst.nbytes, True, device=is_device(dst), owners=True) \
+            .reduce_to_owners(dst.reshape(-1), src.reshape(-1), blocks, what)
 
     def close(self):
         """Frees the transport's communicators (collective)."""

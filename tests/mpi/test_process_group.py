@@ -532,10 +532,12 @@ def test_fsdp2_on_the_backend_equals_fsdp2_on_gloo(pg, comm):
 
 # -- the sums go through the store's strategies ----------------------------------------
 @pytest.mark.parametrize("name", reducers.NAMES)
-def test_all_reduce_sums_through_each_store_strategy(gloo, comm, monkeypatch, name):
+def test_all_reduce_and_reduce_scatter_sum_through_each_store_strategy(gloo, comm,
+                                                                        monkeypatch, name):
     """MPIKV_REDUCER forces a strategy on a new group: its table names it, and float32,
     float64 and int64 sums (and a float average) of sizes that go in pieces (bucket
-    64 KiB) equal numpy's."""
+    64 KiB) equal numpy's, all_reduce's and reduce_scatter_tensor's (its input left
+    as it was)."""
     monkeypatch.setenv("MPIKV_REDUCER", name)
     monkeypatch.setenv("MPIKV_BUCKET_BYTES", str(64 << 10))
     group = dist.new_group(backend="mpikv")
@@ -553,6 +555,17 @@ def test_all_reduce_sums_through_each_store_strategy(gloo, comm, monkeypatch, na
                    for r in range(comm.size)) / comm.size
         dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group)
         np.testing.assert_allclose(numpy_of(t), want, rtol=1e-15)
+        p, r = comm.size, comm.rank
+        assert sums.strategy_to_owners(1 << 20) == name
+        for dtype in (torch.float32, torch.int64):
+            for n in (1, 1000, 20_001):
+                t = values(r, n * p, dtype, salt=n)
+                kept = t.clone()
+                out = torch.zeros(n, dtype=dtype)
+                dist.reduce_scatter_tensor(out, t, group=group)
+                every = sum(numpy_of(values(q, n * p, dtype, salt=n)) for q in range(p))
+                np.testing.assert_array_equal(numpy_of(out), every[r * n:(r + 1) * n])
+                assert torch.equal(t, kept)
     finally:
         dist.destroy_process_group(group)
 
