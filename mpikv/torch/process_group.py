@@ -254,6 +254,29 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
                          moved=[tensor, *outs])
 
     @agreed
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        """``dist.all_gather_coalesced``: ``output_lists[r][i]`` takes rank r's
+        ``input_list[i]``."""
+        p = self.size()
+        if len(output_lists) != p or any(
+                len(outs) != len(input_list) or any(
+                    o.shape != t.shape or o.dtype != t.dtype for o, t in zip(outs, input_list))
+                for outs in output_lists):
+            raise errors.InputError(f"all_gather_coalesced: needs {p} lists of tensors like "
+                                    f"{[shape(t) for t in input_list]}, one per rank")
+
+        def run():
+            for i, tensor in enumerate(input_list):
+                gathered = tensor.new_empty((p,) + tuple(tensor.shape))
+                self._allgather_into(gathered, tensor)
+                for outs, part in zip(output_lists, gathered):
+                    outs[i].copy_(part)
+            self.buffers.settle([o for outs in output_lists for o in outs])
+        return self._run(("allgather_coalesced", tuple(shape(t) for t in input_list)), run,
+                         output_lists, moved=[*input_list, *(o for outs in output_lists
+                                                             for o in outs)])
+
+    @agreed
     def _allgather_base(self, output, tensor, opts=None):
         if output.numel() != tensor.numel() * self.size() or output.dtype != tensor.dtype:
             raise errors.InputError(f"all_gather_into_tensor: the output must hold "

@@ -60,7 +60,8 @@ def run(call, asynchronous):
         work = call(True)
         assert work is not None
         work.wait()
-        assert work.is_completed()
+        # (torch's all_gather_coalesced hands back the work's future, for gloo too)
+        assert work.done() if isinstance(work, torch.futures.Future) else work.is_completed()
     else:
         assert call(False) is None
 
@@ -103,6 +104,16 @@ def case_all_gather(pg, comm, dtype, a):
     run(lambda x: dist.all_gather(out, mine, group=pg, async_op=x), a)
     for r, o in enumerate(out):
         np.testing.assert_array_equal(numpy_of(o), numpy_of(values(r, 6, dtype).view(2, 3)))
+
+
+def case_all_gather_coalesced(pg, comm, dtype, a):
+    ins = [values(comm.rank, 2, dtype), values(comm.rank, 6, dtype, salt=1).view(2, 3)]
+    outs = [[torch.zeros_like(t) for t in ins] for _ in range(comm.size)]
+    run(lambda x: dist.all_gather_coalesced(outs, ins, group=pg, async_op=x), a)
+    for r, got in enumerate(outs):
+        np.testing.assert_array_equal(numpy_of(got[0]), numpy_of(values(r, 2, dtype)))
+        np.testing.assert_array_equal(numpy_of(got[1]),
+                                      numpy_of(values(r, 6, dtype, salt=1).view(2, 3)))
 
 
 def case_all_gather_into_tensor(pg, comm, dtype, a):
@@ -186,7 +197,8 @@ def case_barrier(pg, comm, dtype, a):
 
 REDUCE_OPS = [dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT,
               dist.ReduceOp.AVG]
-CASES = [case_broadcast, case_reduce, case_all_gather, case_all_gather_into_tensor,
+CASES = [case_broadcast, case_reduce, case_all_gather, case_all_gather_coalesced,
+         case_all_gather_into_tensor,
          case_reduce_scatter, case_reduce_scatter_tensor, case_gather, case_scatter,
          case_all_to_all_single, case_all_to_all, case_send_recv, case_barrier]
 
