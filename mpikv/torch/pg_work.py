@@ -3,6 +3,7 @@
 
 import functools
 
+import torch
 import torch.distributed as dist
 
 from .. import errors
@@ -101,4 +102,49 @@ def splits(sizes, tensor, p, what):
     return list(sizes)
 
 
-__all__ = ["Work", "agreed", "kind", "reduce_ops", "say", "shape", "splits"]
+# -- the checks of a call's arguments (an InputError: refused on every rank) -------
+
+def reduce_op_of(op, dtype):
+    """The wire's name of reduce op ``op`` for ``dtype`` tensors."""
+    op = kind(op)   # (options hold a ReduceOp, whose .op is the RedOpType)
+    if op not in reduce_ops():
+        raise errors.InputError(f"the mpikv backend does not take {op}")
+    if op == dist.ReduceOp.AVG and not dtype.is_floating_point:
+        raise errors.InputError("ReduceOp.AVG needs a floating point tensor")
+    if dtype == torch.bool or dtype.is_complex:
+        raise errors.InputError(f"the mpikv backend does not reduce {dtype} tensors")
+    return reduce_ops()[op]
+
+
+def check_list(op, tensors, like, p):
+    """``tensors``: one like ``like`` per rank of ``p``."""
+    if len(tensors) != p or any(t.shape != like.shape or t.dtype != like.dtype
+                                for t in tensors):
+        raise errors.InputError(f"{op}: needs {p} tensors of {like.dtype} "
+                                f"{tuple(like.shape)}, one per rank")
+
+
+def check_lists(output_lists, input_list, p):
+    """all_gather_coalesced's: one list like ``input_list`` per rank of ``p``."""
+    if len(output_lists) != p or any(
+            len(outs) != len(input_list) or any(
+                o.shape != t.shape or o.dtype != t.dtype for o, t in zip(outs, input_list))
+            for outs in output_lists):
+        raise errors.InputError(f"all_gather_coalesced: needs {p} lists of tensors like "
+                                f"{[shape(t) for t in input_list]}, one per rank")
+
+
+def check_pairs(op, outputs, inputs, p):
+    """An all-gather's (``op`` all_gather_*: each output ``p`` x its input) or a
+    reduce-scatter's (each input ``p`` x its output) tensors, pair by pair."""
+    def sized(o, i):
+        return (o.numel() == i.numel() * p if op.startswith("all_gather")
+                else i.numel() == o.numel() * p)
+    if len(outputs) != len(inputs) or any(o.dtype != i.dtype or not sized(o, i)
+                                          for o, i in zip(outputs, inputs)):
+        raise errors.InputError(f"{op}: outputs {[shape(t) for t in outputs]} do not "
+                                f"match inputs {[shape(t) for t in inputs]} at {p} ranks")
+
+
+__all__ = ["Work", "agreed", "check_list", "check_lists", "check_pairs", "kind",
+           "reduce_op_of", "reduce_ops", "say", "shape", "splits"]

@@ -11,11 +11,9 @@ a work whose future completes there, overlapped with the caller, as gloo's; a
 blocking one with nothing queued runs on the caller's thread. One thread at a
 time calls MPI on the group's communicator, in the order the script made the
 calls. Before its data moves, each collective's description (operation,
-dtype, element count, root, reduce op) is agreed: ranks that call different
-collectives, or the same one on different shapes, get the same
-:class:`~mpikv.errors.MismatchError` on every rank, naming each rank's call,
-where MPI would hang or move garbage. The agreement is one ``Allreduce`` of two
-integers, the fingerprint's minimum and maximum.
+dtype, shape, root, reduce op) is agreed in one ``Allreduce``: ranks that call
+different collectives get the same :class:`~mpikv.errors.MismatchError` on
+every rank, naming each rank's call, where MPI would hang or move garbage.
 
 A rank that never comes to a collective (uneven data, a rank stuck) ends the
 job after ``MPIKV_TIMEOUT`` seconds (600 by default), naming the collective, as
@@ -24,9 +22,8 @@ the store's calls do.
 ``all_reduce``'s and ``reduce_scatter``'s sums (and averages) of float32, float64,
 int32 and int64 go through the store's strategies and its tuning table
 (:mod:`mpikv.store.group_sums`: the ring on a slow link, shared memory on a node,
-as a store's buckets); the other reduce ops and collectives are MPI's
-(``MPI_SUM`` and the other reduce ops); 16-bit floats are summed in float32 and
-rounded once (as the store does: MPI has no 16-bit float type).
+as a store's buckets); the other reduce ops and collectives are MPI's; 16-bit
+floats are summed in float32 and rounded once (MPI has no 16-bit float type).
 CUDA tensors go to a CUDA-aware MPI as they are, else through host memory, as a
 store's device buffers (:mod:`mpikv.torch.pg_buffers`). torch's functional
 collectives (DTensor's) reach the group through its ``*_coalesced`` methods.
@@ -45,7 +42,8 @@ from .. import errors, flight
 from ..store import config
 from ..transport.watchdog import Watchdog
 from .pg_buffers import Buffers
-from .pg_work import Work, agreed, kind, reduce_ops, say, shape, splits
+from .pg_work import (Work, agreed, check_list, check_lists, check_pairs, kind, reduce_op_of,
+                      say, shape, splits)
 
 NAME = "mpikv"
 
@@ -174,23 +172,13 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
         raise errors.MismatchError(f"the ranks of the mpikv process group made different "
                                    f"collective calls ({listed})")
 
-    def _reduce_op(self, op, dtype):
-        op = kind(op)   # (options hold a ReduceOp, whose .op is the RedOpType)
-        if op not in reduce_ops():
-            raise errors.InputError(f"the mpikv backend does not take {op}")
-        if op == dist.ReduceOp.AVG and not dtype.is_floating_point:
-            raise errors.InputError("ReduceOp.AVG needs a floating point tensor")
-        if dtype == torch.bool or dtype.is_complex:
-            raise errors.InputError(f"the mpikv backend does not reduce {dtype} tensors")
-        return reduce_ops()[op]
-
     # -- collectives (each @agreed: a bad argument on one rank is refused on all) ----
 
     @agreed
     def allreduce(self, tensors, opts=None):
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         (tensor,) = tensors
-        mpi_op = self._reduce_op(op, tensor.dtype)
+        mpi_op = reduce_op_of(op, tensor.dtype)
         return self._run(("allreduce", shape(tensor), str(kind(op))),
                          lambda: self._allreduce_into(tensor, mpi_op,
                                                       kind(op) == dist.ReduceOp.AVG),
@@ -229,7 +217,7 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
     def reduce(self, tensors, opts=None):
         (tensor,) = tensors
         op, root = (dist.ReduceOp.SUM, 0) if opts is None else (opts.reduceOp, opts.rootRank)
-        mpi_op = self._reduce_op(op, tensor.dtype)
+        mpi_op = reduce_op_of(op, tensor.dtype)
 
         def run():
             work = (tensor.float() if tensor.dtype in _SIXTEEN else tensor).contiguous()
@@ -242,7 +230,7 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
     @agreed
     def allgather(self, output_tensors, input_tensors, opts=None):
         (outs,), (tensor,) = output_tensors, input_tensors
-        self._check_list("allgather", outs, tensor)
+        check_list("allgather", outs, tensor, self.size())
 
         def run():
             gathered = tensor.new_empty((self.size(),) + tuple(tensor.shape))
@@ -258,12 +246,7 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
         """``dist.all_gather_coalesced``: ``output_lists[r][i]`` takes rank r's
         ``input_list[i]``."""
         p = self.size()
-        if len(output_lists) != p or any(
-                len(outs) != len(input_list) or any(
-                    o.shape != t.shape or o.dtype != t.dtype for o, t in zip(outs, input_list))
-                for outs in output_lists):
-            raise errors.InputError(f"all_gather_coalesced: needs {p} lists of tensors like "
-                                    f"{[shape(t) for t in input_list]}, one per rank")
+        check_lists(output_lists, input_list, p)
 
         def run():
             for i, tensor in enumerate(input_list):
@@ -278,10 +261,7 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
 
     @agreed
     def _allgather_base(self, output, tensor, opts=None):
-        if output.numel() != tensor.numel() * self.size() or output.dtype != tensor.dtype:
-            raise errors.InputError(f"all_gather_into_tensor: the output must hold "
-                                    f"{self.size()} x {tensor.numel()} {tensor.dtype} "
-                                    f"elements, not {output.numel()} {output.dtype}")
+        check_pairs("all_gather_into_tensor", [output], [tensor], self.size())
         return self._run(("allgather_into_tensor", shape(tensor)),
                          lambda: self._allgather_into(output, tensor), [output],
                          moved=[output, tensor])
@@ -294,16 +274,13 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
     @agreed
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         (out,), (ins,) = output_tensors, input_tensors
-        self._check_list("reduce_scatter", ins, out)
+        check_list("reduce_scatter", ins, out, self.size())
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         return self._reduce_scatter(out, ins, op, output_tensors)
 
     @agreed
     def _reduce_scatter_base(self, output, tensor, opts=None):
-        if tensor.numel() != output.numel() * self.size() or output.dtype != tensor.dtype:
-            raise errors.InputError(f"reduce_scatter_tensor: the input must hold "
-                                    f"{self.size()} x {output.numel()} {output.dtype} "
-                                    f"elements, not {tensor.numel()} {tensor.dtype}")
+        check_pairs("reduce_scatter_tensor", [output], [tensor], self.size())
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         return self._reduce_scatter(output, tensor, op, [output])
 
@@ -311,7 +288,7 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
 
     def _reduce_scatter(self, output, inputs, op, result):
         """``inputs``: one tensor of ranks x ``output``, or a list of one per rank."""
-        mpi_op = self._reduce_op(op, output.dtype)
+        mpi_op = reduce_op_of(op, output.dtype)
         parts = inputs if isinstance(inputs, (list, tuple)) else [inputs]
 
         def run():
@@ -326,11 +303,10 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
         if view is not None and self.sums.takes(view):
             # to the owners as a store's bucket: the ring across a link, where Open MPI's
             # Reduce_scatter_block took 2.6 x as long (docs/torch.md)
-            whole = torch.empty_like(src)
+            whole = torch.empty_like(src).reshape(-1)
             self.sums.reduce_scatter(self.buffers.view(whole), view,
                                      ("torch.distributed reduce_scatter", []))
-            n = output.numel()
-            mine = whole.reshape(-1)[self.wire.rank * n:(self.wire.rank + 1) * n]
+            mine = whole.view(self.size(), -1)[self.wire.rank]
         else:
             mine = src.new_empty(output.numel())
             self.buffers.run(lambda d, s: self.wire.reduce_scatter_block(s, d, mpi_op),
@@ -341,8 +317,7 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
     # resharding checkpoint load) call these two, with one pair or several.
     @agreed
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        self._check_pairs("all_gather_into_tensor", outputs, inputs,
-                          lambda o, i: o.numel() == i.numel() * self.size())
+        check_pairs("all_gather_into_tensor", outputs, inputs, self.size())
 
         def run():
             for output, tensor in zip(outputs, inputs):
@@ -353,10 +328,9 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
 
     @agreed
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        self._check_pairs("reduce_scatter_tensor", outputs, inputs,
-                          lambda o, i: i.numel() == o.numel() * self.size())
+        check_pairs("reduce_scatter_tensor", outputs, inputs, self.size())
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
-        mpi_ops = [self._reduce_op(op, t.dtype) for t in outputs]
+        mpi_ops = [reduce_op_of(op, t.dtype) for t in outputs]
         average = kind(op) == dist.ReduceOp.AVG
 
         def run():
@@ -372,7 +346,7 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
         mine = self.wire.rank == root
         outs = output_tensors[0] if mine else []
         if mine:
-            self._check_list("gather", outs, tensor)
+            check_list("gather", outs, tensor, self.size())
 
         def run():
             gathered = tensor.new_empty((self.size(),) + tuple(tensor.shape)) if mine else None
@@ -394,7 +368,7 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
         mine = self.wire.rank == root
         ins = input_tensors[0] if mine else []
         if mine:
-            self._check_list("scatter", ins, out)
+            check_list("scatter", ins, out, self.size())
 
         def run():
             if mine:
@@ -484,18 +458,6 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
 
     abort = shutdown
 
-    def _check_pairs(self, op, outputs, inputs, sized):
-        if len(outputs) != len(inputs) or any(
-                o.dtype != i.dtype or not sized(o, i) for o, i in zip(outputs, inputs)):
-            raise errors.InputError(f"{op}: outputs {[shape(t) for t in outputs]} do not "
-                                    f"match inputs {[shape(t) for t in inputs]} at "
-                                    f"{self.size()} ranks")
-
-    def _check_list(self, op, tensors, like):
-        if len(tensors) != self.size() or any(
-                t.shape != like.shape or t.dtype != like.dtype for t in tensors):
-            raise errors.InputError(f"{op}: needs {self.size()} tensors of {like.dtype} "
-                                    f"{tuple(like.shape)}, one per rank")
 
 
 def create(opts, backend_options=None):
