@@ -2,8 +2,9 @@
 
 The ``"mpikv"`` torch backend (:mod:`mpikv.torch.process_group`) sums
 ``all_reduce``'s (and ``reduce_scatter``'s) float32, float64, int32 and int64
-tensors as a store sums a bucket (or sums one to its owners): a transport of its own over the group's ranks, the tuning table (cached
-per layout, probed once where none is cached, ``MPIKV_AUTOTUNE``), and the
+tensors as a store sums a bucket (or sums one to its owners): a transport of its
+own over the group's ranks, the tuning table (cached per layout, probed once
+where none is cached, ``MPIKV_AUTOTUNE``), and the
 strategy the table names for the size (ring, hierarchical, shared memory, MPI's
 own ``Allreduce``, each in pieces). Other dtypes and reduce ops go through MPI's
 ``Allreduce`` on the group's communicator.

@@ -13,8 +13,8 @@ from .conftest import ROOT
 
 SCRIPT = ROOT / "scripts" / "gpu-check.sh"
 STEPS = ["probe", "unit-real-cupy", "store-staged-2", "store-direct-2", "trainer-cuda-2",
-         "trainer-direct-2", "backend-direct-2", "stream-race-2", "bf16-casts", "bench-gpu-2", "bench-gpu-1",
-         "bench-gpu-direct-2", "bench-gpu-smcuda-2", "mpi-device-rest"]
+         "trainer-direct-2", "backend-direct-2", "stream-race-2", "bf16-casts", "bench-gpu-2",
+         "bench-gpu-1", "bench-gpu-direct-2", "bench-gpu-smcuda-2", "mpi-device-rest"]
 
 
 def _run(tmp_path, *args, env=None, timeout=120):
