@@ -276,6 +276,45 @@ def test_a_bad_argument_on_one_rank_is_refused_on_every_rank(pg, comm, bad_rank)
     assert all(o.sum() == 0 for o in out)
 
 
+def _bad_sizes(op, group, comm, bad):
+    """(the outputs, the call) of ``op`` whose outputs do not fit on the ``bad`` rank."""
+    p, extra = comm.size, 1 if bad else 0
+    backend = process_group.backend_of(group)
+    if op == "all_gather_coalesced":
+        outs = [[torch.zeros(2), torch.zeros(3)] for _ in range(p + extra)]
+        return ([o for pair in outs for o in pair], lambda: dist.all_gather_coalesced(
+            outs, [torch.ones(2), torch.ones(3)], group=group))
+    if op == "all_gather_into_tensor":
+        out = torch.zeros(2 * p + extra)
+        return [out], lambda: backend._allgather_base(out, torch.ones(2)).wait()
+    if op == "all_gather_into_tensor_coalesced":
+        outs = [torch.zeros(2 * p), torch.zeros(3 * p + extra)]
+        return outs, lambda: backend.allgather_into_tensor_coalesced(
+            outs, [torch.ones(2), torch.ones(3)]).wait()
+    out = torch.zeros(2 + extra)   # reduce_scatter_tensor_coalesced
+    return [out], lambda: backend.reduce_scatter_tensor_coalesced(
+        [out], [torch.ones(2 * p)]).wait()
+
+
+@pytest.mark.parametrize("op, says", [
+    ("all_gather_coalesced", "all_gather_coalesced: needs"),
+    ("all_gather_into_tensor", "all_gather_into_tensor: outputs"),
+    ("all_gather_into_tensor_coalesced", "all_gather_into_tensor: outputs"),
+    ("reduce_scatter_tensor_coalesced", "reduce_scatter_tensor: outputs")])
+@pytest.mark.parametrize("bad_rank", ["first", "last"])
+def test_bad_sizes_on_one_rank_are_refused_on_every_rank(pg, comm, op, says, bad_rank):
+    """Outputs that do not fit the inputs on one rank: the same InputError on every
+    rank, naming that rank's call; nothing written; the group goes on."""
+    bad = 0 if bad_rank == "first" else comm.size - 1
+    outs, call = _bad_sizes(op, pg, comm, comm.rank == bad)
+    message = raises_everywhere(comm, errors.InputError, call)
+    assert f"rank {bad}: {says}" in message
+    assert all(o.sum() == 0 for o in outs)
+    t = torch.ones(2)
+    dist.all_reduce(t, group=pg)
+    np.testing.assert_array_equal(t.numpy(), np.full(2, comm.size))
+
+
 def test_a_premul_sum_is_refused_on_every_rank(pg, comm):
     op = dist._make_nccl_premul_sum(2.0)   # (what gloo refuses too)
     raises_everywhere(comm, errors.InputError,
