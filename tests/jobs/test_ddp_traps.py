@@ -1,9 +1,8 @@
 """The DDP drop-in's table (tests/ddp_traps.py), its cases that are whole jobs: the
 ported tutorial (examples/ddp_tutorial/ported.py) started by torchrun is the same
 clear error in each process that starts before torchrun ends the others, instead of
-N one-rank trainings; a script
-whose job must end (uneven data meeting a torch.distributed call) ends within the
-store's timeout, saying what to do."""
+N one-rank trainings; a script whose job must end (uneven data meeting a
+torch.distributed call) ends within the store's timeout, saying what to do."""
 
 import os
 import socket
