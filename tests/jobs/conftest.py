@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,3 +87,18 @@ def run_job(n, *args, timeout=300, env=None):
     start = time.monotonic()
     rc, output = launch(cmd, full_env)
     return rc, output, time.monotonic() - start
+
+
+def started_together(jobs):
+    """Starts every job of ``jobs`` ({case: a function of no arguments}) at once, each on a
+    thread of its own; returns {case: its future}.
+
+    For jobs that mostly wait (for a timeout, or for the failure detector, while a rank
+    sleeps or is stopped): one after another they would leave the cores idle for as
+    long. A test takes its case's ``future.result()``; an assertion failed in the job's
+    function is raised there, in that test.
+    """
+    pool = ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="job")
+    futures = {case: pool.submit(job) for case, job in jobs.items()}
+    pool.shutdown(wait=False)   # the threads end with their jobs (each under a timeout)
+    return futures

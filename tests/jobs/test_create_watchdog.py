@@ -1,11 +1,12 @@
 """A rank that fails, or never comes, before any store exists ends the job; the
 store's creation is under the watchdog (issue 38, class 3)."""
 
+import functools
 import importlib.util
 
 import pytest
 
-from .conftest import run_job
+from .conftest import run_job, started_together
 
 SCRIPT = "tests/jobs/scripts/create_fault.py"
 #: the creation's timeout; a hang is caught by run_job's far longer bound
@@ -37,8 +38,17 @@ def test_an_uncaught_exception_before_any_store_ends_the_job(case, error):
     assert f"[rank 1] {error}" in out, out
 
 
-def test_a_rank_that_never_comes_ends_the_creation_at_the_timeout():
-    rc, out = ended("stuck_before")
+@pytest.fixture(scope="module")
+def timed_out():
+    """The two jobs that wait out the creation's timeout, started together."""
+    return started_together({
+        "stuck": functools.partial(ended, "stuck_before"),
+        "no_abort": functools.partial(ended, "raise_before",
+                                      env={**ENV, "MPIKV_ABORT_ON_EXCEPTION": "0"})})
+
+
+def test_a_rank_that_never_comes_ends_the_creation_at_the_timeout(timed_out):
+    rc, out = timed_out["stuck"].result()
     assert rc == 3, out   # the watchdog's MPI_Abort code
     assert f"mpikv: rank 0: create did not complete within {TIMEOUT} s (a rank is stuck " \
            "or gone); ending the job. create(timeout=) or MPIKV_TIMEOUT sets the limit." in out
@@ -47,8 +57,8 @@ def test_a_rank_that_never_comes_ends_the_creation_at_the_timeout():
            "agree for" in out, out
 
 
-def test_without_abort_on_exception_the_timeout_ends_the_creation():
-    rc, out = ended("raise_before", env={**ENV, "MPIKV_ABORT_ON_EXCEPTION": "0"})
+def test_without_abort_on_exception_the_timeout_ends_the_creation(timed_out):
+    rc, out = timed_out["no_abort"].result()
     assert rc == 3, out
     assert "RuntimeError: boom before any store" in out, out
     assert "uncaught RuntimeError" not in out, out

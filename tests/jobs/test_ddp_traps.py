@@ -4,6 +4,7 @@ clear error in each process that starts before torchrun ends the others, instead
 N one-rank trainings; a script whose job must end (uneven data meeting a
 torch.distributed call) ends within the store's timeout, saying what to do."""
 
+import functools
 import os
 import socket
 import sys
@@ -11,7 +12,7 @@ import sys
 import pytest
 
 from .. import ddp_traps as traps
-from .conftest import ROOT, launch, run_job
+from .conftest import ROOT, launch, run_job, started_together
 
 pytest.importorskip("torch")
 
@@ -49,13 +50,20 @@ def test_a_torchrun_launch_is_one_error_in_every_process(trap, n, tmp_path):
     assert not (tmp_path / "weights.pt").exists()
 
 
+@pytest.fixture(scope="module")
+def trap_jobs():
+    """Every job trap at 2 and 3 ranks, started together: each waits out its timeout."""
+    return started_together({(trap.name, n): functools.partial(
+        run_job, n, SCRIPT, trap.name, timeout=300,
+        env={"MPIKV_TIMEOUT": str(trap.job_timeout), "OMP_NUM_THREADS": "1",
+             "GLOO_SOCKET_IFNAME": "lo"}) for trap in JOB_TRAPS for n in (2, 3)})
+
+
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("trap", JOB_TRAPS, ids=lambda t: t.name)
-def test_a_job_that_must_end_ends_with_what_to_do(trap, n):
+def test_a_job_that_must_end_ends_with_what_to_do(trap_jobs, trap, n):
     import re
-    rc, out, _ = run_job(n, SCRIPT, trap.name, timeout=300,
-                         env={"MPIKV_TIMEOUT": str(trap.job_timeout), "OMP_NUM_THREADS": "1",
-                              "GLOO_SOCKET_IFNAME": "lo"})
+    rc, out, _ = trap_jobs[trap.name, n].result()
     assert rc not in (0, 124, 137), out   # ended by mpikv, not by the test's timeout
     assert re.search(trap.match.replace("{n}", str(n)).replace("{last}", str(n - 1)), out), out
     assert "finished" not in out

@@ -6,6 +6,7 @@ while the others go on calling the store; and the refusals of
 ``fault_tolerant=True`` where the launch has no ULFM.
 """
 
+import functools
 import os
 import re
 import subprocess
@@ -15,7 +16,7 @@ import uuid
 
 import pytest
 
-from .conftest import MPIRUN, launch
+from .conftest import MPIRUN, launch, started_together
 
 SCRIPT = "tests/jobs/scripts/rank_lost.py"
 #: the failure detector's timeout the jobs run with (scripts/mpirun.sh --ft)
@@ -173,8 +174,19 @@ def test_ft_launch_is_not_refused():
     assert out.count("created: not refused\n") == 2, out
 
 
-@pytest.mark.parametrize("case", ["slow", "slow_plain", "slow_start"])
-def test_a_rank_computing_longer_than_the_detector_timeout_is_not_lost(case):
+SLOW = ["slow", "slow_plain", "slow_start"]
+
+
+@pytest.fixture(scope="module")
+def slow_jobs():
+    """The slow cases' jobs, started together: each sleeps 3 x the detector's timeout."""
+    return started_together({case: functools.partial(
+        run_ft, 3, case, env={"MPIKV_FT_DETECTOR_TIMEOUT": str(SLOW_DETECTOR)})
+        for case in SLOW})
+
+
+@pytest.mark.parametrize("case", SLOW)
+def test_a_rank_computing_longer_than_the_detector_timeout_is_not_lost(slow_jobs, case):
     """In a fault-tolerant store, in one made with fault_tolerant=False under --ft, and
     before any store when MPI started before mpikv was imported: heartbeats go on.
 
@@ -182,7 +194,7 @@ def test_a_rank_computing_longer_than_the_detector_timeout_is_not_lost(case):
     other work) had a rank declared dead while it imported mpikv after MPI started, a
     gap that is no computing of the script's, and at 4 s once at load average 11-12
     (docs/fault-tolerance.md)."""
-    rc, out, seconds = run_ft(3, case, env={"MPIKV_FT_DETECTOR_TIMEOUT": str(SLOW_DETECTOR)})
+    rc, out, seconds = slow_jobs[case].result()
     assert rc == 0, out
     assert sorted(re.findall(r"rank (\d): finished without a loss", out)) == ["0", "1", "2"], out
     assert seconds > 3 * SLOW_DETECTOR, out

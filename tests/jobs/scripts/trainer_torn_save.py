@@ -2,14 +2,15 @@
 second save's files; run by tests/jobs/test_trainer_torn_save.py.
 
 Usage: trainer_torn_save.py save PATH OUTDIR KILL_RANK KILL_BEFORE
-       trainer_torn_save.py load PATH OUT.npz
+       trainer_torn_save.py load PATH OUT.npz [PATH OUT.npz ...]
 
 ``save``: 2 steps, save A to PATH, 2 more steps, save B to PATH; rank 0 writes
 what each save holds to OUTDIR/a.npz and OUTDIR/b.npz before it saves. During
 save B, rank KILL_RANK ends (``os._exit``) just before its KILL_BEFORE-th file
 rename (every file of a save is put in place by one rename): each number is a
 point between two files. A run whose kill never came prints ``renames=N``.
-``load``: a new Trainer loads PATH and writes what it holds to OUT.npz.
+``load``: for each PATH, a new store and a new Trainer (a new model) load PATH and
+write what they hold to its OUT.npz: one job for the checkpoints of every kill.
 """
 
 import os
@@ -65,26 +66,31 @@ def kill_before(nth):
 
 
 def main(argv):
+    if argv[0] == "load":
+        for path, out in zip(argv[1::2], argv[2::2]):
+            print(f"loading {path}", flush=True)
+            kv = mpikv.create("dist_sync", timeout=60)
+            net, trainer = make(kv)
+            trainer.load_checkpoint(path)
+            dump(net, trainer, out)
+            trainer.close()
+            kv.close()
+        return 0
+    path, outdir, rank, nth = argv[1], argv[2], int(argv[3]), int(argv[4])
     kv = mpikv.create("dist_sync", timeout=60)
     net, trainer = make(kv)
-    if argv[0] == "load":
-        trainer.load_checkpoint(argv[1])
-        dump(net, trainer, argv[2])
-    else:
-        path, outdir, rank, nth = argv[1], argv[2], int(argv[3]), int(argv[4])
-        train(net, trainer, range(2))
-        dump(net, trainer, os.path.join(outdir, "a.npz"))
-        trainer.save_checkpoint(path)
-        train(net, trainer, range(2, 4))
-        dump(net, trainer, os.path.join(outdir, "b.npz"))
-        count = kill_before(nth) if kv.rank == rank else None
-        trainer.save_checkpoint(path)
-        if count is not None:
-            print(f"renames={count[0]}", flush=True)
+    train(net, trainer, range(2))
+    dump(net, trainer, os.path.join(outdir, "a.npz"))
+    trainer.save_checkpoint(path)
+    train(net, trainer, range(2, 4))
+    dump(net, trainer, os.path.join(outdir, "b.npz"))
+    count = kill_before(nth) if kv.rank == rank else None
+    trainer.save_checkpoint(path)
+    if count is not None:
+        print(f"renames={count[0]}", flush=True)
     trainer.close()
     kv.close()
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
