@@ -45,7 +45,12 @@ before=$(daemons)
 # reached 98 % of a 45-minute guard at load 10-11 on 2026-12-01: now 60) do not
 # end a part that is still passing.
 section "unit, local-store and job tests"
-timeout -k 10 3600 "$py" -m pytest tests/unit tests/jobs -q --color=no -p no:randomly --durations=15 || status=1
+# Two at a time (pytest-xdist), a file's tests on one worker: a job test spends about a
+# fifth of its time waiting (for a launch, a timeout, the failure detector), which the
+# other worker's job fills (2026-12-03: tests/jobs took 494 s so, 763 s one at a time
+# before c494729, which started some waiting cases together: docs/development.md).
+timeout -k 10 3600 "$py" -m pytest tests/unit tests/jobs -q --color=no -p no:randomly --durations=15 \
+  -n 2 --dist loadfile || status=1
 
 for n in 1 2 3 4; do
   section "collective tests on $n rank(s)"

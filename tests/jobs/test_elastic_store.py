@@ -121,7 +121,10 @@ def test_a_rank_lost_during_the_recovery_is_recovered_from_in_turn(tmp_path, red
 
 #: The kill points of this run: drawn at random (4 jobs), the seed in each test's name;
 #: MPIKV_FT_SEED=S draws them again. One fixed 5-rank case leaves 4 ranks.
-SEED = int(os.environ.get("MPIKV_FT_SEED", time.time_ns() % 1_000_000))
+#: (Under pytest-xdist every worker collects the same cases: the run's shared id seeds them.)
+SEED = int(os.environ.get("MPIKV_FT_SEED") or (
+    int(os.environ["PYTEST_XDIST_TESTRUNUID"], 16) if "PYTEST_XDIST_TESTRUNUID" in os.environ
+    else time.time_ns()) % 1_000_000)
 _rng = random.Random(SEED)
 KILLS = [(n, _rng.randrange(n), _rng.randrange(14), _rng.choice(["checkpoint", "memory"]))
          for n in (_rng.choice([2, 3, 4, 5]) for _ in range(4))] + [(5, 3, 8, "memory")]
