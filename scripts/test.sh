@@ -52,6 +52,44 @@ section "unit, local-store and job tests"
 timeout -k 10 3600 "$py" -m pytest tests/unit tests/jobs -q --color=no -p no:randomly --durations=15 \
   -n 2 --dist loadfile || status=1
 
+# MXNet's own clients (tests/mxnet): MXNet 1.9.1 needs numpy < 1.24, so they run in a
+# separate environment, .venv-mxnet (scripts/setup_mxnet.sh). CI runs them when setting
+# that environment up takes under 3 minutes (about 15 s from nothing here), and says
+# why it skipped them otherwise.
+# They run beside the collective tests (their output shown after them): each part
+# leaves about a fifth of the cores idle, waiting on launches and between ranks.
+mxnet_part() {
+  local mxstatus=0
+  mxvenv=${MPIKV_MXNET_VENV:-.venv-mxnet}
+  mxpy=$mxvenv/bin/python
+  section "MXNet tests (mpikv.mxnet) in $mxvenv"
+  if ! timeout -k 10 180 bash scripts/setup_mxnet.sh; then
+    echo "MXNet tests skipped: setting up $mxvenv failed or took over 3 minutes"
+  elif ! "$mxpy" -c "import mxnet" >/dev/null 2>&1; then
+    echo "MXNet tests skipped: mxnet does not import in $mxvenv"
+  else
+    # One process: registration, views, optimizer mapping, the local store, and jobs that
+    # resume on another number of ranks.
+    OMP_NUM_THREADS=1 timeout -k 10 600 "$mxpy" -m pytest tests/mxnet -q --color=no -p no:randomly || mxstatus=1
+    for n in 1 2 3 4; do
+      section "MXNet collective tests on $n rank(s)"
+      OMP_NUM_THREADS=1 MPIKV_VENV=$mxvenv timeout -k 10 600 scripts/mpirun.sh -n "$n" sh -c '
+        if [ "${PMIX_RANK:-${PMI_RANK:-0}}" = 0 ]; then
+          exec "$0" -m pytest tests/mxnet --only-mpi -q --color=no -p no:randomly
+        else
+          exec "$0" -m pytest tests/mxnet --only-mpi -q --color=no -p no:randomly >/dev/null 2>&1
+        fi' "$mxpy" 2>&1 | tr -d '\000' | grep -v -E '^(MPI (version|library version|vendor)|mpi4py (rc|config)|rank|size):'
+      [ "${PIPESTATUS[0]}" = 0 ] || { echo "MXNet collective tests on $n rank(s) FAILED"; mxstatus=1; }
+    done
+  fi
+  return $mxstatus
+}
+mxlog=$cache/mxnet.log
+mxnet_part > "$mxlog" 2>&1 &
+mxpid=$!
+# A suite ended early ends this part's shell; each of its runs ends at its own timeout.
+trap 'kill "$mxpid" 2>/dev/null; rm -rf "$cache"' EXIT
+
 for n in 1 2 3 4; do
   section "collective tests on $n rank(s)"
   # Rank 0 reports; the others' summaries would repeat it. Any failing rank fails the run.
@@ -63,32 +101,8 @@ for n in 1 2 3 4; do
     fi' "$py" 2>&1 | tr -d '\000' | grep -v -E '^(MPI (version|library version|vendor)|mpi4py (rc|config)|rank|size):' 
   [ "${PIPESTATUS[0]}" = 0 ] || { echo "collective tests on $n rank(s) FAILED"; status=1; }
 done
-# MXNet's own clients (tests/mxnet): MXNet 1.9.1 needs numpy < 1.24, so they run in a
-# separate environment, .venv-mxnet (scripts/setup_mxnet.sh). CI runs them when setting
-# that environment up takes under 3 minutes (about 15 s from nothing here), and says
-# why it skipped them otherwise.
-mxvenv=${MPIKV_MXNET_VENV:-.venv-mxnet}
-mxpy=$mxvenv/bin/python
-section "MXNet tests (mpikv.mxnet) in $mxvenv"
-if ! timeout -k 10 180 bash scripts/setup_mxnet.sh; then
-  echo "MXNet tests skipped: setting up $mxvenv failed or took over 3 minutes"
-elif ! "$mxpy" -c "import mxnet" >/dev/null 2>&1; then
-  echo "MXNet tests skipped: mxnet does not import in $mxvenv"
-else
-  # One process: registration, views, optimizer mapping, the local store, and jobs that
-  # resume on another number of ranks.
-  OMP_NUM_THREADS=1 timeout -k 10 600 "$mxpy" -m pytest tests/mxnet -q --color=no -p no:randomly || status=1
-  for n in 1 2 3 4; do
-    section "MXNet collective tests on $n rank(s)"
-    OMP_NUM_THREADS=1 MPIKV_VENV=$mxvenv timeout -k 10 600 scripts/mpirun.sh -n "$n" sh -c '
-      if [ "${PMIX_RANK:-${PMI_RANK:-0}}" = 0 ]; then
-        exec "$0" -m pytest tests/mxnet --only-mpi -q --color=no -p no:randomly
-      else
-        exec "$0" -m pytest tests/mxnet --only-mpi -q --color=no -p no:randomly >/dev/null 2>&1
-      fi' "$mxpy" 2>&1 | tr -d '\000' | grep -v -E '^(MPI (version|library version|vendor)|mpi4py (rc|config)|rank|size):'
-    [ "${PIPESTATUS[0]}" = 0 ] || { echo "MXNet collective tests on $n rank(s) FAILED"; status=1; }
-  done
-fi
+wait $mxpid || status=1
+cat "$mxlog"
 section "system tests: a real SLURM cluster and two network-namespace hosts (root; skipped otherwise)"
 timeout -k 10 1200 "$py" -m pytest tests/system -q --color=no -p no:randomly || status=1
 

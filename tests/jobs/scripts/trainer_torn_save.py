@@ -92,5 +92,6 @@ def main(argv):
     kv.close()
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
