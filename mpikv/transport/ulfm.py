@@ -396,7 +396,9 @@ def end_survivor(code):
     rank still running as soon as one survivor's process ends, so no survivor
     leaves before all have reached their end. A lost rank's process still on this
     host (stopped, hung) is killed after the barrier: the launcher would wait
-    for it.
+    for it. A survivor lost before the barrier (:func:`wait_for_survivors`) is named
+    on standard error: the launcher ends it with this process, its last output
+    possibly unwritten.
     """
     if not _ending.acquire(blocking=False):   # another thread is ending this process
         time.sleep(3600)
@@ -407,17 +409,69 @@ def end_survivor(code):
             pass
     comm = _SURVIVORS.get("comm")
     if comm is not None:
-        limit = time.monotonic() + min(_SURVIVORS.get("timeout", 600.0), 600.0)
-        try:
-            request = comm.Ibarrier()
-            while not request.Test() and time.monotonic() < limit:
-                time.sleep(0.005)
-        except MPI.Exception:
-            pass   # another loss: end anyway
+        why = wait_for_survivors(comm, min(_SURVIVORS.get("timeout", 600.0), 600.0))
+        if why is not None:
+            # The launcher ends the others once this process ends: say why they may
+            # end without their last words.
+            _say(f"mpikv: rank {MPI.COMM_WORLD.Get_rank()}: {why}; ending without them")
         fence(_LOST_WORLD)
     os._exit(code)
 
 
+def wait_for_survivors(comm, seconds, world=None):
+    """Waits until every survivor of ``comm`` has reached its end (a barrier, at
+    most ``seconds``).
+
+    Args:
+        comm: the survivors' communicator.
+        seconds: the longest wait.
+        world: the communicator whose ranks a further loss is named by
+            (default ``COMM_WORLD``).
+
+    Returns:
+        None once all have; else why not, as text: a survivor lost meanwhile (one
+        that died, or that stalled longer than the failure detector's timeout:
+        MPI takes it for dead), or the wait's end.
+    """
+    limit = time.monotonic() + seconds
+    try:
+        request = comm.Ibarrier()
+        while not request.Test():
+            if time.monotonic() >= limit:
+                return f"the other survivors did not reach their end within {seconds:g} s"
+            time.sleep(0.005)
+    except MPI.Exception as exc:
+        world = MPI.COMM_WORLD if world is None else world
+        named = _failed_in(comm, world)
+        who = f"COMM_WORLD {_ranks(named)}" if named else "another survivor"
+        return (f"{who} lost too, before the survivors' end (MPI error class "
+                f"{exc.Get_error_class()}; the failure detector takes a rank that stalls "
+                f"longer than its timeout for dead)")
+    return None
+
+
+def _failed_in(comm, world):
+    """The ranks in ``world`` of the processes MPI reports failed in ``comm``."""
+    try:
+        failed = comm.Get_failed()
+    except (MPI.Exception, NotImplementedError):
+        return []
+    group = world.Get_group()
+    ranks = failed.Translate_ranks(list(range(failed.Get_size())), group)
+    failed.Free()
+    group.Free()
+    return [r for r in ranks if r != MPI.UNDEFINED]
+
+
+def _say(line):
+    out = sys.__stderr__ if sys.__stderr__ is not None else sys.stderr
+    try:
+        out.write(line + "\n")
+        out.flush()
+    except Exception:  # noqa: BLE001 - ending regardless
+        pass
+
+
 __all__ = ["FAILURE_CLASSES", "Recovery", "agree_on_support", "end_survivor", "fence",
            "is_failure", "launch_support", "library_support", "lost_a_rank", "processes_of",
-           "set_errors_return"]
+           "set_errors_return", "wait_for_survivors"]

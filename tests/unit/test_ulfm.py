@@ -123,6 +123,9 @@ class _Group:
         return [other.ranks.index(self.ranks[r]) if self.ranks[r] in other.ranks
                 else MPI.UNDEFINED for r in ranks]
 
+    def Get_size(self):
+        return len(self.ranks)
+
     def Free(self):
         pass
 
@@ -155,6 +158,25 @@ class _Comm:
 
     def allgather(self, mine):
         return [mine if p == self.ranks[self.me] else self.others[p] for p in self.ranks]
+
+    def Ibarrier(self):
+        # ``others``: the survivors that reach their end; the rest were lost meanwhile
+        from mpi4py import MPI
+        if self.others is None or set(self.others) >= set(self.ranks):
+            return _Request(self.others is not None)
+        raise MPI.Exception(MPI.ERR_PROC_FAILED)
+
+    def Get_failed(self):
+        return _Group([p for p in self.ranks if p not in self.others])
+
+
+class _Request:
+    def __init__(self, arrives):
+        self.arrives, self.tests = arrives, 0
+
+    def Test(self):
+        self.tests += 1
+        return self.arrives
 
 
 def _recovery(monkeypatch, me, others):
@@ -210,3 +232,25 @@ def test_survivors_a_call_apart_are_told_which_completed(monkeypatch, me):
                         "made on the survivors' communicator (this error's .comm) goes on")
     assert exc.call == 12 and exc.completed_on == [0]
     assert exc.completed_here is (me == 0)
+
+
+def test_survivors_that_all_reach_their_end_end_together():
+    survivors = _Comm([10, 12], 0, others={10: None, 12: None})
+    assert ulfm.wait_for_survivors(survivors, 60.0) is None
+
+
+def test_a_survivor_lost_before_the_end_is_named_in_the_world():
+    # 11 died earlier; of the survivors 10 and 12, 12 stopped sending heartbeats.
+    survivors = _Comm([10, 12], 0, others={10: None})
+    world = _Comm([10, 11, 12], 0)
+    from mpi4py import MPI
+    assert ulfm.wait_for_survivors(survivors, 60.0, world) == (
+        f"COMM_WORLD rank 2 lost too, before the survivors' end (MPI error class "
+        f"{MPI.ERR_PROC_FAILED}; the failure detector takes a rank that stalls longer than "
+        f"its timeout for dead)")
+
+
+def test_survivors_that_never_come_end_the_wait_at_its_bound():
+    survivors = _Comm([10, 12], 0)   # the barrier never completes
+    assert ulfm.wait_for_survivors(survivors, 0.05) == (
+        "the other survivors did not reach their end within 0.05 s")

@@ -6,6 +6,8 @@ Usage: rank_lost.py CASE [TOKEN]
 CASE says where rank 1 dies while the others go on calling the store:
   agreement  between two pushpulls: the others wait in the next call's agreement
   sigkill    as agreement, but rank 1 gets SIGKILL (kill -9) instead of os._exit(9)
+  stall      as agreement, and rank 2 stops itself (SIGSTOP) once it has reported the
+             error: the failure detector takes it for dead before the survivors' end
   data       inside a pushpull's data phase (its updater, on the owner of a key)
   barrier    between barriers
   async      as data, in pushpull_async calls: the error comes on the store's worker
@@ -77,7 +79,7 @@ def main(case):
                     die()
                 kv.barrier()
                 continue
-            if case in ("agreement", "sigkill") and i == DIE_AT and rank == 1:
+            if case in ("agreement", "sigkill", "stall") and i == DIE_AT and rank == 1:
                 die(signal.SIGKILL if case == "sigkill" else None)
             if case in ("slow", "slow_plain") and i == DIE_AT and rank == 2:
                 time.sleep(SLOW)
@@ -100,6 +102,9 @@ def main(case):
             kv.barrier()
         except mpikv.RankLostError as again:
             print(f"rank {rank}: again: {again == exc or str(again) == str(exc)}", flush=True)
+        if case == "stall" and rank == 2:
+            print("rank 2: stopping", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)   # the launcher's end of the job wakes it
         return
     print(f"rank {rank}: finished without a loss", flush=True)
     if case == "at_exit" and rank == 1:
