@@ -8,9 +8,11 @@ while the others go on calling the store; and the refusals of
 
 import functools
 import os
+import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 import warnings
@@ -67,16 +69,32 @@ def taken_for_dead(output):
     return None
 
 
+def unforwarded(output, reports):
+    """The lines the ranks wrote to ``reports`` (a directory of ``R.txt`` files, one
+    per rank: rank_lost.py's ``RANK_LOST_REPORTS``) that are not in ``output``."""
+    seen = set(output.splitlines())
+    return [line for path in sorted(reports.glob("*.txt"))
+            for line in path.read_text().splitlines() if line not in seen]
+
+
 def run_job(cmd, env, token, rerun=True):
     """Runs a job; returns (returncode, output, seconds), after checking that it did
     not hang and that none of its processes is left. ``rerun``: a job whose output
     shows a live rank taken for dead (:func:`taken_for_dead`) runs once more, with
-    a warning, and the output says so."""
+    a warning, and the output says so. Lines a rank wrote to its report file that
+    the launcher did not forward are added to the output, with a warning."""
     note = ""
     for attempt in (1, 2):
-        start = time.monotonic()
-        rc, output = launch(cmd, env)
-        seconds = time.monotonic() - start
+        with tempfile.TemporaryDirectory() as reports:
+            start = time.monotonic()
+            rc, output = launch(cmd, dict(env, RANK_LOST_REPORTS=reports))
+            seconds = time.monotonic() - start
+            lost = unforwarded(output, pathlib.Path(reports))
+        if lost:
+            warnings.warn(f"the launcher did not forward {len(lost)} line(s) the ranks "
+                          f"wrote: {lost}")
+            output += "[written by the ranks, not forwarded by the launcher:]\n" + "".join(
+                line + "\n" for line in lost)
         output = f"{note}{output}[the job: exit status {rc}, {seconds:.1f} s]\n"
         assert rc != 124, f"the job hung:\n{output}"
         assert leftovers(token) == [], output
@@ -189,6 +207,13 @@ def test_a_rank_taken_for_dead_is_read_from_either_sign():
     line = ("mpikv: rank 0: COMM_WORLD rank 2 lost too, before the survivors' end (MPI "
             "error class 75; ...); ending without them")
     assert taken_for_dead(f"rank 1: dying at 1.0\n{line}\n") == line
+
+
+def test_lines_the_launcher_did_not_forward_are_found(tmp_path):
+    (tmp_path / "0.txt").write_text("rank 0: a\nrank 0: b\n")
+    (tmp_path / "2.txt").write_text("rank 2: a\n")
+    assert unforwarded("rank 0: a\nrank 0: b\n", tmp_path) == ["rank 2: a"]
+    assert unforwarded("rank 2: a\nrank 0: b\nrank 0: a\n", tmp_path) == []
 
 
 def test_rank_killed_by_sigkill_is_reported_by_its_daemon_at_once():

@@ -25,7 +25,9 @@ CASE says where rank 1 dies while the others go on calling the store:
 TOKEN is ignored: it marks the processes, for the test's look for leftovers.
 
 Each survivor prints ``rank R: RankLostError: <message>``, then ``lost=[..]
-survivors=[..]`` and the seconds from the death to the error.
+survivors=[..]`` and the seconds from the death to the error. With
+``RANK_LOST_REPORTS=DIR`` each rank also appends its lines to ``DIR/R.txt``: a
+survivor the launcher ends may never have its last output forwarded.
 """
 
 import os
@@ -51,9 +53,9 @@ def main(case):
         try:
             mpikv.create("dist_sync", fault_tolerant=True, timeout=60, autotune=False)
         except mpikv.FaultToleranceUnavailableError as exc:
-            print(f"refused: {type(exc).__name__}: {exc}", flush=True)
+            say(f"refused: {type(exc).__name__}: {exc}")
             return
-        print("created: not refused", flush=True)
+        say("created: not refused")
         return
     if case == "slow_start" and MPI.COMM_WORLD.Get_rank() == 2:
         time.sleep(SLOW)
@@ -92,28 +94,35 @@ def main(case):
             assert all((g == expected).all() for g in grads), (i, grads[0][:3])
     except mpikv.RankLostError as exc:
         seen = time.time()
-        print(f"rank {rank}: RankLostError: {exc}", flush=True)
-        print(f"rank {rank}: lost={exc.lost} lost_world={exc.lost_world} "
-              f"survivors={exc.survivors} shrunk_size={exc.comm.Get_size()} "
-              f"step={step[0]} completed_here={exc.completed_here} seen_at={seen:.6f}",
-              flush=True)
+        say(f"rank {rank}: RankLostError: {exc}")
+        say(f"rank {rank}: lost={exc.lost} lost_world={exc.lost_world} "
+            f"survivors={exc.survivors} shrunk_size={exc.comm.Get_size()} "
+            f"step={step[0]} completed_here={exc.completed_here} seen_at={seen:.6f}")
         # The store is unusable now, every call the same error again.
         try:
             kv.barrier()
         except mpikv.RankLostError as again:
-            print(f"rank {rank}: again: {again == exc or str(again) == str(exc)}", flush=True)
+            say(f"rank {rank}: again: {again == exc or str(again) == str(exc)}")
         if case == "stall" and rank == 2:
-            print("rank 2: stopping", flush=True)
+            say("rank 2: stopping")
             os.kill(os.getpid(), signal.SIGSTOP)   # the launcher's end of the job wakes it
         return
-    print(f"rank {rank}: finished without a loss", flush=True)
+    say(f"rank {rank}: finished without a loss")
     if case == "at_exit" and rank == 1:
         time.sleep(0.5)
         die()
 
 
+def say(line):
+    print(line, flush=True)
+    where = os.environ.get("RANK_LOST_REPORTS")
+    if where:
+        with open(os.path.join(where, f"{os.environ.get('PMIX_RANK', 'x')}.txt"), "a") as f:
+            f.write(line + "\n")
+
+
 def die(signum=None):
-    print(f"rank 1: dying at {time.time():.6f}", flush=True)
+    say(f"rank 1: dying at {time.time():.6f}")
     if signum is not None:
         os.kill(os.getpid(), signum)
         time.sleep(60)   # not reached
