@@ -54,8 +54,8 @@ def taken_for_dead(output):
     """Where the job's output shows a live rank taken for dead, the line that says so;
     else None.
 
-    A 2 s detector (these jobs wait for it) takes a rank that a loaded machine
-    stalls for longer for dead (docs/fault-tolerance.md): MPI's verdict, not the
+    A 2 s detector (these jobs wait for it) takes for dead a rank that a loaded
+    machine stalls for longer (docs/fault-tolerance.md): MPI's verdict, not the
     case under test, and the others end without that rank's report.
     """
     said = LOST_AT_END.search(output)
