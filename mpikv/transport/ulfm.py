@@ -464,6 +464,7 @@ def _failed_in(comm, world):
 
 
 def _say(line):
+    # watchdog._write's twin: importing watchdog here would close an import circle
     out = sys.__stderr__ if sys.__stderr__ is not None else sys.stderr
     try:
         out.write(line + "\n")
