@@ -8,39 +8,44 @@ from .conftest import run_job
 pytest.importorskip("torch")
 
 SCRIPT = "tests/jobs/scripts/trainer_resume.py"
-STEPS = 6
+#: (ranks, shard) of each job of the chain: each loads its predecessor's checkpoint,
+#: makes one step and saves. Every pair of neighbours is a resume on another number of
+#: ranks and level; the checkpoint holds the owners' parts whatever the level, and
+#: shard="none" (replicas of the owners' state) writes and reads the same format
+#: (averaging modes: a power of 2 ranks, see the script). One job per resume, not two.
+CHAIN = [(4, "parameters"), (2, "optimizer"), (4, "none"), (2, "gradients"),
+         (3, "gradients"), (1, "parameters")]
+STEPS = len(CHAIN)
+
+
+def _read(path):
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("full") / "w.npz"
-    rc, log, _ = run_job(2, SCRIPT, "0", str(STEPS), "--out", str(out))
+    """The weights after each step of a run that never stopped: {step: weights}."""
+    each = tmp_path_factory.mktemp("full")
+    rc, log, _ = run_job(2, SCRIPT, "0", str(STEPS), "--out-each", str(each))
     assert rc == 0, log
-    with np.load(out) as f:
-        return {k: f[k] for k in f.files}
+    return {step: _read(each / f"{step}.npz") for step in range(1, STEPS + 1)}
 
 
-@pytest.mark.parametrize("before,after", [
-    ((2, "gradients"), (3, "gradients")),
-    # The checkpoint holds the owners' parts whatever the level of sharding.
-    ((4, "parameters"), (2, "optimizer")),
-    ((3, "gradients"), (1, "parameters")),
-    # shard="none" (replicas of the owners' state) writes and reads the same format
-    ((2, "optimizer"), (4, "none")),   # (averaging modes: a power of 2 ranks, see the script)
-    ((4, "none"), (2, "gradients")),
-], ids=lambda c: f"{c[0]}-{c[1]}")
-def test_trainer_resumes_on_another_number_of_ranks_and_level(tmp_path, uninterrupted, before,
-                                                              after):
-    """Saved with one level on N ranks, resumed with another on M ranks: bit for bit."""
-    ckpt, out = str(tmp_path / "ckpt"), tmp_path / "w.npz"
-    rc, log, _ = run_job(before[0], SCRIPT, "0", "3", "--save", ckpt, "--shard", before[1])
-    assert rc == 0, log
-    rc, log, _ = run_job(after[0], SCRIPT, "3", str(STEPS), "--load", ckpt, "--out", str(out),
-                         "--shard", after[1])
-    assert rc == 0, log
-    with np.load(out) as f:
-        got = {k: f[k] for k in f.files}
-    assert sorted(got) == sorted(uninterrupted)
-    for key, want in uninterrupted.items():
-        np.testing.assert_array_equal(got[key], want, err_msg=key)
+def test_trainer_resumes_on_another_number_of_ranks_and_level(tmp_path, uninterrupted):
+    """Saved with one level on N ranks, resumed with another on M ranks: bit for bit,
+    after every resume of the chain."""
+    for step, (ranks, shard) in enumerate(CHAIN):
+        load = ["--load", str(tmp_path / f"ck{step - 1}")] if step else []
+        out = tmp_path / f"w{step + 1}.npz"
+        rc, log, _ = run_job(ranks, SCRIPT, str(step), str(step + 1), *load,
+                             "--save", str(tmp_path / f"ck{step}"), "--out", str(out),
+                             "--shard", shard)
+        was = f"step {step + 1} on {ranks} rank(s), shard={shard!r}" + (
+            f", from {CHAIN[step - 1]}" if step else "")
+        assert rc == 0, f"{was}\n{log}"
+        got, want = _read(out), uninterrupted[step + 1]
+        assert sorted(got) == sorted(want), was
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"{key}: {was}")
     assert got["lr"] == 0.01 * 0.5 ** (STEPS // 2)  # the scheduler resumed too

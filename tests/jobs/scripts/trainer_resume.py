@@ -1,7 +1,10 @@
 """Trainer steps that stop, checkpoint and resume; run by tests/jobs/test_trainer_resume.py.
 
 Usage: trainer_resume.py FIRST LAST [--load CKPT] [--save CKPT] [--out WEIGHTS.npz]
-                          [--shard LEVEL]
+                          [--out-each DIRECTORY] [--shard LEVEL]
+
+``--out-each`` writes the weights after every step (DIRECTORY/STEP.npz), as ``--out``
+writes those of the last.
 
 Rank 0 computes the loss of the whole batch and the others backward a zero
 loss (of other data: the BatchNorm buffers are rank 0's, and in checkpoints), and ``step(batch_size=1)`` sums without averaging: the sum is then the
@@ -33,6 +36,7 @@ def main(argv):
     p.add_argument("--load")
     p.add_argument("--save")
     p.add_argument("--out")
+    p.add_argument("--out-each")
     p.add_argument("--shard", default="gradients")
     a = p.parse_args(argv)
     net = model()
@@ -57,14 +61,22 @@ def main(argv):
         (loss if kv.rank == 0 else loss * 0).backward()
         trainer.step(batch_size=1)
         trainer.lr_scheduler.step()
+        if a.out_each:
+            write(f"{a.out_each}/{step + 1}.npz", trainer, net, kv)
     if a.save:
         trainer.save_checkpoint(a.save)
+    if a.out:
+        write(a.out, trainer, net, kv)
+    return 0
+
+
+def write(path, trainer, net, kv):
+    """Rank 0 writes the whole weights, buffers and learning rate to ``path``."""
     with trainer.gathered():   # (shard="parameters": each rank holds its parts only)
-        if a.out and kv.rank == 0:
-            np.savez(a.out, lr=trainer.learning_rate,
+        if kv.rank == 0:
+            np.savez(path, lr=trainer.learning_rate,
                      **{n: p.detach().numpy() for n, p in net.named_parameters()},
                      **{n: b.numpy() for n, b in net.named_buffers()})
-    return 0
 
 
 if __name__ == "__main__":
