@@ -9,7 +9,7 @@ pytest.importorskip("torch")
 
 SCRIPT = "tests/jobs/scripts/trainer_resume.py"
 #: (ranks, shard) of each job of the chain: each loads its predecessor's checkpoint,
-#: makes one step and saves. Every pair of neighbours is a resume on another number of
+#: makes one step and saves (the last does not). Every pair of neighbours is a resume on another number of
 #: ranks and level; the checkpoint holds the owners' parts whatever the level, and
 #: shard="none" (replicas of the owners' state) writes and reads the same format
 #: (averaging modes: a power of 2 ranks, see the script). One job per resume, not two.
@@ -37,10 +37,10 @@ def test_trainer_resumes_on_another_number_of_ranks_and_level(tmp_path, uninterr
     after every resume of the chain."""
     for step, (ranks, shard) in enumerate(CHAIN):
         load = ["--load", str(tmp_path / f"ck{step - 1}")] if step else []
+        save = ["--save", str(tmp_path / f"ck{step}")] if step + 1 < STEPS else []
         out = tmp_path / f"w{step + 1}.npz"
-        rc, log, _ = run_job(ranks, SCRIPT, str(step), str(step + 1), *load,
-                             "--save", str(tmp_path / f"ck{step}"), "--out", str(out),
-                             "--shard", shard)
+        rc, log, _ = run_job(ranks, SCRIPT, str(step), str(step + 1), *load, *save,
+                             "--out", str(out), "--shard", shard)
         was = f"step {step + 1} on {ranks} rank(s), shard={shard!r}" + (
             f", from {CHAIN[step - 1]}" if step else "")
         assert rc == 0, f"{was}\n{log}"
