@@ -3,6 +3,7 @@ switch, links shaped with tbf, one MPI job over TCP between hosts and shared mem
 inside each."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -78,16 +79,36 @@ def test_every_rank_is_told_the_cluster(cluster):
         assert line in out, out
 
 
+def shaper(host):
+    """(bytes sent, packets held back) by the ``tbf`` on ``host``'s link, or None unshaped."""
+    out = run(["tc", "-s", "-n", f"{PREFIX}{host}", "qdisc", "show", "dev", f"{PREFIX}eth",
+               "root"], timeout=10)[1]
+    if " tbf " not in out:
+        return None
+    sent = re.search(r"Sent (\d+) bytes .*overlimits (\d+)", out)
+    return int(sent.group(1)), int(sent.group(2))
+
+
 def test_a_shaped_link_runs_at_its_rate(cluster):
-    """1 Gb/s is about 1 Gb/s, and many times slower than the unshaped link."""
+    """1 Gb/s is at most 1 Gb/s, and the shaper held the transfer back: without it
+    the link would have gone faster.
+
+    Only what load cannot change is asserted: other jobs on the cores slow a
+    transfer, so neither a lower bound nor a ratio to the unshaped link holds
+    under load (docs/cluster.md has the rates measured on a quiet machine).
+    """
     cluster("up", "--hosts", "2", "--rate", "none")
-    free = link_rate(cluster)
+    assert shaper("h1") is None and shaper("h2") is None
+    assert min(link_rate(cluster)) > 0   # the unshaped link carries
     cluster("up", "--rate", "1gbit")
     assert "rate 1Gbit" in cluster("status")
+    before = {h: shaper(h) for h in ("h1", "h2")}
     shaped = link_rate(cluster)
     for way in (0, 1):
-        assert 0.75 <= shaped[way] <= 1.05, (free, shaped)
-        assert free[way] / shaped[way] >= 4, (free, shaped)
+        assert 0 < shaped[way] <= 1.05, shaped
+    for host in ("h1", "h2"):   # each end sent its 4 rounds of 64 MiB (1 untimed, 3 timed)
+        sent, held = (a - b for a, b in zip(shaper(host), before[host]))
+        assert sent >= 4 * (64 << 20) and held > 0, (host, sent, held)
 
 
 def test_up_is_idempotent_and_follows_hosts(cluster):

@@ -9,10 +9,11 @@ from .test_cluster import cluster  # noqa: F401 (the fixture: down before and af
 
 def test_reduce_to_owners_on_two_hosts_by_two_ranks(cluster):  # noqa: F811
     cluster("up", "--hosts", "2", "--rate", "10gbit")
-    out = cluster("run", "--ranks-per-host", "2", "--timeout", "120", "--", "python", "-m",
+    # The timeouts end a hang only: with two 4-rank jobs beside it, 120 s was too few.
+    out = cluster("run", "--ranks-per-host", "2", "--timeout", "600", "--", "python", "-m",
                   "pytest", str(ROOT / "tests" / "mpi" / "test_reducers.py"), "-k", "owners",
                   "--with-mpi", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
-                  "--color=no", timeout=180)
+                  "--color=no", timeout=660)
     summaries = [line for line in out.splitlines() if " passed" in line and " in " in line]
     assert len(summaries) == 4, out          # one pytest summary per rank
     assert not any("failed" in line or "error" in line for line in summaries), out
