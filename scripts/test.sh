@@ -6,6 +6,10 @@
 #      network-namespace hosts (they install Debian's slurm-wlm the first time).
 # Every MPI run is under a timeout; the exit code is non-zero if any part failed.
 set -uo pipefail
+# Python keeps the bytecode it compiles (in __pycache__, which git ignores): with
+# PYTHONDONTWRITEBYTECODE set, as in some CI images, each of the suite's Python processes
+# (thousands: every rank of every job) compiled mpikv and the test modules again.
+unset PYTHONDONTWRITEBYTECODE
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$top/scripts/setup.sh" || exit 1
 cd "$top"
@@ -56,9 +60,8 @@ timeout -k 10 3600 "$py" -m pytest tests/unit tests/jobs -q --color=no -p no:ran
 # separate environment, .venv-mxnet (scripts/setup_mxnet.sh). CI runs them when setting
 # that environment up takes under 3 minutes (about 15 s from nothing here), and says
 # why it skipped them otherwise.
-# They run beside the system tests (their output shown after them), which leave about
-# two fifths of the cores idle, waiting on daemons and jobs (2026-12-03: the system
-# tests 61 % busy, the collective ones 92-96 %).
+# They run beside the collective tests (their output shown after them): each part
+# leaves about a fifth of the cores idle, waiting on launches and between ranks.
 mxnet_part() {
   local mxstatus=0
   mxvenv=${MPIKV_MXNET_VENV:-.venv-mxnet}
@@ -85,6 +88,12 @@ mxnet_part() {
   fi
   return $mxstatus
 }
+mxlog=$cache/mxnet.log
+mxnet_part > "$mxlog" 2>&1 &
+mxpid=$!
+# A suite ended early ends this part's shell; each of its runs ends at its own timeout.
+trap 'kill "$mxpid" 2>/dev/null; rm -rf "$cache"' EXIT
+
 for n in 1 2 3 4; do
   section "collective tests on $n rank(s)"
   # Rank 0 reports; the others' summaries would repeat it. Any failing rank fails the run.
@@ -96,15 +105,10 @@ for n in 1 2 3 4; do
     fi' "$py" 2>&1 | tr -d '\000' | grep -v -E '^(MPI (version|library version|vendor)|mpi4py (rc|config)|rank|size):' 
   [ "${PIPESTATUS[0]}" = 0 ] || { echo "collective tests on $n rank(s) FAILED"; status=1; }
 done
-mxlog=$cache/mxnet.log
-mxnet_part > "$mxlog" 2>&1 &
-mxpid=$!
-# A suite ended early ends this part's shell; each of its runs ends at its own timeout.
-trap 'kill "$mxpid" 2>/dev/null; rm -rf "$cache"' EXIT
-section "system tests: a real SLURM cluster and two network-namespace hosts (root; skipped otherwise)"
-timeout -k 10 1200 "$py" -m pytest tests/system -q --color=no -p no:randomly || status=1
 wait $mxpid || status=1
 cat "$mxlog"
+section "system tests: a real SLURM cluster and two network-namespace hosts (root; skipped otherwise)"
+timeout -k 10 1200 "$py" -m pytest tests/system -q --color=no -p no:randomly || status=1
 
 sleep 1   # launchers of killed jobs take a moment to exit
 left=$(comm -13 <(echo "$before") <(daemons))

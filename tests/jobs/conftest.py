@@ -8,6 +8,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[2]
 MPIRUN = ROOT / "scripts" / "mpirun.sh"
 
@@ -78,6 +80,12 @@ def left_running(tag, grace=5.0):
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
+
+
+def read_npz(path):
+    """The arrays of an ``.npz`` file: ``{name: array}``."""
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
 
 
 def run_job(n, *args, timeout=300, env=None):

@@ -4,17 +4,12 @@ resumed on other rank counts, it ends with the weights of a run that never stopp
 import numpy as np
 import pytest
 
-from .conftest import run_job
+from .conftest import read_npz, run_job
 
 pytest.importorskip("torch")
 
 SCRIPT = "tests/jobs/scripts/chain.py"
 LAST = 10
-
-
-def _weights(path):
-    with np.load(path) as f:
-        return {k: f[k] for k in f.files}
 
 
 def test_a_chain_of_jobs_ends_with_the_uninterrupted_weights(tmp_path):
@@ -36,7 +31,7 @@ def test_a_chain_of_jobs_ends_with_the_uninterrupted_weights(tmp_path):
     # processes ended (no trainer.close() in the script).
     from mpikv.torch import resume
     assert [s for s, _ in resume.newest_first(chain)] == [9, 8, 6]
-    want, got = _weights(tmp_path / "straight.npz"), _weights(tmp_path / "chain.npz")
+    want, got = read_npz(tmp_path / "straight.npz"), read_npz(tmp_path / "chain.npz")
     assert sorted(got) == sorted(want)
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)

@@ -9,15 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from .conftest import MPIRUN, ROOT, run_job
+from .conftest import MPIRUN, ROOT, read_npz, run_job
 
 SCRIPT = "tests/jobs/scripts/resume.py"
 STEPS = 6
-
-
-def _weights(path):
-    with np.load(path) as f:
-        return {k: f[k] for k in f.files}
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +20,7 @@ def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("full") / "w.npz"
     rc, log, _ = run_job(2, SCRIPT, "run", "0", str(STEPS), "--out", str(out))
     assert rc == 0, log
-    return _weights(out)
+    return read_npz(out)
 
 
 @pytest.mark.parametrize("before,after", [(2, 3), (3, 2), (1, 4)])
@@ -35,7 +30,7 @@ def test_resume_on_another_number_of_ranks(tmp_path, uninterrupted, before, afte
     assert rc == 0, log
     rc, log, _ = run_job(after, SCRIPT, "run", "3", str(STEPS), "--load", ckpt, "--out", out)
     assert rc == 0, log
-    got = _weights(out)
+    got = read_npz(out)
     for key, want in uninterrupted.items():
         np.testing.assert_array_equal(got[key], want, err_msg=key)
 
@@ -88,6 +83,6 @@ def test_job_killed_while_saving_leaves_the_previous_checkpoint(tmp_path):
     out = str(tmp_path / "loaded.npz")
     rc, log, _ = run_job(2, SCRIPT, "run", "1", "1", "--load", ckpt, "--out", out)
     assert rc == 0, log
-    got, want = _weights(out), _weights(first)
+    got, want = read_npz(out), read_npz(first)
     for key in want:
         np.testing.assert_array_equal(got[key], want[key])

@@ -2,8 +2,8 @@
 and DDP's test methods of torch.testing._internal.distributed.distributed_test, the
 class torch runs for gloo, NCCL and MPI, at 3 ranks (tests/jobs/scripts/torch_dist_tests.py).
 
-Torch gates many of its tests on the backend's name. They run under three names, the
-group being mpikv's each time: "mpikv" (what torch runs for any backend), "gloo"
+Torch gates many of its tests on the backend's name. They run under three names in one
+job, one name after the other, the group being mpikv's each time: "mpikv" (what torch runs for any backend), "gloo"
 and "mpi" (what it runs for those two on CPUs: timeouts' tests, CPU all_to_all).
 What cannot apply to a backend written in Python is excluded with its reason
 (docs/torch.md lists them). None may fail; the numbers that passed are docs/torch.md's.
@@ -37,21 +37,32 @@ MUST_PASS = {
 }
 
 
-# ids not "mpi": pytest-mpi takes a test with that keyword for a collective one
-@pytest.mark.parametrize("name", ["mpikv", "gloo", "mpi"], ids=lambda n: f"named-{n}")
-def test_torchs_distributed_tests_pass(tmp_path, name):
+NAMES = ["mpikv", "gloo", "mpi"]
+
+
+@pytest.fixture(scope="module")
+def torch_tests(tmp_path_factory):
+    """The output of one job running the tests under each name of NAMES in turn."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("MPIKV_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
     env.update(PYTHONUNBUFFERED="1", MPIKV_AUTOTUNE="0", MPIKV_TIMEOUT="120",
-               TORCH_TESTS_AS=name)
-    rc, out = launch(["timeout", "-k", "5", "600", sys.executable, "-m", "mpikv", "run",
-                      "-n", "3", str(SCRIPT), str(tmp_path), *PATTERNS], env)
+               TORCH_TESTS_AS=",".join(NAMES))
+    rc, out = launch(["timeout", "-k", "5", "900", sys.executable, "-m", "mpikv", "run",
+                      "-n", "3", str(SCRIPT), str(tmp_path_factory.mktemp("torch_tests")),
+                      *PATTERNS], env)
     assert rc == 0, out
-    totals = re.findall(r"^TORCHTESTS rank (\d): (\d+) passed, (\d+) skipped, (\d+) failed, "
-                        r"(\d+) excluded$", out, flags=re.M)
+    return out
+
+
+# ids not "mpi": pytest-mpi takes a test with that keyword for a collective one
+@pytest.mark.parametrize("name", NAMES, ids=lambda n: f"named-{n}")
+def test_torchs_distributed_tests_pass(torch_tests, name):
+    out = torch_tests
+    totals = re.findall(rf"^TORCHTESTS {name} rank (\d): (\d+) passed, (\d+) skipped, "
+                        r"(\d+) failed, (\d+) excluded$", out, flags=re.M)
     assert sorted(t[0] for t in totals) == ["0", "1", "2"], out
     assert len({t[1:] for t in totals}) == 1, totals   # the same on every rank
     assert all(t[3] == "0" for t in totals), "\n".join(
         line for line in out.splitlines() if " failed " in line)
-    passed = set(re.findall(r"^TORCHTEST (\S+) passed$", out, flags=re.M))
+    passed = set(re.findall(rf"^TORCHTEST {name} (\S+) passed$", out, flags=re.M))
     assert MUST_PASS[name] <= passed, MUST_PASS[name] - passed

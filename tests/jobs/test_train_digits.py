@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from .conftest import ROOT, run_job
+from .conftest import ROOT, read_npz, run_job
 
 SCRIPT = "examples/train_digits.py"
 TORCH_SCRIPT = "examples/train_digits_torch.py"
@@ -27,11 +27,6 @@ def _accuracy(log):
     return float(found[0])
 
 
-def _weights(path):
-    with np.load(path) as f:
-        return {k: f[k] for k in f.files}
-
-
 def _assert_same_weights(got, want):
     assert sorted(got) == sorted(want)
     for key in want:
@@ -44,7 +39,7 @@ def one_rank(tmp_path_factory):
     out = tmp_path_factory.mktemp("one_rank") / "w.npz"
     rc, log, _ = run_job(1, SCRIPT, "--epochs", str(EPOCHS), *QUIET, "--save-weights", str(out))
     assert rc == 0, log
-    return _weights(out), _accuracy(log)
+    return read_npz(out), _accuracy(log)
 
 
 def test_one_rank_reaches_the_accuracy(one_rank):
@@ -59,7 +54,7 @@ def test_more_ranks_train_the_same_weights(tmp_path, one_rank, n):
     assert rc == 0, log
     assert f"store dist_sync, {n} worker(s), global batch 64" in log
     assert len(re.findall(r"^epoch \d+/3: train loss", log, flags=re.M)) == EPOCHS
-    _assert_same_weights(_weights(out), one_rank[0])
+    _assert_same_weights(read_npz(out), one_rank[0])
     assert _accuracy(log) == one_rank[1]
     data = png.read_bytes()
     assert data.startswith(PNG_MAGIC) and data[12:16] == b"IHDR" and len(data) > 1000
@@ -73,7 +68,7 @@ def test_local_store_runs_without_mpiexec(tmp_path, one_rank):
                           cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "store local, 1 worker(s)" in proc.stdout
-    _assert_same_weights(_weights(out), one_rank[0])
+    _assert_same_weights(read_npz(out), one_rank[0])
     assert _accuracy(proc.stdout) >= 0.9
 
 
@@ -87,7 +82,7 @@ def test_resume_on_three_ranks_equals_an_uninterrupted_run(tmp_path, one_rank):
                          "--save-weights", str(out))
     assert rc == 0, log
     assert f"epochs {EPOCHS}..{EPOCHS}" in log  # only the missing epoch was trained
-    _assert_same_weights(_weights(out), one_rank[0])
+    _assert_same_weights(read_npz(out), one_rank[0])
 
 
 # -- the torch variant: a CNN trained with mpikv.torch.Trainer ------------------------

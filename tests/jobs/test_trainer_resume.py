@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from .conftest import run_job
+from .conftest import read_npz, run_job
 
 pytest.importorskip("torch")
 
@@ -18,18 +18,13 @@ CHAIN = [(4, "parameters"), (2, "optimizer"), (4, "none"), (2, "gradients"),
 STEPS = len(CHAIN)
 
 
-def _read(path):
-    with np.load(path) as f:
-        return {k: f[k] for k in f.files}
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The weights after each step of a run that never stopped: {step: weights}."""
     each = tmp_path_factory.mktemp("full")
     rc, log, _ = run_job(2, SCRIPT, "0", str(STEPS), "--out-each", str(each))
     assert rc == 0, log
-    return {step: _read(each / f"{step}.npz") for step in range(1, STEPS + 1)}
+    return {step: read_npz(each / f"{step}.npz") for step in range(1, STEPS + 1)}
 
 
 def test_trainer_resumes_on_another_number_of_ranks_and_level(tmp_path, uninterrupted):
@@ -44,7 +39,7 @@ def test_trainer_resumes_on_another_number_of_ranks_and_level(tmp_path, uninterr
         was = f"step {step + 1} on {ranks} rank(s), shard={shard!r}" + (
             f", from {CHAIN[step - 1]}" if step else "")
         assert rc == 0, f"{was}\n{log}"
-        got, want = _read(out), uninterrupted[step + 1]
+        got, want = read_npz(out), uninterrupted[step + 1]
         assert sorted(got) == sorted(want), was
         for key in want:
             np.testing.assert_array_equal(got[key], want[key], err_msg=f"{key}: {was}")

@@ -7,16 +7,11 @@ import re
 import numpy as np
 import pytest
 
-from .conftest import run_job
+from .conftest import read_npz, run_job
 
 pytest.importorskip("torch")
 
 SCRIPT = "tests/jobs/scripts/trainer_torn_save.py"
-
-
-def _read(path):
-    with np.load(path) as f:
-        return {k: f[k] for k in f.files}
 
 
 def _which(got, a, b):
@@ -48,9 +43,9 @@ def test_a_save_killed_between_any_two_files_loads_all_of_one_save(tmp_path, ran
     assert rc == 0, f"a load failed (the last 'loading' line names it)\n{log}"
     outcomes = []
     for nth, run in enumerate(runs, 1):
-        a, b = _read(run / "a.npz"), _read(run / "b.npz")
+        a, b = read_npz(run / "a.npz"), read_npz(run / "b.npz")
         assert a["num_update"] == 2 and b["num_update"] == 4 and a["lr"] != b["lr"]
-        outcomes.append(_which(_read(run / "got.npz"), a, b))
+        outcomes.append(_which(read_npz(run / "got.npz"), a, b))
         assert outcomes[-1] in ("a", "b"), (f"killed before rename {nth} of rank {rank}",
                                             outcomes[-1])
     # The first save until the commit, the second from it on.

@@ -5,10 +5,17 @@ torch runs that class in processes it forks itself (MultiProcessTestCase), which
 cannot take in as ranks; here each MPI rank is one of its processes instead: the
 default group is made once (``dist.init_process_group("mpikv")``, as torch's
 ``_run`` does per test), and each test method named by the patterns runs on every
-rank, in the same order, with torch's file barrier between tests. Each rank prints
-``TORCHTEST <name> <passed|skipped|failed|excluded> [why]`` lines, then ``TORCHTESTS <counts>``.
+rank, in the same order, with torch's file barrier between tests.
 
-    mpikv run -n 2 torch_dist_tests.py TEMP_DIR PATTERN...
+torch gates many tests on the backend's name (``BACKEND``, read when its module is
+imported): ``TORCH_TESTS_AS`` names the names to run them under, comma-separated
+(default "mpikv"), one after the other in this job, the module imported again under
+each (importing it costs a rank about 5 s of CPU; a job per name paid it per name).
+For each name, each rank prints
+``TORCHTEST <as> <name> <passed|skipped|failed|excluded> [why]`` lines, then
+``TORCHTESTS <as> rank <r>: <counts>``.
+
+    mpikv run -n 3 torch_dist_tests.py TEMP_DIR PATTERN...
 """
 
 import fnmatch
@@ -29,19 +36,31 @@ EXCLUDED = {
 
 
 def main(temp_dir, patterns):
-    os.environ["BACKEND"] = os.environ.get("TORCH_TESTS_AS", "mpikv")
+    import torch.distributed as dist
+    dist.init_process_group("mpikv")
+    for name in os.environ.get("TORCH_TESTS_AS", "mpikv").split(","):
+        run_as(name, os.path.join(temp_dir, name), patterns, dist.get_rank())
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_as(backend, temp_dir, patterns, rank):
+    """Runs the tests named by ``patterns`` as torch runs them for ``backend``."""
+    import importlib
+
+    import torch.distributed as dist
+    os.environ["BACKEND"] = backend
     os.environ["TEMP_DIR"] = temp_dir
     os.makedirs(os.path.join(temp_dir, "barrier"), exist_ok=True)
-    import torch.distributed as dist
     from torch.testing._internal.common_distributed import TEST_SKIPS
     from torch.testing._internal.common_utils import TestCase
-    from torch.testing._internal.distributed.distributed_test import DistributedTest
+    from torch.testing._internal.distributed import distributed_test
+    # Its decorators read BACKEND once, when the module runs: it runs again per name.
+    importlib.reload(distributed_test)
 
-    class OnMPI(DistributedTest._DistTestBase, TestCase):
+    class OnMPI(distributed_test.DistributedTest._DistTestBase, TestCase):
         pass
 
-    dist.init_process_group("mpikv")
-    rank = dist.get_rank()
     names = sorted(n for n in dir(OnMPI) if n.startswith("test_")
                    and any(fnmatch.fnmatchcase(n, p) for p in patterns))
     skips = {s.exit_code: s.message for s in TEST_SKIPS.values()}
@@ -50,7 +69,7 @@ def main(temp_dir, patterns):
         reason = next((why for p, why in EXCLUDED.items() if fnmatch.fnmatchcase(name, p)), None)
         if reason:
             counts["excluded"] += 1
-            print(f"TORCHTEST {name} excluded {reason}", flush=True)
+            print(f"TORCHTEST {backend} {name} excluded {reason}", flush=True)
             continue
         test = OnMPI(name)
         test.rank = rank
@@ -72,11 +91,10 @@ def main(temp_dir, patterns):
         else:
             status, why = "passed", ""
         counts[status] += 1
-        print(f"TORCHTEST {name} {status} {why}".rstrip(), flush=True)
+        print(f"TORCHTEST {backend} {name} {status} {why}".rstrip(), flush=True)
         dist.barrier()
-    print(f"TORCHTESTS rank {rank}: " + ", ".join(f"{v} {k}" for k, v in counts.items()),
-          flush=True)
-    dist.destroy_process_group()
+    print(f"TORCHTESTS {backend} rank {rank}: "
+          + ", ".join(f"{v} {k}" for k, v in counts.items()), flush=True)
 
 
 if __name__ == "__main__":
