@@ -228,8 +228,7 @@ def reference(name, size, extra=0):
 
 
 # Made once per process: a case's run is the reference of each face and sharding
-# level, and each rank runs every rank's batch (at 4 ranks on 2 cores, most of
-# those tests' time).
+# level, and every rank makes it with every rank's batch.
 @functools.lru_cache(maxsize=None)
 def _reference(name, size, extra):
     s = settings(name)

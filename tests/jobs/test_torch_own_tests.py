@@ -2,9 +2,10 @@
 and DDP's test methods of torch.testing._internal.distributed.distributed_test, the
 class torch runs for gloo, NCCL and MPI, at 3 ranks (tests/jobs/scripts/torch_dist_tests.py).
 
-Torch gates many of its tests on the backend's name. They run under three names in one
-job, one name after the other, the group being mpikv's each time: "mpikv" (what torch runs for any backend), "gloo"
-and "mpi" (what it runs for those two on CPUs: timeouts' tests, CPU all_to_all).
+Torch gates many of its tests on the backend's name. They run under three names, one
+after the other in one job, the group being mpikv's each time: "mpikv" (what torch
+runs for any backend), "gloo" and "mpi" (what it runs for those two on CPUs:
+timeouts' tests, CPU all_to_all).
 What cannot apply to a backend written in Python is excluded with its reason
 (docs/torch.md lists them). None may fail; the numbers that passed are docs/torch.md's.
 """
