@@ -17,8 +17,6 @@ that does not import torch is untouched; the step's wrapper is replaced only on
 the torch version whose code it repeats (2.13).
 """
 
-import functools
-import importlib.abc
 import importlib.machinery
 import sys
 
@@ -30,6 +28,8 @@ def _compiler_loaded():
 
 
 def _patch_compile(module):
+    import functools   # here: a process without torch imports nothing more
+
     wrap = module._disable_dynamo
 
     def _disable_dynamo(fn=None, recursive=True):
@@ -49,6 +49,8 @@ def _patch_compile(module):
 
 
 def _patch_optimizer(module):
+    import functools
+
     torch = sys.modules["torch"]
     if not torch.__version__.startswith("2.13."):
         return
@@ -76,7 +78,8 @@ def _patch_optimizer(module):
 _PATCHES = {"torch._compile": _patch_compile, "torch.optim.optimizer": _patch_optimizer}
 
 
-class _Loader(importlib.abc.Loader):
+# Plain classes, not importlib.abc's: importing that costs every process 20 ms.
+class _Loader:
     def __init__(self, loader, patch):
         self._loader, self._patch = loader, patch
 
@@ -88,7 +91,7 @@ class _Loader(importlib.abc.Loader):
         self._patch(module)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:
     def find_spec(self, name, path, target=None):
         patch = _PATCHES.pop(name, None)
         if patch is None:
