@@ -10,10 +10,10 @@ set -uo pipefail
 # PYTHONDONTWRITEBYTECODE set, as in some CI images, each of the suite's Python processes
 # (thousands: every rank of every job) compiled mpikv and the test modules again.
 unset PYTHONDONTWRITEBYTECODE
-# Each torch process's first optimizer imports torch's compiler, which nothing here
-# uses: about 2 s of CPU per rank (tests/site/sitecustomize.py says how it is skipped).
-export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/tests/site${PYTHONPATH:+:$PYTHONPATH}"
 top=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# Each torch process's first optimizer and step import torch's compiler, which nothing
+# here uses: about 2 s of CPU per rank (tests/site/sitecustomize.py says how it is skipped).
+export PYTHONPATH="$top/tests/site${PYTHONPATH:+:$PYTHONPATH}"
 bash "$top/scripts/setup.sh" || exit 1
 cd "$top"
 # The system tests drive SLURM daemons and network namespaces, whose tools live in sbin.
