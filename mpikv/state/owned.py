@@ -78,14 +78,15 @@ class OwnedStates:
                 for s in placement.shards if s.owner == rank))
         return owned
 
-    def load_call(self, states):
+    def load_call(self, states, settings=None):
         """The agreed call that loads ``{(key, part start): state}`` and its action.
 
         The call fails (on every rank, once agreed) for a part this rank does not
-        own; the action replaces those parts' states and keeps every other state
-        and every key's update count.
+        own, or where the ranks' ``settings`` (a JSON-able dict: what else must be
+        the same on every rank) differ; the action replaces those parts' states and
+        keeps every other state and every key's update count.
         """
-        call = Call("load_owned_states")
+        call = Call("load_owned_states", settings=dict(settings or {}))
         engine, rank = self.engine, self.rank
         for key, start in states:
             placement = engine.plan[key] if key in engine.plan else None

@@ -489,10 +489,12 @@ class KVStore(ClosesAfterWith):
         an :class:`~mpikv.errors.UnknownKeyError` for a key the store does not hold."""
         return OwnedStates(self._engine, self.rank).read(keys)
 
-    def load_owned_states(self, states):
+    def load_owned_states(self, states, settings=None):
         """Replaces the optimizer states ``{(key, part start): state}`` of parts this
-        rank owns; collective and agreed (an error on one rank is raised on every
-        rank, nothing loaded). See :meth:`mpikv.state.owned.OwnedStates.load_call`."""
-        self._protocol.collective(*OwnedStates(self._engine, self.rank).load_call(states))
+        rank owns; collective and agreed (an error on one rank, or ``settings`` that
+        differ, is raised on every rank, nothing loaded). See
+        :meth:`mpikv.state.owned.OwnedStates.load_call`."""
+        self._protocol.collective(*OwnedStates(self._engine, self.rank).load_call(
+            states, settings))
 
 __all__ = ["KVStore", "Handle", "ReplayedCall"]

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..arrays import halfbits
-from ..errors import OptimizerError
+from ..errors import MismatchError, OptimizerError
 from ..optimizer.base import COUNT, MASTER
 from . import tensors
 from .optimizers import MXNetRule, TorchAdam, TorchSGD
@@ -324,10 +324,12 @@ class ShardedTorchState:
         if failure is not None:
             kv.fail_next_call(OptimizerError, failure)
             staged = {}
+        # The hyperparameters too: each rank's dict goes into its own param_groups.
+        agreed = {"hyperparameters": [_plain(g) for g in groups]} if failure is None else None
         try:   # agreed: raises on every rank if one failed, nothing loaded
-            kv.load_owned_states(staged)
-        except OptimizerError as exc:
-            raise OptimizerError(_renamed(exc, "trainer.optimizer.load_state_dict")) from None
+            kv.load_owned_states(staged, agreed)
+        except (OptimizerError, MismatchError) as exc:
+            raise type(exc)(_renamed(exc, "trainer.optimizer.load_state_dict")) from None
         # In place: the rule and the join's shared hyperparameters read these dicts.
         for group, saved in zip(self._optimizer.param_groups, groups):
             group.update({k: v for k, v in saved.items()
@@ -521,6 +523,19 @@ def _completed(cls, saved):
 def _on_host(array):
     """``array`` itself on the host, else a host copy (cupy)."""
     return array if isinstance(array, np.ndarray) else array.get()
+
+
+def _plain(group):
+    """A param group's hyperparameters as JSON (tensors as lists, other objects by
+    ``repr``), the ones loaded into ``param_groups``, for the ranks to compare."""
+    def plain(v):
+        if torch.is_tensor(v):
+            return v.tolist()
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v if v is None or isinstance(v, (bool, int, float, str)) else repr(v)
+    return {k: plain(v) for k, v in sorted(group.items(), key=lambda kv: str(kv[0]))
+            if k not in ("params", "param_names") and k not in _FLAGS}
 
 
 def _renamed(exc, name):

@@ -116,6 +116,15 @@ def reduce_op_of(op, dtype):
     return reduce_ops()[op]
 
 
+def root_of(op, opts, p):
+    """The call's root (its rank in the group; 0 without ``opts``), one of ``p``'s ranks."""
+    root = 0 if opts is None else opts.rootRank
+    if not 0 <= root < p:
+        raise errors.InputError(f"{op}: root {root} is not a rank of the group "
+                                f"(0 to {p - 1})")
+    return root
+
+
 def check_list(op, tensors, like, p):
     """``tensors``: one like ``like`` per rank of ``p``."""
     if len(tensors) != p or any(t.shape != like.shape or t.dtype != like.dtype

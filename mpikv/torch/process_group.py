@@ -43,7 +43,7 @@ from ..store import config
 from ..transport.watchdog import Watchdog
 from .pg_buffers import Buffers
 from .pg_work import (Work, agreed, check_list, check_lists, check_pairs, kind, reduce_op_of,
-                      say, shape, splits)
+                      root_of, say, shape, splits)
 
 NAME = "mpikv"
 
@@ -208,7 +208,7 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
     @agreed
     def broadcast(self, tensors, opts=None):
         (tensor,) = tensors
-        root = 0 if opts is None else opts.rootRank
+        root = root_of("broadcast", opts, self.size())
         return self._run(("broadcast", shape(tensor), root),
                          lambda: self.buffers.run(lambda b, _: self.wire.bcast_(b, root), tensor),
                          tensors, moved=tensors)
@@ -216,7 +216,8 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
     @agreed
     def reduce(self, tensors, opts=None):
         (tensor,) = tensors
-        op, root = (dist.ReduceOp.SUM, 0) if opts is None else (opts.reduceOp, opts.rootRank)
+        op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
+        root = root_of("reduce", opts, self.size())
         mpi_op = reduce_op_of(op, tensor.dtype)
 
         def run():
@@ -342,7 +343,7 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
     @agreed
     def gather(self, output_tensors, input_tensors, opts=None):
         (tensor,) = input_tensors
-        root = 0 if opts is None else opts.rootRank
+        root = root_of("gather", opts, self.size())
         mine = self.wire.rank == root
         outs = output_tensors[0] if mine else []
         if mine:
@@ -364,7 +365,7 @@ class ProcessGroupMPIKV(dist.ProcessGroup):
     @agreed
     def scatter(self, output_tensors, input_tensors, opts=None):
         (out,) = output_tensors
-        root = 0 if opts is None else opts.rootRank
+        root = root_of("scatter", opts, self.size())
         mine = self.wire.rank == root
         ins = input_tensors[0] if mine else []
         if mine:

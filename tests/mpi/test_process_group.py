@@ -315,6 +315,39 @@ def test_bad_sizes_on_one_rank_are_refused_on_every_rank(pg, comm, op, says, bad
     np.testing.assert_array_equal(t.numpy(), np.full(2, comm.size))
 
 
+_ROOTED = {"broadcast": dist.BroadcastOptions, "reduce": dist.ReduceOptions,
+           "gather": dist.GatherOptions, "scatter": dist.ScatterOptions}
+
+
+@pytest.mark.parametrize("op", list(_ROOTED))
+@pytest.mark.parametrize("outside", ["size", "-1"])
+@pytest.mark.parametrize("where", ["every rank", "last rank"])
+def test_a_root_outside_the_group_is_refused_on_every_rank(pg, comm, op, outside, where):
+    """A root that is no rank of the group, on every rank or on the last alone (the
+    others naming rank 0): the same InputError on every rank, not MPI's own error on
+    some; nothing written; the group goes on."""
+    p = comm.size
+    bad = where == "every rank" or comm.rank == p - 1
+    outside = p if outside == "size" else -1
+    opts = _ROOTED[op]()
+    opts.rootRank = outside if bad else 0
+    backend = process_group.backend_of(pg)
+    t = torch.ones(2) * (comm.rank + 1)
+    outs = [torch.zeros(2) for _ in range(p)]
+    mine = comm.rank == opts.rootRank
+    call = {"broadcast": lambda: backend.broadcast([t], opts),
+            "reduce": lambda: backend.reduce([t], opts),
+            "gather": lambda: backend.gather([outs] if mine else [], [t], opts),
+            "scatter": lambda: backend.scatter([t], [outs] if mine else [], opts)}[op]
+    message = raises_everywhere(comm, errors.InputError, lambda: call().wait())
+    assert f"rank {p - 1}: {op}: root {outside} is not a rank of the group (0 to {p - 1})" \
+        in message
+    np.testing.assert_array_equal(t.numpy(), np.full(2, comm.rank + 1))
+    assert all(o.sum() == 0 for o in outs)
+    dist.all_reduce(t, group=pg)
+    np.testing.assert_array_equal(t.numpy(), np.full(2, p * (p + 1) / 2))
+
+
 def test_a_premul_sum_is_refused_on_every_rank(pg, comm):
     op = dist._make_nccl_premul_sum(2.0)   # (what gloo refuses too)
     raises_everywhere(comm, errors.InputError,

@@ -689,6 +689,39 @@ def test_a_state_bad_on_one_rank_is_refused_on_every_rank_with_nothing_changed(m
     trainer.kvstore.close()
 
 
+def test_hyperparameters_that_differ_on_one_rank_are_refused_on_every_rank(make_store, comm):
+    """Each rank's dict goes into its own param_groups: a learning rate of its own on
+    one rank is the same MismatchError on every rank, naming both, nothing loaded
+    (it was taken, and the next step refused, before)."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    opt, kw = STATE_OPTIMIZERS["sgd"]
+    net = cases.Net()
+    trainer = mpikv.torch.Trainer(net, opt, kw, make_store())
+    _rank_step(comm, net, trainer, 0)
+    trainer.optimizer.consolidate_state_dict(to=0)
+    before = trainer.optimizer.state_dict() if comm.rank == 0 else None
+    ref = cases.Net()
+    plain = opt(_trained(ref), **kw)
+    _plain_step(ref, plain, 0)
+    state = copy.deepcopy(plain.state_dict())
+    if comm.rank == comm.size - 1:
+        state["param_groups"][0]["lr"] = 7.0
+    msg = raises_everywhere(comm, mpikv.MismatchError,
+                            lambda: trainer.optimizer.load_state_dict(state))
+    assert msg.startswith("MismatchError: trainer.optimizer.load_state_dict: ranks differ in "
+                          "hyperparameters"), msg
+    assert f'"lr": {kw["lr"]}' in msg and '"lr": 7.0' in msg, msg
+    assert trainer.optimizer.param_groups[0]["lr"] == kw["lr"]
+    trainer.optimizer.consolidate_state_dict(to=0)
+    if comm.rank == 0:
+        cases.assert_same_state(trainer.optimizer.state_dict(), before)
+    _rank_step(comm, net, trainer, 1)
+    assert trainer.num_update == 2
+    trainer.close()
+    trainer.kvstore.close()
+
+
 # -- shard="parameters" --------------------------------------------------------------------
 def test_sharded_parameters_keep_only_the_owned_parts_between_uses(make_store, comm):
     """Between steps each rank holds the parts it owns; the rest reads zero (its
