@@ -2,6 +2,32 @@
 
 import torch
 
+from ..errors import OptimizerError
+
+_HELD = ("trainer.optimizer.state holds nothing: the state lives on the owners, in "
+         "parts; put a torch state there with trainer.optimizer.load_state_dict")
+
+
+class _NoState(dict):
+    """A parameter's entry of :class:`OwnersState`: empty, and refusing writes."""
+
+    def __setitem__(self, key, value):
+        raise OptimizerError(_HELD)
+
+    def update(self, *args, **kwargs):
+        raise OptimizerError(_HELD)
+
+    def setdefault(self, key, default=None):
+        raise OptimizerError(_HELD)
+
+
+class OwnersState(_NoState):
+    """``trainer.optimizer.state``: empty, read as torch's (a parameter reads as an
+    empty dict), refusing what it would then ignore (a write, here or into an entry)."""
+
+    def __missing__(self, key):
+        return _NoState()
+
 
 class OwnersOptimizer(torch.optim.Optimizer):
     """The Trainer's torch face: param groups for schedulers; ``step`` is the owners'.
@@ -25,6 +51,7 @@ class OwnersOptimizer(torch.optim.Optimizer):
         # torch's schedulers read defaults (OneCycleLR and CyclicLR look for momentum
         # or betas there), as they would on the user's own optimizer class.
         super().__init__(param_groups, defaults)
+        self.state = OwnersState()
 
     def serve(self, update, context, sharded):
         """Connects it to the Trainer's pieces.
@@ -35,6 +62,14 @@ class OwnersOptimizer(torch.optim.Optimizer):
             sharded: the :class:`~.optimizer_state.ShardedTorchState`.
         """
         self._update, self._context, self._sharded = update, context, sharded
+
+    def add_param_group(self, param_group):
+        """Refused once the Trainer runs: its parameters are the store's keys, fixed
+        for its life (torch's constructor adds the first groups)."""
+        if self._update is not None:
+            raise OptimizerError("trainer.optimizer's parameters are fixed (the store's keys): "
+                                 "give the Trainer every param group when making it")
+        super().add_param_group(param_group)
 
     def step(self, closure=None):
         loss = None

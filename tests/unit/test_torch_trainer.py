@@ -279,6 +279,43 @@ def test_optimizer_state_dict_is_never_an_empty_dict():
     assert trainer.optimizer.state == {}
 
 
+def test_state_and_param_groups_it_would_ignore_are_refused():
+    """trainer.optimizer.state reads as torch's (empty entries) but refuses writes, and
+    add_param_group is refused: the owners would never see either; the step after
+    them is the step without them."""
+    def trained(meddle):
+        torch.manual_seed(0)
+        net = cases.Net()
+        trainer = mpikv.torch.Trainer(net, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9},
+                                      "local")
+        meddle(trainer)
+        x, y = cases.data(0, 0)
+        trainer.zero_grad()
+        torch.nn.functional.mse_loss(net(x, True), y).backward()
+        trainer.step()
+        return [p.detach().clone() for p in net.parameters()]
+
+    p = torch.nn.Parameter(torch.ones(2))
+    says = "state holds nothing: the state lives on the owners"
+    refused = {
+        "state[p] = ...": (lambda t: t.optimizer.state.__setitem__(p, {"x": 1}), says),
+        "state[p][k] = ...": (lambda t: t.optimizer.state[p].__setitem__("x", 1), says),
+        "state.update": (lambda t: t.optimizer.state.update({p: {}}), says),
+        "state.setdefault": (lambda t: t.optimizer.state.setdefault(p, {}), says),
+        "add_param_group": (lambda t: t.optimizer.add_param_group({"params": [p]}),
+                            "parameters are fixed"),
+    }
+    want = trained(lambda t: None)
+    for what, (meddle, message) in refused.items():
+        def tried(t, meddle=meddle, message=message):
+            with pytest.raises(mpikv.OptimizerError, match=message):
+                meddle(t)
+            assert t.optimizer.state == {} and t.optimizer.state[p] == {}
+            assert len(t.optimizer.param_groups) == 1
+        got = trained(tried)
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), what
+
+
 @pytest.mark.parametrize("name", ["OneCycleLR", "CyclicLR"])
 @pytest.mark.parametrize("opt", [torch.optim.SGD, torch.optim.Adam])
 def test_momentum_cycling_schedulers_take_the_trainer_optimizer_with_their_defaults(name, opt):
