@@ -258,11 +258,12 @@ class Snapshot:
         exchange(t, self._what, commit)
 
 
-def load(store, fname, kind, with_values, rows=None, states=None):
+def load(store, fname, kind, with_values, rows=None, states=None, strict=False):
     """Restores what :func:`save` wrote, on any number of ranks; collective.
 
     Values and states are read for the element ranges this rank owns now;
-    other ranks' parts of a value arrive at the next ``pull``.
+    other ranks' parts of a value arrive at the next ``pull``. ``strict``: a file
+    with keys or row tables the store does not hold is refused (else they are made).
     """
     t = store.transport
     what = (f"load_{kind}", [])
@@ -292,6 +293,8 @@ def load(store, fname, kind, with_values, rows=None, states=None):
                     f"key {key!r} is saved as {saved[key][1]} {saved[key][0]}, "
                     f"but stored as {entry.array.dtype} {entry.array.shape}")
         new = [k for k in saved if k not in store.entries]
+        if strict:
+            _refuse_foreign(fname, new, meta.get("row_tables") or [], rows)
         if new and not with_values:
             new = []  # states of keys not (yet) in the store are not loaded
         if new and store.key_type is not None and any(
@@ -353,6 +356,21 @@ def load(store, fname, kind, with_values, rows=None, states=None):
         states.give(local["got"], *local["mine"])
     if rows is not None:
         row_tables.install(rows, local["rows"])
+
+
+def _refuse_foreign(fname, new, saved_tables, rows):
+    """A strict load's check: the file's keys and row tables are the store's."""
+    if new:
+        shown = ", ".join(map(repr, sorted(new, key=repr)[:6])) + (", ..." if len(new) > 6 else "")
+        raise StateFileError(f"{fname!r} holds {len(new)} key(s) this store does not: {shown} "
+                             f"(another model's checkpoint?)")
+    held = set(rows.tables) if rows is not None else set()
+    named = {entry[0] for entry in saved_tables if isinstance(entry, list) and entry}
+    for what, keys in (("holds row tables this store does not", named - held),
+                       ("has no row tables", held - named)):
+        if keys:
+            raise StateFileError(f"{fname!r} {what}: "
+                                 f"{', '.join(map(repr, sorted(keys, key=repr)))}")
 
 
 def _saved_keys(meta, fname):

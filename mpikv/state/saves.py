@@ -76,12 +76,14 @@ class Saves:
         return self.protocol.collective(
             Call("save_checkpoint_async", settings={"fname": str(fname)}), start)
 
-    def load(self, fname):
+    def load(self, fname, strict=False):
         """``kv.load_checkpoint``: collective; earlier background saves commit first."""
         def load():
             self.finish()
-            checkpoint.load(self.engine, str(fname), "checkpoint", True, self.rows, self.local)
-        self.protocol.collective(Call("load_checkpoint", settings={"fname": str(fname)}), load)
+            checkpoint.load(self.engine, str(fname), "checkpoint", True, self.rows, self.local,
+                            strict=strict)
+        self.protocol.collective(Call("load_checkpoint", settings={
+            "fname": str(fname), "strict": bool(strict)}), load)
 
     def save_states(self, fname, dump_optimizer):
         """Saves the optimizer state of every key; collective.

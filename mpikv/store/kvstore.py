@@ -423,14 +423,15 @@ class KVStore(ClosesAfterWith):
         part); not a call. See :meth:`mpikv.state.local.LocalStates.add`."""
         return self._saves.local.add(name, take, give)
 
-    def load_checkpoint(self, fname):
+    def load_checkpoint(self, fname, strict=False):
         """Restores a :meth:`save_checkpoint` save, on any number of ranks; collective.
 
-        Keys not yet initialised are created from the file; keys already in
-        the store must match the file's shapes and dtypes. The optimizer is
-        the one set on the store, else the file's.
+        Keys already in the store must be in the file, with its shapes and dtypes.
+        Keys not yet initialised are created from the file, or with ``strict`` refused
+        (a :class:`mpikv.StateFileError` on every rank, nothing loaded), as are row
+        tables. The optimizer is the one set on the store, else the file's.
         """
-        self._saves.load(fname)
+        self._saves.load(fname, strict)
 
     def optimizer_state_nbytes(self):
         """Bytes of optimizer state this rank holds (only for what it owns)."""

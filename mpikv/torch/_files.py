@@ -1,6 +1,31 @@
 """The Trainer's part of a checkpoint: what it holds besides the store's save."""
 
+import math
+
+import torch
+
 from .. import errors
+
+
+def _number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _fits(current, saved):
+    """Whether a saved hyperparameter can stand where ``current`` is (a number for a
+    number, a flag for a flag, a list as long as a tuple, ...)."""
+    if torch.is_tensor(current):   # (a tensor learning rate)
+        current = current.tolist()
+    if _number(current):
+        return _number(saved) and math.isfinite(saved)
+    if current is None or isinstance(current, bool):   # flags: foreach=None or a bool
+        return saved is None or isinstance(saved, bool)
+    if isinstance(current, (tuple, list)):
+        return (isinstance(saved, list) and len(saved) == len(current)
+                and all(map(_fits, current, saved)))
+    if isinstance(current, str):
+        return isinstance(saved, str)
+    return True
 
 
 class TrainerFile:
@@ -44,7 +69,29 @@ class TrainerFile:
         if meta.get("buffers") is not None:
             self._buffers.load_json(meta["buffers"])
 
-    def check_buffers(self, meta):
+    def check(self, meta):
+        """Why a Trainer file's dict does not fit this Trainer (a string), or None:
+        checked before anything of the checkpoint is applied."""
+        count = meta.get("num_update")
+        if not (isinstance(count, int) and not isinstance(count, bool) and count >= 0):
+            return f"num_update is {count!r}, not a count of updates"
+        for g, (group, saved) in enumerate(zip(self._optimizer.param_groups,
+                                               meta["param_groups"])):
+            if not isinstance(saved, dict):
+                return f"param group {g} is not a dict"
+            for name, value in saved.items():
+                if name in group and name != "params" and not _fits(group[name], value):
+                    return (f"param group {g} has {name}={value!r}, where the Trainer's is "
+                            f"{group[name]!r}")
+        scheduler = meta.get("lr_scheduler")
+        if scheduler is not None and not isinstance(scheduler, dict):
+            return "lr_scheduler is not a scheduler's state_dict"
+        if scheduler is not None and self.lr_scheduler is None:
+            return ("it holds an LR scheduler's state, and this Trainer has no scheduler: "
+                    "make it with lr_scheduler=, as the Trainer that saved it")
+        return self._check_buffers(meta)
+
+    def _check_buffers(self, meta):
         """Why a Trainer file's buffers do not fit this model, or None."""
         saved = meta.get("buffers")
         if saved is None:   # a model without buffers, or a checkpoint from before them

@@ -14,8 +14,13 @@ the new one (``"pending"``); after the manifest, the new one alone. A load takes
 manifest's, else the pending one: the manifest in place decides which save is
 loaded, whole, whichever file a kill lands between. A file without
 ``"generation"`` (written before this rule) is taken as it is.
+
+The file holds the SHA-256 of the rest of it (``"digest"``): a file changed since
+(a bit flipped in a number) is refused, as a store part that fails its checksum
+is. A file without it (written before the digest) is taken as it is.
 """
 
+import hashlib
 import json
 import os
 
@@ -32,6 +37,28 @@ _IN_FLIGHT = {}
 def meta_path(path):
     """The Trainer file of the checkpoint at ``path``."""
     return str(path) + ".trainer.json"
+
+
+def _digest(body):
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"))
+                          .encode()).hexdigest()
+
+
+def parse(raw):
+    """The Trainer file's dict from its bytes (str or bytes).
+
+    Raises:
+        ValueError: it is not JSON, not a dict, or fails its digest.
+    """
+    saved = json.loads(raw)
+    if not isinstance(saved, dict):
+        raise ValueError("not a JSON object")
+    if "digest" in saved:
+        digest = saved.pop("digest")
+        if digest != _digest(saved):
+            raise ValueError("it fails its SHA-256 digest (changed or damaged since it "
+                             "was written)")
+    return saved
 
 
 def _generation(path):
@@ -51,7 +78,7 @@ def _entry_in_place(final, generation):
     except FileNotFoundError:
         return None, None
     try:
-        entry = resolve(json.loads(raw), generation)
+        entry = resolve(parse(raw), generation)
     except (ValueError, AttributeError, TypeError):
         return raw, None
     if entry is not None:
@@ -79,8 +106,8 @@ def belongs(path):
     """Whether the Trainer file of ``path`` has an entry for the store's save in place
     (local: a read of both; a file that does not parse: False)."""
     try:
-        with open(meta_path(path)) as f:
-            saved = json.load(f)
+        with open(meta_path(path), "rb") as f:
+            saved = parse(f.read())
         return resolve(saved, _generation(path)) is not None
     except (OSError, ValueError, AttributeError, TypeError):
         return False
@@ -90,7 +117,7 @@ def _encode(generation, entry, pending=None):
     body = {"format": FORMAT, "generation": generation, **(entry or {})}
     if pending is not None:
         body["pending"] = pending
-    return json.dumps(body).encode()
+    return json.dumps({**body, "digest": _digest(body)}).encode()
 
 
 def save(kv, path, meta, background=False):
@@ -218,8 +245,8 @@ def load(kv, path, groups, check=None):
     """
     final, meta, failure = meta_path(path), None, None
     try:
-        with open(final) as f:
-            saved = json.load(f)
+        with open(final, "rb") as f:
+            saved = parse(f.read())
         meta = saved if saved.get("format") != FORMAT else resolve(saved, _generation(path))
         if meta is None:
             failure = (f"{final} does not belong to the store's checkpoint at {path} "
@@ -235,8 +262,9 @@ def load(kv, path, groups, check=None):
         failure = f"{final} cannot be read: {e}"
     if failure is not None:
         kv.fail_next_call(StateFileError, failure)
-    kv.load_checkpoint(str(path))
+    # Strict, as torch's load_state_dict: another model's keys are refused, not added.
+    kv.load_checkpoint(str(path), strict=True)
     return meta
 
 
-__all__ = ["FORMAT", "meta_path", "resolve", "belongs", "save", "load", "write_meta"]
+__all__ = ["FORMAT", "meta_path", "parse", "resolve", "belongs", "save", "load", "write_meta"]

@@ -427,7 +427,7 @@ class Trainer(ClosesAfterWith):
         try:
             groups = len(self.optimizer.param_groups)
             self._file.restore(checkpoint.load(self.kvstore, path, groups,
-                                               self._file.check_buffers))
+                                               self._file.check))
             self._update.pull_weights()
             if self._sparse is not None:   # the rows, whole, from their owners
                 self._sparse.pull_all()

@@ -72,3 +72,27 @@ def test_a_save_that_fails_on_one_rank_leaves_no_part_behind(comm, kv, tmp_path_
     assert "No space left on device" in message
     comm.Barrier()
     assert sorted(os.listdir(path + ".parts")) == before  # the previous save, whole
+
+
+@pytest.mark.parametrize("bound", [1_000_000, 4], ids=["whole", "split"])
+def test_a_strict_load_refuses_keys_the_store_does_not_hold(make_store, comm, shared_dir, bound):
+    """``strict=True`` (the Trainer's): a file with keys the store lacks is one
+    StateFileError on every rank, nothing loaded; without it they are created."""
+    path = os.path.join(shared_dir, "ckpt")
+    kv = make_store(bigarray_bound=bound)
+    kv.init(["w", "extra"], [FLOATS, FLOATS + 1])
+    kv.save_checkpoint(path)
+    small = make_store(bigarray_bound=bound)
+    small.init("w", np.zeros_like(FLOATS))
+    message = raises_everywhere(comm, errors.StateFileError,
+                                lambda: small.load_checkpoint(path, strict=True))
+    assert "holds 1 key(s) this store does not: 'extra' (another model's checkpoint?)" in message
+    out = np.ones_like(FLOATS)
+    small.pull("w", out=out)
+    np.testing.assert_array_equal(out, 0)   # nothing loaded
+    raises_everywhere(comm, errors.UnknownKeyError, lambda: small.pull("extra", out=out))
+    small.load_checkpoint(path)   # not strict: "extra" is made from the file
+    small.pull("w", out=out)
+    np.testing.assert_array_equal(out, FLOATS)
+    small.pull("extra", out=out)
+    np.testing.assert_array_equal(out, FLOATS + 1)

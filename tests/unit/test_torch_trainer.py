@@ -1,6 +1,8 @@
 """mpikv.torch without MPI: parameter reading, buckets, the owners' update rules
 against torch's optimizers, and the Trainer on a local store."""
 
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -556,7 +558,7 @@ def test_a_trainer_file_without_a_generation_still_loads(tmp_path):
     file = tmp_path / "ck.trainer.json"
     saved = json.loads(file.read_text())
     assert saved["generation"] and "pending" not in saved and saved["num_update"] == 5
-    del saved["generation"]
+    del saved["generation"], saved["digest"]   # (neither was written then)
     file.write_text(json.dumps(saved))
     trainer.num_update = 0
     trainer.load_checkpoint(tmp_path / "ck")
@@ -590,3 +592,121 @@ def test_the_pending_entry_is_the_save_whose_manifest_is_in_place(tmp_path):
     assert checkpoint.resolve(pending, "another")["num_update"] == 2
     assert checkpoint.resolve(pending, None) is None
     assert checkpoint.resolve({**first, "generation": None}, "another") is None
+
+
+# -- a Trainer file damaged or crafted: refused before anything is applied -----------
+def _rewrite(path, change, digest="new"):
+    """Changes the Trainer file of the checkpoint at ``path``: its digest made anew
+    ("new": a crafted file), or the old one kept ("old": a damaged one)."""
+    import hashlib
+    import json
+    f = pathlib.Path(str(path) + ".trainer.json")
+    saved = json.loads(f.read_text())
+    old = saved.pop("digest")
+    change(saved)
+    saved["digest"] = old if digest == "old" else hashlib.sha256(
+        json.dumps(saved, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    f.write_text(json.dumps(saved))
+
+
+def _group(**changed):
+    return lambda saved: saved["param_groups"][0].update(changed)
+
+
+DAMAGED = {
+    "num_update text": (lambda s: s.update(num_update="x"), "num_update is 'x', not a count"),
+    "num_update negative": (lambda s: s.update(num_update=-7), "num_update is -7"),
+    "lr text": (_group(lr="abc"), "param group 0 has lr='abc', where the Trainer's is 0.005"),
+    "lr null": (_group(lr=None), "param group 0 has lr=None"),
+    "lr infinite": (_group(lr=float("inf")), "param group 0 has lr=inf"),
+    "betas short": (_group(betas=[0.9]), "param group 0 has betas=[0.9]"),
+    "amsgrad a number": (_group(amsgrad=3), "param group 0 has amsgrad=3"),
+    "scheduler not a dict": (lambda s: s.update(lr_scheduler=5),
+                             "lr_scheduler is not a scheduler's state_dict"),
+    "a digit changed": (_group(lr=0.07), "fails its SHA-256 digest"),
+}
+
+
+def _adam_trainer(net, scheduler=True):
+    return mpikv.torch.Trainer(
+        net, torch.optim.Adam, {"lr": 0.01}, "local",
+        lr_scheduler=(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5)) if scheduler else None)
+
+
+def _train_step(net, trainer, step):
+    x, y = cases.data(step, 0)
+    trainer.zero_grad()
+    torch.nn.functional.mse_loss(net(x, True), y).backward()
+    trainer.step()
+
+
+@pytest.mark.parametrize("case", list(DAMAGED))
+def test_a_damaged_or_crafted_trainer_file_is_refused_and_changes_nothing(tmp_path, case):
+    """Each field is checked (and the file's digest) before the store loads anything:
+    a StateFileError naming the field, the weights, count and hyperparameters as
+    they were, and training goes on. (A count of "x" used to raise a ValueError
+    after the weights were loaded; lr="abc" loaded, and the next step raised.)"""
+    change, says = DAMAGED[case]
+    net = cases.Net()
+    trainer = _adam_trainer(net)
+    _train_step(net, trainer, 0)
+    trainer.save_checkpoint(tmp_path / "ck")
+    _train_step(net, trainer, 1)
+    trainer.lr_scheduler.step()
+    before = [p.detach().clone() for p in net.parameters()]
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
+    _rewrite(tmp_path / "ck", change, digest="old" if case == "a digit changed" else "new")
+    with pytest.raises(mpikv.StateFileError, match="trainer.json does not fit: |trainer.json "
+                                                   "cannot be read: ") as got:
+        trainer.load_checkpoint(tmp_path / "ck")
+    assert says in str(got.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    assert trainer.num_update == 2
+    assert [{k: v for k, v in g.items() if k != "params"}
+            for g in trainer.optimizer.param_groups] == hyper
+    _train_step(net, trainer, 2)
+    assert trainer.num_update == 3
+
+
+def test_a_trainer_file_without_a_digest_loads_as_before(tmp_path):
+    """Files written before the digest are taken as they are."""
+    import json
+    net = cases.Net()
+    trainer = _adam_trainer(net)
+    _train_step(net, trainer, 0)
+    trainer.save_checkpoint(tmp_path / "ck")
+    f = tmp_path / "ck.trainer.json"
+    saved = json.loads(f.read_text())
+    del saved["digest"]
+    f.write_text(json.dumps(saved))
+    fresh = cases.Net()
+    other = _adam_trainer(fresh)
+    other.load_checkpoint(tmp_path / "ck")
+    assert other.num_update == 1
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), fresh.parameters()))
+
+
+def test_another_models_checkpoint_is_refused(tmp_path):
+    """A larger model's checkpoint in a model of some of its layers (torch's
+    load_state_dict: "Unexpected key(s)"); a scheduler's state in a Trainer without
+    one. Both refused, nothing loaded (the first used to load, the extra keys made)."""
+    big = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    mpikv.torch.Trainer(big, torch.optim.SGD, {"lr": 0.1}, "local").save_checkpoint(
+        tmp_path / "big")
+    small = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU())
+    trainer = mpikv.torch.Trainer(small, torch.optim.SGD, {"lr": 0.1}, "local")
+    before = small[0].weight.detach().clone()
+    with pytest.raises(mpikv.StateFileError,
+                       match=r"holds 2 key\(s\) this store does not: '2.bias', '2.weight'"):
+        trainer.load_checkpoint(tmp_path / "big")
+    assert torch.equal(small[0].weight, before)
+    trainer.save_checkpoint(tmp_path / "small")   # and its own saves hold only its keys
+    assert sorted(e[0] for e in mpikv.statefile.read_manifest(
+        str(tmp_path / "small")).meta["keys"]) == ["0.bias", "0.weight"]
+
+    net = cases.Net()
+    _adam_trainer(net).save_checkpoint(tmp_path / "scheduled")
+    plain = _adam_trainer(cases.Net(), scheduler=False)
+    with pytest.raises(mpikv.StateFileError, match="holds an LR scheduler's state, and this "
+                                                   "Trainer has no scheduler"):
+        plain.load_checkpoint(tmp_path / "scheduled")
