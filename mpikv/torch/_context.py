@@ -78,8 +78,8 @@ class StoreContext:
     def tell(self, call=None):
         """Tells the store what this rank is doing (:meth:`mpikv.KVStore.set_context`),
         for the error of a call the ranks make differently: in a step (``call`` None;
-        its exit words say after which step the process ended), or in the collective
-        method ``call``."""
+        its exit words say after which step the process ended), in a second backward
+        of the step (``call`` "backward"), or in the collective method ``call``."""
         n = self._step.num_update
         after = f"after step {n}" if n else "before its first step"
         steps = "the ranks ran different numbers of steps; for uneven data use trainer.join()"
@@ -88,6 +88,11 @@ class StoreContext:
             kv.set_context(f"is in step {n + 1}", exit=(f"ended its process {after}", steps))
         elif call == "close":
             kv.set_context(f"closed the Trainer {after}", steps)
+        elif call == "backward":
+            kv.set_context(
+                f"ran backward a second time in step {n + 1}", "a second backward before "
+                "step() reduces the gradients again, as DDP's does: every rank must run it "
+                "(to accumulate without reducing, use trainer.no_sync())")
         elif call == "join":
             kv.set_context(
                 f"called trainer.join() {after}", "after trainer.join() on some ranks, the "

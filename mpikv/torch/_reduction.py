@@ -69,6 +69,9 @@ class GradientReduction:
             touched = s.touched
             s.discard()
             s.touched = touched
+            # A rank that runs it alone issues pushes where the others sum the status:
+            # the error should say so, not name the store's calls only.
+            self._context.tell("backward")
         b = w.bucket_of[index]
         if s.launched[b]:  # its bucket is on the wire: do not touch the buffer
             s.late.append(w.names[index])
